@@ -1,0 +1,45 @@
+# kvrelay: `make setup`, `make test`, `make demo`.
+SHELL := /bin/bash
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+STAMP := $(VENV)/.kvrelay-setup
+SETUP_INPUTS := pyproject.toml Makefile scripts/setup-venv.sh
+
+.PHONY: setup test test-fast lint typecheck demo up bench-pull clean
+
+setup: $(STAMP)
+
+$(STAMP): $(SETUP_INPUTS)
+	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-venv.sh
+	@touch $(STAMP)
+
+## The whole suite: unit, component and e2e (real vLLM P/D cluster, started once).
+test: setup
+	$(PY) -m ruff check src tests
+	$(PY) -m mypy
+	$(PY) -m pytest -q tests
+
+## Everything except the real-cluster tests.
+test-fast: setup
+	$(PY) -m pytest -q tests -m "not e2e"
+
+lint: setup
+	$(PY) -m ruff check src tests
+
+typecheck: setup
+	$(PY) -m mypy
+
+demo: setup
+	$(VENV)/bin/kvrelay demo
+
+up: setup
+	$(VENV)/bin/kvrelay up --prefill 1 --decode 1
+
+## Turn-2 TTFT, pull vs recompute, on the real cluster (see docs/cpu-notes.md).
+bench-pull: setup
+	$(PY) scripts/bench_pull.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -1,0 +1,268 @@
+"""Default models, generated locally: real Qwen3 architecture, random weights, byte tokenizer.
+
+This machine has no model hub, so the cluster's default model is built here, deterministically
+from a fixed seed, and cached under ``~/.cache/kvrelay/models/<size>-<hash>``. A real model
+directory (any local HF checkout) can always be given instead with ``--model PATH``.
+
+Why the weights are shaped, not only random
+-------------------------------------------
+Clients treat a streamed answer with no content as a failure, and a random byte-level model
+happily emits control bytes, EOS or special tokens. So printable ASCII wins *by construction*:
+
+* every token embedding carries a constant ``anchor`` on hidden dim 0, and no layer writes to
+  dim 0 (row 0 of every ``o_proj`` and ``down_proj`` is zero), so after the final RMSNorm dim 0
+  holds a strictly positive value for every position and every prompt;
+* column 0 of ``lm_head`` is ``+margin`` for printable tokens and ``-margin`` for all others,
+  while the other columns are scaled so their contribution stays far below that margin.
+
+Among printable tokens the random part decides, so the output depends on the prompt, which is
+what makes a wrongly reused KV cache visible in the generated text.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+#: Bytes the model may generate: printable ASCII and newline.
+PRINTABLE_BYTES: tuple[int, ...] = (10, *range(32, 127))
+
+SPECIAL_TOKENS: tuple[str, ...] = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<think>",
+    "</think>",
+    "<tool_call>",
+    "</tool_call>",
+)
+
+#: Qwen-style chat template covering system, user, assistant (with tool calls) and tool turns.
+#: Message content may be a string or a list of OpenAI content parts.
+CHAT_TEMPLATE = (
+    "{% macro text(content) %}"
+    "{% if content is string %}{{ content }}"
+    "{% elif content is iterable %}"
+    "{% for part in content %}{% if part.type == 'text' %}{{ part.text }}{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "{% endmacro %}"
+    "{% if tools %}<|im_start|>system\n# Tools\n"
+    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% for message in messages %}"
+    "{% if message.role == 'assistant' %}"
+    "<|im_start|>assistant\n{{ text(message.content) }}"
+    "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% set fn = call.function if call.function is defined else call %}"
+    '<tool_call>{"name": "{{ fn.name }}", "arguments": '
+    "{% if fn.arguments is string %}{{ fn.arguments }}"
+    "{% else %}{{ fn.arguments | tojson }}{% endif %}}</tool_call>"
+    "{% endfor %}{% endif %}<|im_end|>\n"
+    "{% elif message.role == 'tool' %}"
+    "<|im_start|>tool\n{{ text(message.content) }}<|im_end|>\n"
+    "{% else %}"
+    "<|im_start|>{{ message.role }}\n{{ text(message.content) }}<|im_end|>\n"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """Architecture and construction constants of one generated model size."""
+
+    name: str
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    max_position_embeddings: int = 32768
+    vocab_size: int = 320
+    seed: int = 1234
+    #: Layer weights are N(0, gain^2 / fan_in): activations stay O(1) through the layers.
+    gain: float = 1.0
+    #: Sharpens attention (Qwen3's per-head q RMSNorm weight) so outputs depend on context.
+    q_norm_scale: float = 4.0
+    #: Dim-0 anchor in units of sqrt(hidden_size).
+    anchor: float = 1.0
+    #: lm_head column-0 weight: +margin for printable tokens, -margin for the rest.
+    margin: float = 16.0
+
+    def fingerprint(self) -> str:
+        """Stable short hash of everything that determines the generated files."""
+        payload = json.dumps(
+            {"spec": asdict(self), "template": CHAT_TEMPLATE, "v": 1}, sort_keys=True
+        )
+        return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+MODEL_SPECS: dict[str, ModelSpec] = {
+    "tiny": ModelSpec(
+        name="tiny",
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=64,
+    ),
+    "bench": ModelSpec(
+        name="bench",
+        hidden_size=1024,
+        intermediate_size=2816,
+        num_hidden_layers=8,
+        num_attention_heads=16,
+        num_key_value_heads=4,
+        head_dim=64,
+    ),
+}
+
+
+def default_cache_dir() -> Path:
+    root = os.environ.get("KVRELAY_CACHE_DIR")
+    return Path(root) if root else Path.home() / ".cache" / "kvrelay"
+
+
+def model_dir(size: str, cache_dir: Path | None = None) -> Path:
+    spec = _spec(size)
+    return (cache_dir or default_cache_dir()) / "models" / f"{spec.name}-{spec.fingerprint()}"
+
+
+def ensure_model(size: str = "tiny", cache_dir: Path | None = None) -> Path:
+    """Return the directory of the generated model ``size``, building it on first use.
+
+    Idempotent and safe against a crash mid-write: the model is written to a temporary
+    directory and renamed into place, so a directory that exists is complete.
+    """
+    target = model_dir(size, cache_dir)
+    if (target / "config.json").exists():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f"{target.name}.tmp-{os.getpid()}")
+    build_model(_spec(size), tmp)
+    try:
+        tmp.rename(target)
+    except OSError:
+        if not (target / "config.json").exists():
+            raise
+    return target
+
+
+def _spec(size: str) -> ModelSpec:
+    try:
+        return MODEL_SPECS[size]
+    except KeyError:
+        choices = sorted(MODEL_SPECS)
+        raise ValueError(f"unknown model size {size!r}; choose from {choices}") from None
+
+
+def build_tokenizer() -> object:
+    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_to_char = _bytes_to_unicode()
+    vocab = {byte_to_char[b]: b for b in range(256)}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(list(SPECIAL_TOKENS))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        bos_token=None,
+        unk_token=None,
+        model_max_length=32768,
+        clean_up_tokenization_spaces=False,
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    return fast
+
+
+def build_model(spec: ModelSpec, out_dir: Path) -> None:
+    """Write config, safetensors weights, tokenizer and chat template for ``spec``."""
+    import torch
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    tokenizer = build_tokenizer()
+    eos_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
+    config = Qwen3Config(
+        vocab_size=spec.vocab_size,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        num_hidden_layers=spec.num_hidden_layers,
+        num_attention_heads=spec.num_attention_heads,
+        num_key_value_heads=spec.num_key_value_heads,
+        head_dim=spec.head_dim,
+        max_position_embeddings=spec.max_position_embeddings,
+        tie_word_embeddings=False,
+        rope_theta=1_000_000.0,
+        bos_token_id=None,
+        eos_token_id=eos_id,
+        pad_token_id=256,
+        torch_dtype="float32",
+    )
+    torch.manual_seed(spec.seed)
+    model = Qwen3ForCausalLM(config).to(torch.float32)
+    shape_weights(model, spec)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out_dir, safe_serialization=True)
+    tokenizer.save_pretrained(out_dir)  # type: ignore[attr-defined]
+    (out_dir / "generation_config.json").write_text(
+        json.dumps({"eos_token_id": eos_id, "pad_token_id": 256}) + "\n"
+    )
+    (out_dir / "kvrelay_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
+
+
+def shape_weights(model: object, spec: ModelSpec) -> None:
+    """Apply the printable-by-construction shaping described in the module docstring.
+
+    Guarantee: after the final RMSNorm let ``a`` be dim 0 and ``S`` the squared norm of the
+    other dims. A printable token beats every other token when ``margin * a > sqrt(a^2 + S)``
+    (the other lm_head columns have unit norm per row), i.e. when ``S / a^2 < margin^2 - 1``.
+    ``tests/unit/test_model.py`` measures that ratio on varied prompts.
+    """
+    import math
+
+    import torch
+
+    m = model.model  # type: ignore[attr-defined]
+    d = spec.hidden_size
+    generator = torch.Generator().manual_seed(spec.seed + 1)
+    with torch.no_grad():
+        for param in m.layers.parameters():
+            if param.dim() == 2:
+                std = spec.gain / math.sqrt(param.shape[1])
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+        m.embed_tokens.weight.copy_(torch.randn(m.embed_tokens.weight.shape, generator=generator))
+        m.embed_tokens.weight[:, 0] = spec.anchor * math.sqrt(d)
+        for layer in m.layers:
+            layer.self_attn.q_norm.weight.fill_(spec.q_norm_scale)
+            layer.self_attn.o_proj.weight[0, :] = 0.0
+            layer.mlp.down_proj.weight[0, :] = 0.0
+        lm_head = model.lm_head.weight  # type: ignore[attr-defined]
+        rest = torch.randn(lm_head.shape[0], lm_head.shape[1] - 1, generator=generator)
+        lm_head[:, 1:] = rest / rest.norm(dim=1, keepdim=True)
+        lm_head[:, 0] = -spec.margin
+        lm_head[list(PRINTABLE_BYTES), 0] = spec.margin
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable-unicode map used by byte-level BPE."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1))
+    bs += list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return {b: chr(c) for b, c in zip(bs, cs, strict=True)}

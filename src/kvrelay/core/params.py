@@ -1,0 +1,176 @@
+"""vLLM's ``kv_transfer_params``, parsed once at the edge into typed values.
+
+NixlConnector (pull mode) exchanges one JSON object per request in both directions. Real
+examples from vLLM 0.32 on this machine are in ``tests/data/vllm-0.32.0``.
+
+* **Prefill request** (router -> P, turn without reuse): ``{"do_remote_decode": true}``.
+* **Prefill response** (P -> router -> D): P holds the prompt's blocks under a lease until a D
+  reads them; ``do_remote_prefill`` is true, ``remote_num_tokens`` is the prompt length.
+* **Decode response** (D -> router), bidirectional mode only: D retains the blocks of
+  prompt + generated tokens for ``decoder_kv_blocks_ttl`` seconds; ``do_remote_decode`` is
+  true and ``remote_num_tokens`` counts the tokens that have KV (prompt + generated - 1).
+  Sent back to P unchanged on the next turn, it makes P pull those blocks from D.
+
+``remote_blocks_expiry_time`` is D's ``time.perf_counter()`` deadline: another process's
+clock, so it is kept for diagnostics only, never compared with the router's clock.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+Direction = Literal["prefill_to_decode", "decode_to_prefill"]
+
+
+class KVParamsError(ValueError):
+    """A ``kv_transfer_params`` object that does not follow vLLM's NixlConnector protocol."""
+
+
+@dataclass(frozen=True)
+class RemoteBlocks:
+    """Where a node holds KV blocks another node may read over NIXL.
+
+    ``direction`` says who reads: ``prefill_to_decode`` blocks sit on P and are read by D;
+    ``decode_to_prefill`` blocks sit on D (retained after decode) and are read by P.
+    """
+
+    direction: Direction
+    block_ids: tuple[tuple[int, ...], ...]
+    engine_id: str
+    request_id: str
+    host: str
+    port: int
+    num_tokens: int
+    tp_size: int = 1
+    dcp_size: int = 1
+    pp_size: int = 1
+    transfer_mode: str = "pull"
+    remote_expiry_perf_counter_s: float | None = None
+    prefill_cached_tokens: int | None = None
+
+    @property
+    def num_blocks(self) -> int:
+        return sum(len(group) for group in self.block_ids)
+
+    def to_json(self) -> dict[str, object]:
+        """The exact object vLLM expects in a request's ``kv_transfer_params``."""
+        out: dict[str, object] = {
+            "do_remote_prefill": self.direction == "prefill_to_decode",
+            "do_remote_decode": self.direction == "decode_to_prefill",
+            "remote_block_ids": [list(group) for group in self.block_ids],
+            "remote_engine_id": self.engine_id,
+            "remote_request_id": self.request_id,
+            "remote_host": self.host,
+            "remote_port": self.port,
+            "tp_size": self.tp_size,
+            "dcp_size": self.dcp_size,
+            "pp_size": self.pp_size,
+            "remote_num_tokens": self.num_tokens,
+            "remote_blocks_expiry_time": self.remote_expiry_perf_counter_s,
+            "transfer_mode": self.transfer_mode,
+        }
+        if self.prefill_cached_tokens is not None:
+            out["remote_prefill_cached_tokens"] = self.prefill_cached_tokens
+        return out
+
+    def with_host(self, host: str, port: int | None = None) -> RemoteBlocks:
+        """Same blocks, reached through another address (router-side NAT/host rewrite)."""
+        return _replace(self, host=host, port=self.port if port is None else port)
+
+    def capped(self, num_tokens: int) -> RemoteBlocks:
+        """Same blocks with ``remote_num_tokens`` lowered to ``num_tokens`` (never raised).
+
+        vLLM pulls ``min(remote_num_tokens, prompt) - local hits`` tokens, so capping is how
+        the router limits reuse to the prefix it has verified.
+        """
+        return _replace(self, num_tokens=min(self.num_tokens, max(0, num_tokens)))
+
+
+def request_remote_decode() -> dict[str, object]:
+    """``kv_transfer_params`` of a prefill request whose KV a decode node will read."""
+    return {"do_remote_decode": True}
+
+
+def parse_remote_blocks(raw: object) -> RemoteBlocks:
+    """Parse a P or D response's ``kv_transfer_params``; raise ``KVParamsError`` if invalid."""
+    if not isinstance(raw, Mapping):
+        raise KVParamsError(f"kv_transfer_params must be an object, got {type(raw).__name__}")
+    prefill = raw.get("do_remote_prefill") is True
+    decode = raw.get("do_remote_decode") is True
+    if prefill == decode:
+        raise KVParamsError(
+            "exactly one of do_remote_prefill / do_remote_decode must be true in a response"
+        )
+    direction: Direction = "prefill_to_decode" if prefill else "decode_to_prefill"
+    return RemoteBlocks(
+        direction=direction,
+        block_ids=_block_ids(raw.get("remote_block_ids")),
+        engine_id=_str(raw, "remote_engine_id"),
+        request_id=_str(raw, "remote_request_id"),
+        host=_str(raw, "remote_host"),
+        port=_int(raw, "remote_port"),
+        num_tokens=_int(raw, "remote_num_tokens"),
+        tp_size=_int(raw, "tp_size", 1),
+        dcp_size=_int(raw, "dcp_size", 1),
+        pp_size=_int(raw, "pp_size", 1),
+        transfer_mode=str(raw.get("transfer_mode") or "pull"),
+        remote_expiry_perf_counter_s=_opt_float(raw, "remote_blocks_expiry_time"),
+        prefill_cached_tokens=_opt_int(raw, "remote_prefill_cached_tokens"),
+    )
+
+
+def parse_optional_remote_blocks(raw: object) -> RemoteBlocks | None:
+    """Like ``parse_remote_blocks`` but ``None`` for absent/empty params (no KV retained)."""
+    if raw is None or (isinstance(raw, Mapping) and not raw.get("remote_block_ids")):
+        return None
+    return parse_remote_blocks(raw)
+
+
+def _replace(blocks: RemoteBlocks, **changes: object) -> RemoteBlocks:
+    from dataclasses import replace
+
+    return replace(blocks, **changes)  # type: ignore[arg-type]
+
+
+def _block_ids(raw: object) -> tuple[tuple[int, ...], ...]:
+    if not isinstance(raw, list) or not raw:
+        raise KVParamsError("remote_block_ids must be a non-empty list")
+    groups = raw if isinstance(raw[0], list) else [raw]
+    out: list[tuple[int, ...]] = []
+    for group in groups:
+        if not isinstance(group, list) or not all(
+            isinstance(b, int) and not isinstance(b, bool) for b in group
+        ):
+            raise KVParamsError("remote_block_ids must hold lists of integers")
+        out.append(tuple(group))
+    return tuple(out)
+
+
+def _str(raw: Mapping[str, object], key: str) -> str:
+    value = raw.get(key)
+    if not isinstance(value, str) or not value:
+        raise KVParamsError(f"{key} must be a non-empty string")
+    return value
+
+
+def _int(raw: Mapping[str, object], key: str, default: int | None = None) -> int:
+    value = raw.get(key, default)
+    if value is None and default is not None:
+        return default
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise KVParamsError(f"{key} must be an integer")
+    return value
+
+
+def _opt_int(raw: Mapping[str, object], key: str) -> int | None:
+    value = raw.get(key)
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _opt_float(raw: Mapping[str, object], key: str) -> float | None:
+    value = raw.get(key)
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
