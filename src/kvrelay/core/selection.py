@@ -1,0 +1,126 @@
+"""Which prefill (P) and decode (D) node gets the next request.
+
+P is chosen by least outstanding prefill work: prefill time grows with prompt tokens, so
+queued tokens predict P's queueing delay better than a request count. D is chosen by
+outstanding requests (concurrent decodes), with soft affinity to the D that holds the
+conversation's KV: it is preferred unless it is clearly busier than the least-loaded D, i.e.
+``load > overload_factor * least_load + overload_slack_requests``. The slack keeps affinity
+when every D is nearly idle (``0`` vs ``1`` request is not an imbalance).
+
+Ties are broken by the order nodes are given in, so equal inputs give equal choices. Down
+nodes are never chosen; when no node of the role is up the chooser returns ``None`` and the
+caller answers "no capacity".
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+NodeRole = Literal["prefill", "decode"]
+
+SelectionReason = Literal[
+    "least_prefill_work",
+    "least_loaded",
+    "affinity",
+    "affinity_overloaded",
+    "affinity_unavailable",
+]
+
+
+@dataclass(frozen=True)
+class NodeState:
+    """The router's view of one vLLM node at decision time.
+
+    ``engine_id`` is the vLLM engine id last seen from the node (``None`` until known);
+    ``outstanding_*`` count requests the router has sent and not yet seen finish.
+    """
+
+    node_id: str
+    role: NodeRole
+    url: str
+    up: bool = True
+    engine_id: str | None = None
+    outstanding_requests: int = 0
+    outstanding_prefill_tokens: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ValueError("node_id must be non-empty")
+        if self.outstanding_requests < 0 or self.outstanding_prefill_tokens < 0:
+            raise ValueError("outstanding counts cannot be negative")
+
+
+@dataclass(frozen=True)
+class NodeChoice:
+    node_id: str
+    reason: SelectionReason
+
+
+@dataclass(frozen=True)
+class AffinityConfig:
+    """When the D holding a conversation loses it to a less-loaded D."""
+
+    overload_factor: float = 2.0
+    overload_slack_requests: int = 2
+
+    def __post_init__(self) -> None:
+        if self.overload_factor < 1.0:
+            raise ValueError(f"overload_factor must be >= 1, got {self.overload_factor}")
+        if self.overload_slack_requests < 0:
+            raise ValueError("overload_slack_requests cannot be negative")
+
+
+def choose_prefill(nodes: Sequence[NodeState]) -> NodeChoice | None:
+    """The up P with the least outstanding prefill tokens, then fewest requests, then first
+    given; ``None`` when no P is up."""
+    candidates = _up(nodes, "prefill")
+    if not candidates:
+        return None
+    best = min(
+        candidates,
+        key=lambda item: (
+            item[1].outstanding_prefill_tokens,
+            item[1].outstanding_requests,
+            item[0],
+        ),
+    )
+    return NodeChoice(best[1].node_id, "least_prefill_work")
+
+
+def choose_decode(
+    nodes: Sequence[NodeState],
+    affinity_node_id: str | None = None,
+    config: AffinityConfig | None = None,
+) -> NodeChoice | None:
+    """The D for a request: the affinity D unless down or overloaded, else the least loaded.
+
+    Load is outstanding requests, ties broken by outstanding prefill tokens (direct turns
+    prefill on D), then by order. ``None`` when no D is up.
+    """
+    cfg = config or AffinityConfig()
+    candidates = _up(nodes, "decode")
+    if not candidates:
+        return None
+    least = min(
+        candidates,
+        key=lambda item: (
+            item[1].outstanding_requests,
+            item[1].outstanding_prefill_tokens,
+            item[0],
+        ),
+    )[1]
+    if affinity_node_id is None:
+        return NodeChoice(least.node_id, "least_loaded")
+    held = next((node for _, node in candidates if node.node_id == affinity_node_id), None)
+    if held is None:
+        return NodeChoice(least.node_id, "affinity_unavailable")
+    limit = cfg.overload_factor * least.outstanding_requests + cfg.overload_slack_requests
+    if held.outstanding_requests > limit:
+        return NodeChoice(least.node_id, "affinity_overloaded")
+    return NodeChoice(held.node_id, "affinity")
+
+
+def _up(nodes: Sequence[NodeState], role: NodeRole) -> list[tuple[int, NodeState]]:
+    return [(i, node) for i, node in enumerate(nodes) if node.role == role and node.up]

@@ -1,0 +1,127 @@
+"""Supervision of local servers: health wait, startup errors, process-group shutdown, and
+children dying with their parent. A stub server stands in for vLLM (see stub_server.py)."""
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+from kvrelay.cluster.config import ClusterConfig, NodeSpec
+from kvrelay.cluster.launcher import ClusterStartError, LocalCluster
+from tests.ports import free_port_block
+
+STUB = Path(__file__).with_name("stub_server.py")
+
+
+def stub_command(config: ClusterConfig, node: NodeSpec, model_path: Path) -> list[str]:
+    return [sys.executable, str(STUB), "--port", str(node.http_port)]
+
+
+def fake_model(tmp_path: Path) -> str:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    return str(model)
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    try:  # a zombie is dead for our purpose
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().split(")")[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_dead(pids: list[int], timeout_s: float = 20.0) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        left = [p for p in pids if alive(p)]
+        if not left:
+            return []
+        time.sleep(0.1)
+    return [p for p in pids if alive(p)]
+
+
+def pids_in(d: Path, prefix: str) -> list[int]:
+    return [int(p.read_text()) for p in d.glob(f"{prefix}-*")]
+
+
+def test_start_waits_for_health_and_stop_kills_process_groups(tmp_path, monkeypatch):
+    monkeypatch.setenv("STUB_CHILD", "1")
+    monkeypatch.setenv("STUB_PID_DIR", str(tmp_path))
+    monkeypatch.setenv("STUB_DELAY_S", "1.5")
+    config = ClusterConfig(num_prefill=1, num_decode=2, model=fake_model(tmp_path),
+                           base_port=free_port_block(3), startup_timeout_s=60)
+    cluster = LocalCluster(config, tmp_path / "run", command=stub_command).start()
+    assert [n.spec.name for n in cluster.nodes] == ["prefill-0", "decode-0", "decode-1"]
+    assert all(n.alive() for n in cluster.nodes)
+    assert (tmp_path / "run" / "decode-1.log").read_text().count("stub: serving") == 1
+    children = pids_in(tmp_path, "child")
+    assert len(children) == 3 and all(alive(p) for p in children)
+    cluster.stop()
+    assert not any(n.alive() for n in cluster.nodes)
+    assert wait_dead(children) == []
+    cluster.stop()  # idempotent
+
+
+def test_startup_failure_names_node_and_shows_log_tail(tmp_path, monkeypatch):
+    monkeypatch.setenv("STUB_FAIL", "1")
+    config = ClusterConfig(model=fake_model(tmp_path), base_port=free_port_block(2),
+                           startup_timeout_s=60)
+    cluster = LocalCluster(config, tmp_path / "run", command=stub_command)
+    with pytest.raises(ClusterStartError) as err:
+        cluster.start()
+    assert "exited with status 1" in str(err.value)
+    assert "simulated startup failure" in str(err.value)
+    assert not any(n.alive() for n in cluster.nodes)
+
+
+def test_startup_timeout_stops_everything(tmp_path, monkeypatch):
+    monkeypatch.setenv("STUB_DELAY_S", "30")
+    monkeypatch.setenv("STUB_PID_DIR", str(tmp_path))
+    config = ClusterConfig(model=fake_model(tmp_path), base_port=free_port_block(2),
+                           startup_timeout_s=2)
+    cluster = LocalCluster(config, tmp_path / "run", command=stub_command)
+    with pytest.raises(ClusterStartError, match="not healthy after 2 s"):
+        cluster.start()
+    assert wait_dead(pids_in(tmp_path, "server")) == []
+
+
+def test_unknown_model_is_a_clear_error(tmp_path):
+    cluster = LocalCluster(ClusterConfig(model=str(tmp_path / "nope")), tmp_path / "run")
+    with pytest.raises(FileNotFoundError, match="not a default size"):
+        cluster.start()
+
+
+def test_servers_die_when_the_launcher_is_killed(tmp_path):
+    """SIGKILL the launching process: PR_SET_PDEATHSIG takes its servers down."""
+    script = textwrap.dedent(f"""
+        import sys, time
+        sys.path.insert(0, {str(Path(__file__).parents[2])!r})
+        from pathlib import Path
+        from kvrelay.cluster.config import ClusterConfig
+        from kvrelay.cluster.launcher import LocalCluster
+        from tests.component.test_launcher import stub_command
+        config = ClusterConfig(model={fake_model(tmp_path)!r}, base_port={free_port_block(2)})
+        LocalCluster(config, Path({str(tmp_path / "run")!r}), command=stub_command).start()
+        print("ready", flush=True)
+        time.sleep(600)
+    """)
+    env = {**os.environ, "STUB_PID_DIR": str(tmp_path)}
+    parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
+    assert parent.stdout is not None
+    assert parent.stdout.readline().strip() == b"ready"
+    servers = pids_in(tmp_path, "server")
+    assert len(servers) == 2 and all(alive(p) for p in servers)
+    parent.send_signal(signal.SIGKILL)
+    parent.wait()
+    assert wait_dead(servers) == []

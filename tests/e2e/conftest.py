@@ -1,0 +1,87 @@
+"""One real local vLLM P/D cluster per test session, started with ``kvrelay up``.
+
+Starting it through the CLI makes the whole session an end-to-end test of ``kvrelay up``:
+teardown sends SIGINT and fails the session if the command does not exit 0 or leaves any
+server process behind.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.ports import free_port_block
+
+STARTUP_TIMEOUT_S = 900
+
+
+@dataclass(frozen=True)
+class RealCluster:
+    prefill_url: str
+    decode_url: str
+    model: str
+    run_dir: Path
+
+
+def _reader(stream: object, lines: queue.Queue[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        lines.put(line)
+
+
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    run_dir = tmp_path_factory.mktemp("cluster")
+    base_port = free_port_block(2, start=18100)
+    side_port = free_port_block(2, start=15600)
+    cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--prefill", "1", "--decode", "1",
+           "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
+           "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    lines: queue.Queue[str] = queue.Queue()
+    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    seen: list[str] = []
+    urls: dict[str, str] = {}
+    model = ""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S + 60
+    while not model:
+        if time.monotonic() > deadline or proc.poll() is not None:
+            proc.kill()
+            pytest.fail("kvrelay up did not start:\n" + "".join(seen[-60:]))
+        try:
+            line = lines.get(timeout=1.0)
+        except queue.Empty:
+            continue
+        seen.append(line)
+        if m := re.match(r"\s*(prefill-0|decode-0)\s+(http://\S+)", line):
+            urls[m.group(1)] = m.group(2)
+        if m := re.match(r"model (\S+); Ctrl-C to stop", line):
+            model = m.group(1)
+    yield RealCluster(urls["prefill-0"], urls["decode-0"], model, run_dir)
+
+    proc.send_signal(signal.SIGINT)
+    try:
+        rc = proc.wait(timeout=120)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        pytest.fail("kvrelay up did not stop within 120 s of SIGINT")
+    leftovers = [
+        p.pid for p in psutil.process_iter(["cmdline"])
+        if any(f"--port {port}" in " ".join(p.info["cmdline"] or [])
+               for port in (base_port, base_port + 1))
+    ]
+    tail = "".join(seen[-40:])
+    assert rc == 0, f"kvrelay up exited with {rc}:\n{tail}"
+    assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"

@@ -1,0 +1,321 @@
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrelay.core.conversation import ConversationEntry, ConversationKey, entry_from_decode
+from kvrelay.core.costs import BoundedEwma, CostEstimates, TransferEstimate
+from kvrelay.core.params import RemoteBlocks, parse_remote_blocks
+from kvrelay.core.policy import PolicyConfig, TurnDecision, decide_turn
+from kvrelay.core.selection import NodeState
+
+DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
+KEY = ConversationKey("acme", "conv-1")
+CONFIG = PolicyConfig()
+COSTS = CostEstimates()
+CREATED_S = 1000.0
+EXPIRES_S = CREATED_S + 480.0 - 10.0
+
+rng = random.Random(7)
+PROMPT = [rng.randrange(0, 32_000) for _ in range(2025)]
+GENERATED = [rng.randrange(0, 32_000) for _ in range(32)]
+NEW_USER = [rng.randrange(0, 32_000) for _ in range(300)]
+HELD = (PROMPT + GENERATED)[:2056]
+
+
+def decode_blocks() -> RemoteBlocks:
+    raw = json.loads((DATA / "chat_turn1.json").read_text())["d1"]["kv_transfer_params"]
+    return parse_remote_blocks(raw)
+
+
+BLOCKS = decode_blocks()
+ENGINE = BLOCKS.engine_id
+
+
+def make_entry(
+    prompt: list[int] = PROMPT, generated: list[int] = GENERATED, blocks: RemoteBlocks = BLOCKS
+) -> ConversationEntry:
+    return entry_from_decode(
+        decode_node_id="d0",
+        blocks=blocks,
+        prompt_token_ids=prompt,
+        generated_token_ids=generated,
+        now_s=CREATED_S,
+    )
+
+
+ENTRY = make_entry()
+
+
+def d0(up: bool = True, engine_id: str | None = ENGINE) -> NodeState:
+    return NodeState("d0", "decode", "http://d0", up=up, engine_id=engine_id)
+
+
+def decide(
+    prompt: list[int],
+    *,
+    key: ConversationKey | None = KEY,
+    entry: ConversationEntry | None = ENTRY,
+    now_s: float = CREATED_S + 5.0,
+    node: NodeState | None = None,
+    config: PolicyConfig = CONFIG,
+    costs: CostEstimates = COSTS,
+) -> TurnDecision:
+    return decide_turn(
+        key=key,
+        entry=entry,
+        prompt_token_ids=prompt,
+        now_s=now_s,
+        decode_node=d0() if node is None else node,
+        config=config,
+        costs=costs,
+    )
+
+
+def next_turn_prompt() -> list[int]:
+    return PROMPT + GENERATED + NEW_USER
+
+
+def assert_recompute(decision: TurnDecision, reason: str) -> None:
+    assert decision.action == "recompute"
+    assert decision.reason == reason
+    assert decision.reused_tokens == 0
+    assert decision.blocks_to_send is None
+    assert not decision.consumes_entry
+
+
+def assert_pull(decision: TurnDecision, verified: int) -> RemoteBlocks:
+    assert decision.action == "pull"
+    assert decision.reason == "pull"
+    assert decision.verified_tokens == verified
+    assert decision.reused_tokens == verified
+    assert decision.consumes_entry
+    sent = decision.blocks_to_send
+    assert sent is not None
+    assert sent.num_tokens == verified
+    assert sent.to_json()["remote_num_tokens"] == verified
+    assert replace(sent, num_tokens=BLOCKS.num_tokens) == BLOCKS
+    return sent
+
+
+def test_next_turn_pulls_everything_d_holds() -> None:
+    decision = decide(next_turn_prompt())
+    sent = assert_pull(decision, 2056)
+    assert sent.to_json()["do_remote_decode"] is True
+    assert 0 < decision.predicted_transfer_s < decision.predicted_prefill_s
+
+
+def test_tool_messages_appended_still_pull_all() -> None:
+    tool_rng = random.Random(11)
+    tool_result = [tool_rng.randrange(0, 32_000) for _ in range(900)]
+    assert_pull(decide(PROMPT + GENERATED + tool_result), 2056)
+
+
+def test_changed_last_assistant_message_caps_pull_at_verified_prefix() -> None:
+    rewritten = [t + 1 for t in GENERATED]
+    decision = decide(PROMPT + rewritten + NEW_USER)
+    assert_pull(decision, 2025 // 16 * 16)
+
+
+def test_edit_late_in_history_pulls_only_the_prefix_before_it() -> None:
+    prompt = next_turn_prompt()
+    prompt[1000] += 1
+    assert_pull(decide(prompt), 992)
+
+
+@pytest.mark.parametrize("edited_at", [0, 15, 40, 63])
+def test_edited_early_message_is_prefix_mismatch(edited_at: int) -> None:
+    prompt = next_turn_prompt()
+    prompt[edited_at] += 1
+    decision = decide(prompt)
+    assert_recompute(decision, "prefix_mismatch")
+    assert decision.verified_tokens == edited_at // 16 * 16
+
+
+def test_short_held_context_is_below_threshold() -> None:
+    entry = make_entry(PROMPT[:30], GENERATED[:11], replace(BLOCKS, num_tokens=40))
+    decision = decide(PROMPT[:30] + GENERATED[:11] + NEW_USER, entry=entry)
+    assert_recompute(decision, "below_threshold")
+    assert decision.verified_tokens == 40
+
+
+def test_short_prompt_that_matches_is_below_threshold() -> None:
+    assert_recompute(decide(PROMPT[:50]), "below_threshold")
+    assert_recompute(decide([]), "below_threshold")
+
+
+def test_threshold_zero_never_pulls_zero_tokens() -> None:
+    prompt = next_turn_prompt()
+    prompt[0] += 1
+    config = PolicyConfig(kv_recompute_threshold=0)
+    assert_recompute(decide(prompt, config=config), "prefix_mismatch")
+
+
+def test_threshold_boundary() -> None:
+    prompt = next_turn_prompt()
+    prompt[64] += 1
+    assert_pull(decide(prompt), 64)
+    assert_recompute(
+        decide(prompt, config=PolicyConfig(kv_recompute_threshold=65)), "prefix_mismatch"
+    )
+
+
+def test_no_conversation_id() -> None:
+    assert_recompute(decide(next_turn_prompt(), key=None), "no_conversation_id")
+
+
+def test_no_entry() -> None:
+    assert_recompute(decide(next_turn_prompt(), entry=None), "no_entry")
+
+
+def test_expiry_boundary() -> None:
+    assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S), "expired")
+    assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S + 100), "expired")
+    assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S - 0.5), "near_expiry")
+
+
+def test_near_expiry_boundary() -> None:
+    assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S - 14.5), "near_expiry")
+    assert_pull(decide(next_turn_prompt(), now_s=EXPIRES_S - 15.0), 2056)
+    no_margin = PolicyConfig(near_expiry_s=0.0)
+    assert_pull(decide(next_turn_prompt(), now_s=EXPIRES_S - 0.001, config=no_margin), 2056)
+
+
+def test_node_down() -> None:
+    assert_recompute(decide(next_turn_prompt(), node=d0(up=False)), "node_down")
+
+
+def test_unknown_node_counts_as_down() -> None:
+    decision = decide_turn(
+        key=KEY,
+        entry=ENTRY,
+        prompt_token_ids=next_turn_prompt(),
+        now_s=CREATED_S,
+        decode_node=None,
+        config=CONFIG,
+        costs=COSTS,
+    )
+    assert_recompute(decision, "node_down")
+
+
+def test_engine_restarted() -> None:
+    assert_recompute(decide(next_turn_prompt(), node=d0(engine_id="new-uuid")), "engine_restarted")
+
+
+def test_unknown_current_engine_is_not_a_restart() -> None:
+    assert_pull(decide(next_turn_prompt(), node=d0(engine_id=None)), 2056)
+
+
+def test_wrong_decode_node_is_a_caller_bug() -> None:
+    other = NodeState("d1", "decode", "http://d1", engine_id=ENGINE)
+    with pytest.raises(ValueError):
+        decide(next_turn_prompt(), node=other)
+
+
+def test_checks_run_in_documented_order() -> None:
+    diverged = next_turn_prompt()
+    diverged[0] += 1
+    down = d0(up=False, engine_id="other")
+    assert decide(diverged, key=None, entry=None).reason == "no_conversation_id"
+    assert decide(diverged, now_s=EXPIRES_S, node=down).reason == "expired"
+    assert decide(diverged, now_s=EXPIRES_S - 1, node=down).reason == "near_expiry"
+    assert decide(diverged, node=down).reason == "node_down"
+    assert decide(diverged, node=d0(engine_id="other")).reason == "engine_restarted"
+    assert decide(diverged).reason == "prefix_mismatch"
+
+
+def huge_transfer_costs() -> CostEstimates:
+    slow = TransferEstimate(overhead_s=BoundedEwma(value=5.0, floor=1e-4, ceiling=5.0))
+    return CostEstimates(transfer=slow)
+
+
+def test_cost_model_recomputes_tiny_reuse_with_huge_transfer_cost() -> None:
+    prompt = next_turn_prompt()
+    prompt[100] += 1
+    decision = decide(prompt, costs=huge_transfer_costs())
+    assert_recompute(decision, "cost_model")
+    assert decision.verified_tokens == 96
+    assert decision.predicted_transfer_s > decision.predicted_prefill_s
+
+
+def test_cost_factor_biases_towards_recompute() -> None:
+    decision = decide(next_turn_prompt(), config=PolicyConfig(pull_cost_factor=1000.0))
+    assert_recompute(decision, "cost_model")
+
+
+def test_direct_when_enabled_and_suffix_small() -> None:
+    config = PolicyConfig(direct_enabled=True, direct_max_new_tokens=64)
+    suffix = NEW_USER[:40]
+    decision = decide(PROMPT + GENERATED + suffix, config=config)
+    assert decision.action == "direct"
+    assert decision.reason == "direct"
+    assert decision.verified_tokens == 2056
+    assert decision.reused_tokens == 2056
+    assert decision.blocks_to_send is None
+    assert not decision.consumes_entry
+
+
+def test_direct_suffix_boundary_and_disabled() -> None:
+    config = PolicyConfig(direct_enabled=True, direct_max_new_tokens=64)
+    at_limit = HELD + NEW_USER[:64]
+    assert decide(at_limit, config=config).action == "direct"
+    assert_pull(decide(HELD + NEW_USER[:65], config=config), 2056)
+    assert_pull(decide(HELD + NEW_USER[:10]), 2056)
+
+
+def test_direct_needs_a_verified_prefix() -> None:
+    config = PolicyConfig(direct_enabled=True, direct_max_new_tokens=10_000)
+    prompt = next_turn_prompt()
+    prompt[3] += 1
+    assert_recompute(decide(prompt, config=config), "prefix_mismatch")
+
+
+def test_early_exits_have_no_predictions() -> None:
+    decision = decide(next_turn_prompt(), entry=None)
+    assert decision.verified_tokens == 0
+    assert decision.predicted_transfer_s == decision.predicted_prefill_s == 0.0
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"kv_recompute_threshold": -1},
+        {"near_expiry_s": -1.0},
+        {"direct_max_new_tokens": -1},
+        {"pull_cost_factor": 0.0},
+    ],
+)
+def test_policy_config_validates(kwargs: dict[str, float]) -> None:
+    with pytest.raises(ValueError):
+        PolicyConfig(**kwargs)  # type: ignore[arg-type]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    keep=st.integers(0, 2100),
+    suffix=st.lists(st.integers(0, 40_000), max_size=200),
+    threshold=st.integers(0, 300),
+)
+def test_never_sends_more_than_the_true_common_prefix(
+    keep: int, suffix: list[int], threshold: int
+) -> None:
+    prompt = HELD[:keep] + suffix
+    common = 0
+    for a, b in zip(HELD, prompt, strict=False):
+        if a != b:
+            break
+        common += 1
+    decision = decide(prompt, config=PolicyConfig(kv_recompute_threshold=threshold))
+    assert decision.verified_tokens <= common
+    if decision.action == "pull":
+        assert decision.blocks_to_send is not None
+        assert decision.blocks_to_send.num_tokens == decision.verified_tokens
+        assert decision.verified_tokens >= max(threshold, 1)
+    else:
+        assert decision.blocks_to_send is None

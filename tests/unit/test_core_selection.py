@@ -1,0 +1,123 @@
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.core.selection import (
+    AffinityConfig,
+    NodeChoice,
+    NodeState,
+    choose_decode,
+    choose_prefill,
+)
+
+
+def p(node_id: str, tokens: int = 0, requests: int = 0, up: bool = True) -> NodeState:
+    return NodeState(
+        node_id,
+        "prefill",
+        f"http://{node_id}",
+        up=up,
+        outstanding_requests=requests,
+        outstanding_prefill_tokens=tokens,
+    )
+
+
+def d(node_id: str, requests: int = 0, up: bool = True, tokens: int = 0) -> NodeState:
+    return NodeState(
+        node_id,
+        "decode",
+        f"http://{node_id}",
+        up=up,
+        outstanding_requests=requests,
+        outstanding_prefill_tokens=tokens,
+    )
+
+
+def test_prefill_least_outstanding_tokens() -> None:
+    nodes = [p("p0", tokens=5000, requests=1), p("p1", tokens=100, requests=9)]
+    assert choose_prefill(nodes) == NodeChoice("p1", "least_prefill_work")
+
+
+def test_prefill_ties_by_requests_then_order() -> None:
+    assert choose_prefill([p("p0", 10, 3), p("p1", 10, 2)]) == NodeChoice(
+        "p1", "least_prefill_work"
+    )
+    assert choose_prefill([p("p0", 10, 2), p("p1", 10, 2)]) == NodeChoice(
+        "p0", "least_prefill_work"
+    )
+    assert choose_prefill([p("p1", 10, 2), p("p0", 10, 2)]) == NodeChoice(
+        "p1", "least_prefill_work"
+    )
+
+
+def test_prefill_skips_down_nodes_and_decode_nodes() -> None:
+    nodes = [p("p0", up=False), d("d0"), p("p1", tokens=999)]
+    assert choose_prefill(nodes) == NodeChoice("p1", "least_prefill_work")
+
+
+def test_prefill_none_when_nothing_up() -> None:
+    assert choose_prefill([]) is None
+    assert choose_prefill([p("p0", up=False), d("d0")]) is None
+
+
+def test_decode_least_loaded_without_affinity() -> None:
+    nodes = [d("d0", 3), d("d1", 1), d("d2", 1)]
+    assert choose_decode(nodes) == NodeChoice("d1", "least_loaded")
+
+
+def test_decode_ties_by_prefill_tokens() -> None:
+    nodes = [d("d0", 1, tokens=500), d("d1", 1, tokens=0)]
+    assert choose_decode(nodes) == NodeChoice("d1", "least_loaded")
+
+
+def test_decode_keeps_affinity_within_factor_and_slack() -> None:
+    nodes = [d("d0", 4), d("d1", 1)]
+    assert choose_decode(nodes, "d0") == NodeChoice("d0", "affinity")
+    assert choose_decode([d("d0", 2), d("d1", 0)], "d0") == NodeChoice("d0", "affinity")
+
+
+def test_decode_affinity_overridden_when_overloaded() -> None:
+    nodes = [d("d0", 5), d("d1", 1)]
+    assert choose_decode(nodes, "d0") == NodeChoice("d1", "affinity_overloaded")
+    assert choose_decode([d("d0", 3), d("d1", 0)], "d0") == NodeChoice("d1", "affinity_overloaded")
+
+
+def test_decode_affinity_config() -> None:
+    nodes = [d("d0", 5), d("d1", 1)]
+    loose = AffinityConfig(overload_factor=3.0, overload_slack_requests=2)
+    assert choose_decode(nodes, "d0", loose) == NodeChoice("d0", "affinity")
+    strict = AffinityConfig(overload_factor=1.0, overload_slack_requests=0)
+    assert choose_decode([d("d0", 2), d("d1", 1)], "d0", strict) == NodeChoice(
+        "d1", "affinity_overloaded"
+    )
+
+
+def test_decode_affinity_unavailable() -> None:
+    nodes = [d("d0", 0, up=False), d("d1", 4)]
+    assert choose_decode(nodes, "d0") == NodeChoice("d1", "affinity_unavailable")
+    assert choose_decode(nodes, "gone") == NodeChoice("d1", "affinity_unavailable")
+    assert choose_decode([p("p0"), d("d1")], "p0") == NodeChoice("d1", "affinity_unavailable")
+
+
+def test_decode_none_when_nothing_up() -> None:
+    assert choose_decode([d("d0", up=False), p("p0")], "d0") is None
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"node_id": ""},
+        {"node_id": "x", "outstanding_requests": -1},
+        {"node_id": "x", "outstanding_prefill_tokens": -1},
+    ],
+)
+def test_node_state_validates(kwargs: dict[str, object]) -> None:
+    with pytest.raises(ValueError):
+        NodeState(role="decode", url="http://x", **kwargs)  # type: ignore[arg-type]
+
+
+def test_affinity_config_validates() -> None:
+    with pytest.raises(ValueError):
+        AffinityConfig(overload_factor=0.5)
+    with pytest.raises(ValueError):
+        AffinityConfig(overload_slack_requests=-1)
