@@ -68,3 +68,64 @@ def test_vllm_does_not_refuse_a_second_read_of_consumed_params(real_cluster: Rea
         c.turn(msgs2, max_tokens=8, reuse=t1.retained)
         after = external_kv_tokens(c.metrics(real_cluster.prefill_url))
     assert after - before == t1.retained.num_tokens
+
+
+def test_decode_connector_reports_retained_params_of_a_streamed_turn(real_cluster: RealCluster):
+    """vLLM 0.32 streams no kv_transfer_params; kvrelay's connector on D POSTs them to the
+    URL the request names, and they are the params a pull needs."""
+    import http.server
+    import json
+    import threading
+
+    import httpx
+
+    reports: list[dict[str, object]] = []
+    arrived = threading.Event()
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            reports.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(204)
+            self.end_headers()
+            arrived.set()
+
+        def log_message(self, *a: object) -> None:
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    url = f"http://127.0.0.1:{server.server_address[1]}/internal/kv-report"
+    try:
+        with PDClient(real_cluster.prefill_url, real_cluster.decode_url,
+                      real_cluster.model) as c:
+            msgs = conversation(150, seed=4)
+            pre = c.prefill(msgs, None)
+            params = {**pre.blocks.to_json(), "kvrelay_report_url": url,
+                      "kvrelay_turn_id": "turn-42"}
+            body = {"model": real_cluster.model, "messages": msgs, "max_tokens": 12,
+                    "stream": True, "kv_transfer_params": params}
+            with httpx.stream("POST", f"{real_cluster.decode_url}/v1/chat/completions",
+                              json=body, timeout=120) as resp:
+                lines = [line for line in resp.iter_lines() if line]
+            assert lines[-1] == "data: [DONE]"
+            assert arrived.wait(30)
+            report = reports[0]
+            assert report["turn_id"] == "turn-42"
+            assert report["num_prompt_tokens"] == pre.prompt_tokens
+            assert report["num_output_tokens"] == 12
+            from kvrelay.core.params import parse_remote_blocks
+            held = parse_remote_blocks(report["kv_transfer_params"])
+            assert held.direction == "decode_to_prefill"
+            assert held.num_tokens == pre.prompt_tokens + 12 - 1
+            text = "".join(
+                (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or ""
+                for line in lines[:-1]
+            )
+            msgs2 = [*msgs, {"role": "assistant", "content": text},
+                     {"role": "user", "content": "ok"}]
+            before = external_kv_tokens(c.metrics(real_cluster.prefill_url))
+            c.prefill(msgs2, held)
+            after = external_kv_tokens(c.metrics(real_cluster.prefill_url))
+        assert after - before == held.num_tokens
+    finally:
+        server.shutdown()

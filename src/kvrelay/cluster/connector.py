@@ -25,12 +25,27 @@ Fix 2: UCX progress-thread delay (``kvrelay_nixl_progress_delay_us``, default 0 
     value is passed to the agent as its progress-thread delay in microseconds.
 
 Both are proposals for upstream; docs/cpu-notes.md has the measurements.
+
+Report: D's retained params to the router (``kvrelay_report_url`` in a request's params)
+    vLLM <= 0.32 does not put ``kv_transfer_params`` on the final chunk of a streamed
+    response, so a router that streams from D never learns which blocks D retained. When a
+    decode request's ``kv_transfer_params`` carry ``kvrelay_report_url`` and
+    ``kvrelay_turn_id`` (the router adds them), this connector POSTs, from a background
+    thread of the scheduler process, ``{"turn_id", "kv_transfer_params", "num_prompt_tokens",
+    "num_output_tokens"}`` to that URL when the request finishes. Only hosts listed in
+    ``kvrelay_report_hosts`` (default: loopback) are contacted, so a client that talks to D
+    directly cannot make it call arbitrary addresses.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
+import queue
+import threading
+import urllib.parse
+import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -42,6 +57,10 @@ logger = init_logger(__name__)
 
 RESTORE_AFFINITY_KEY = "kvrelay_restore_affinity"
 PROGRESS_DELAY_KEY = "kvrelay_nixl_progress_delay_us"
+REPORT_URL_KEY = "kvrelay_report_url"
+REPORT_TURN_KEY = "kvrelay_turn_id"
+REPORT_HOSTS_KEY = "kvrelay_report_hosts"
+DEFAULT_REPORT_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class NixlConnector(NixlPullConnector):  # type: ignore[misc]
@@ -62,6 +81,69 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 sorted(saved),
             )
             os.sched_setaffinity(0, saved)
+        hosts = transfer_config.get_from_extra_config(REPORT_HOSTS_KEY, DEFAULT_REPORT_HOSTS)
+        self._reporter = _Reporter(frozenset(hosts)) if not is_worker else None
+
+    def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        delay, params = super().request_finished(request, block_ids)
+        self._report(request, params)
+        return delay, params
+
+    def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
+        delay, params = super().request_finished_all_groups(request, block_ids)
+        self._report(request, params)
+        return delay, params
+
+    def _report(self, request: Any, params: dict[str, Any] | None) -> None:
+        sent = request.kv_transfer_params or {}
+        url, turn_id = sent.get(REPORT_URL_KEY), sent.get(REPORT_TURN_KEY)
+        if self._reporter is None or not url or not turn_id:
+            return
+        self._reporter.submit(
+            str(url),
+            {
+                "turn_id": str(turn_id),
+                "kv_transfer_params": params if params and params.get("do_remote_decode") else None,
+                "num_prompt_tokens": int(request.num_prompt_tokens),
+                "num_output_tokens": int(request.num_output_tokens),
+            },
+        )
+
+
+class _Reporter:
+    """Posts reports from one daemon thread so the scheduler never waits on the network."""
+
+    def __init__(self, allowed_hosts: frozenset[str]) -> None:
+        self._allowed_hosts = allowed_hosts
+        self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=10_000)
+        self._thread: threading.Thread | None = None
+        self._failures = 0
+
+    def submit(self, url: str, report: dict[str, Any]) -> None:
+        host = urllib.parse.urlsplit(url).hostname or ""
+        if host not in self._allowed_hosts:
+            logger.warning("kvrelay: not reporting to %s: host not in %s", host, REPORT_HOSTS_KEY)
+            return
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="kvrelay-report", daemon=True)
+            self._thread.start()
+        with contextlib.suppress(queue.Full):
+            self._queue.put_nowait((url, json.dumps(report).encode()))
+
+    def _run(self) -> None:
+        while True:
+            url, body = self._queue.get()
+            req = urllib.request.Request(
+                url, data=body, headers={"Content-Type": "application/json"}, method="POST"
+            )
+            try:
+                with urllib.request.urlopen(req, timeout=2.0) as resp:
+                    resp.read()
+            except OSError as exc:
+                self._failures += 1
+                if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
+                    logger.warning("kvrelay: report to %s failed (%d so far): %s",
+                                   url, self._failures, exc)
 
 
 def _thread_affinity() -> set[int] | None:

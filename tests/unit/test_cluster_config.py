@@ -1,0 +1,79 @@
+"""The cluster plan: cores, ports, kv-transfer config and the exact vLLM command."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrelay.cluster.config import (
+    ClusterConfig,
+    assign_cores,
+    kv_transfer_config,
+    plan_nodes,
+    server_command,
+    server_env,
+)
+
+
+def test_each_node_gets_its_own_cores():
+    assert assign_cores(2, [0, 1]) == [(0,), (1,)]
+    assert assign_cores(2, [0, 1, 2, 3, 4]) == [(0, 1, 2), (3, 4)]
+    assert assign_cores(3, [0, 1]) == [(0,), (1,), (0,)]
+    with pytest.raises(ValueError):
+        assign_cores(1, [])
+
+
+def test_plan_orders_prefill_then_decode_with_distinct_ports():
+    nodes = plan_nodes(ClusterConfig(num_prefill=2, num_decode=1, base_port=9000,
+                                     side_channel_base_port=6000), [0, 1, 2])
+    assert [n.name for n in nodes] == ["prefill-0", "prefill-1", "decode-0"]
+    assert [n.http_port for n in nodes] == [9000, 9001, 9002]
+    assert [n.side_channel_port for n in nodes] == [6000, 6001, 6002]
+    assert [n.cores for n in nodes] == [(0,), (1,), (2,)]
+    assert [n.prefix_caching for n in nodes] == [False, False, True]
+
+
+def test_cluster_needs_both_roles():
+    with pytest.raises(ValueError):
+        ClusterConfig(num_prefill=0)
+
+
+def test_kv_transfer_config_per_role():
+    config = ClusterConfig(decoder_kv_blocks_ttl_s=60, kv_recompute_threshold=128,
+                           nixl_progress_delay_us=500)
+    p, d = plan_nodes(config, [0, 1])
+    kp, kd = kv_transfer_config(config, p), kv_transfer_config(config, d)
+    assert kp["kv_role"] == "kv_producer" and kd["kv_role"] == "kv_consumer"
+    for kv in (kp, kd):
+        assert kv["kv_connector"] == "NixlConnector"
+        assert kv["kv_connector_module_path"] == "kvrelay.cluster.connector"
+        assert kv["kv_load_failure_policy"] == "recompute"
+        extra = kv["kv_connector_extra_config"]
+        assert isinstance(extra, dict)
+        assert extra["bidirectional_kv_xfer"] is True
+        assert extra["decoder_kv_blocks_ttl"] == 60
+        assert extra["kv_recompute_threshold"] == 128
+        assert extra["kvrelay_nixl_progress_delay_us"] == 500
+
+
+def test_server_command_and_env():
+    config = ClusterConfig(model="tiny", python="/py")
+    p, d = plan_nodes(config, [0, 1])
+    cmd = server_command(config, p, Path("/models/tiny-abc"))
+    assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
+    assert cmd[cmd.index("--served-model-name") + 1] == "tiny"
+    assert "--no-enable-prefix-caching" in cmd
+    assert "--enable-prefix-caching" in server_command(config, d, Path("/m"))
+    kv = json.loads(cmd[cmd.index("--kv-transfer-config") + 1])
+    assert kv["kv_role"] == "kv_producer"
+    env = server_env(config, d, {"PATH": "/bin"})
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"] == str(d.side_channel_port)
+    assert env["PATH"] == "/bin"
+
+
+def test_local_model_dir_keeps_its_name():
+    config = ClusterConfig(model="/models/my-llama")
+    p = plan_nodes(config, [0, 1])[0]
+    cmd = server_command(config, p, Path("/models/my-llama"))
+    assert cmd[cmd.index("--served-model-name") + 1] == "my-llama"

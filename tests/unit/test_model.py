@@ -1,0 +1,117 @@
+"""The generated default model: deterministic, real architecture, byte-level tokenizer with a
+chat template for system/user/assistant/tool turns, and printable output by construction."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from kvrelay.cluster.model import (
+    MODEL_SPECS,
+    PRINTABLE_BYTES,
+    ensure_model,
+    model_dir,
+)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory: pytest.TempPathFactory):
+    path = ensure_model("tiny", tmp_path_factory.mktemp("cache"))
+    return path, AutoTokenizer.from_pretrained(path), AutoModelForCausalLM.from_pretrained(path)
+
+
+def test_generation_is_deterministic_and_cached(tmp_path, tiny):
+    path, _, _ = tiny
+    again = ensure_model("tiny", tmp_path)
+    assert again.name == path.name
+    a = (path / "model.safetensors").read_bytes()
+    b = (again / "model.safetensors").read_bytes()
+    assert a == b
+    assert ensure_model("tiny", tmp_path) == again  # second call finds the cache
+    config = json.loads((path / "config.json").read_text())
+    assert config["architectures"] == ["Qwen3ForCausalLM"]
+
+
+def test_unknown_size_is_rejected(tmp_path):
+    with pytest.raises(ValueError, match="unknown model size"):
+        model_dir("huge", tmp_path)
+
+
+def test_bench_is_bigger_than_tiny():
+    tiny, bench = MODEL_SPECS["tiny"], MODEL_SPECS["bench"]
+    bench_size = bench.hidden_size * bench.num_hidden_layers
+    assert bench_size > 8 * tiny.hidden_size * tiny.num_hidden_layers
+
+
+def test_byte_level_round_trip(tiny):
+    _, tok, _ = tiny
+    text = "héllo wörld\n\ttabs & <tags> 123"
+    ids = tok.encode(text, add_special_tokens=False)
+    assert len(ids) == len(text.encode())
+    assert tok.decode(ids) == text
+
+
+def test_chat_template_renders_every_role(tiny):
+    _, tok, _ = tiny
+    messages = [
+        {"role": "system", "content": "sys"},
+        {"role": "user", "content": [{"type": "text", "text": "part one"}]},
+        {"role": "assistant", "content": "",
+         "tool_calls": [{"id": "c1", "type": "function",
+                         "function": {"name": "ls", "arguments": "{\"path\": \"/\"}"}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+        {"role": "assistant", "content": "done"},
+    ]
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nsys<|im_end|>\n"
+        "<|im_start|>user\npart one<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>{"name": "ls", "arguments": {"path": "/"}}'
+        "</tool_call><|im_end|>\n"
+        "<|im_start|>tool\na.txt<|im_end|>\n"
+        "<|im_start|>assistant\ndone<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def _prompts() -> list[list[int]]:
+    rng = random.Random(7)
+    out = []
+    for n in (1, 5, 40, 300):
+        text = "".join(chr(rng.randrange(32, 127)) for _ in range(n))
+        out.append([257, *text.encode(), 258, 10, 257, 97, 10])
+    out.append([rng.randrange(0, 263) for _ in range(200)])  # arbitrary ids, specials too
+    return out
+
+
+def test_printable_margin_holds_on_varied_prompts(tiny):
+    """The construction's guarantee: S / a^2 < margin^2 - 1 after the final norm, for every
+    position, so a printable token always has the highest logit."""
+    _, _, model = tiny
+    spec = MODEL_SPECS["tiny"]
+    with torch.no_grad():
+        for ids in _prompts():
+            out = model(torch.tensor([ids]), output_hidden_states=True)
+            h = out.hidden_states[-1][0]
+            ratio = (h[:, 1:] ** 2).sum(-1) / h[:, 0] ** 2
+            assert (h[:, 0] > 0).all()
+            assert float(ratio.max()) < spec.margin**2 - 1
+            top = out.logits[0].argmax(-1).tolist()
+            assert set(top) <= set(PRINTABLE_BYTES)
+
+
+def test_greedy_output_is_printable_and_depends_on_the_prompt(tiny):
+    _, tok, model = tiny
+    texts = []
+    for content in ("What is 2+2?", "Write a haiku about rivers."):
+        ids = tok.apply_chat_template([{"role": "user", "content": content}],
+                                      add_generation_prompt=True, tokenize=True)["input_ids"]
+        out = model.generate(torch.tensor([ids]), max_new_tokens=24, do_sample=False)
+        text = tok.decode(out[0][len(ids):])
+        assert text and all(c == "\n" or 32 <= ord(c) < 127 for c in text)
+        texts.append(text)
+    assert texts[0] != texts[1]

@@ -1,0 +1,87 @@
+"""kv_transfer_params parsed from real vLLM 0.32 responses captured on this machine."""
+
+import json
+from pathlib import Path
+
+import pytest
+
+from kvrelay.core.params import (
+    KVParamsError,
+    parse_optional_remote_blocks,
+    parse_remote_blocks,
+)
+
+DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
+
+
+def load(name: str) -> dict:
+    return json.loads((DATA / name).read_text())
+
+
+def test_prefill_response_params():
+    p1 = load("chat_turn1.json")["p1"]
+    blocks = parse_remote_blocks(p1["kv_transfer_params"])
+    assert blocks.direction == "prefill_to_decode"
+    assert blocks.num_tokens == p1["usage"]["prompt_tokens"]
+    assert blocks.num_blocks == -(-blocks.num_tokens // 128)
+    assert blocks.to_json() == p1["kv_transfer_params"]
+
+
+def test_decode_response_params_hold_prompt_plus_generated_minus_one():
+    d1 = load("chat_turn1.json")["d1"]
+    blocks = parse_remote_blocks(d1["kv_transfer_params"])
+    assert blocks.direction == "decode_to_prefill"
+    usage = d1["usage"]
+    assert blocks.num_tokens == usage["prompt_tokens"] + usage["completion_tokens"] - 1
+    assert blocks.remote_expiry_perf_counter_s is not None
+    sent = blocks.to_json()
+    assert sent["do_remote_decode"] is True and sent["do_remote_prefill"] is False
+    assert sent == d1["kv_transfer_params"]
+
+
+def test_pull_response_reports_cached_tokens():
+    p2 = load("chat_turn2_pull.json")["p2"]
+    blocks = parse_remote_blocks(p2["kv_transfer_params"])
+    assert blocks.prefill_cached_tokens == 2056
+
+
+def test_completions_decode_params():
+    d = load("completions.json")["d"]
+    blocks = parse_remote_blocks(d["kv_transfer_params"])
+    assert blocks.num_tokens == len(d["choices"][0]["prompt_token_ids"]) + len(
+        d["choices"][0]["token_ids"]) - 1
+
+
+def test_streamed_chunks_carry_no_params_on_vllm_032():
+    chunks = [json.loads(line[6:]) for line in load("chat_stream.json")["d_stream"]
+              if line.startswith("data: {")]
+    assert chunks and not any("kv_transfer_params" in c for c in chunks)
+
+
+def test_cap_and_host_rewrite():
+    blocks = parse_remote_blocks(load("chat_turn1.json")["d1"]["kv_transfer_params"])
+    capped = blocks.capped(1000)
+    assert capped.num_tokens == 1000 and capped.block_ids == blocks.block_ids
+    assert blocks.capped(10**9).num_tokens == blocks.num_tokens
+    assert blocks.capped(-5).num_tokens == 0
+    moved = blocks.with_host("10.0.0.7", 7000)
+    assert (moved.host, moved.port) == ("10.0.0.7", 7000)
+
+
+@pytest.mark.parametrize("raw", [
+    None, [], {"do_remote_decode": True},
+    {"do_remote_decode": True, "do_remote_prefill": True},
+    {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_engine_id": "e",
+     "remote_request_id": "r", "remote_host": "h", "remote_port": "5600",
+     "remote_num_tokens": 3},
+    {"do_remote_decode": True, "remote_block_ids": [["x"]], "remote_engine_id": "e",
+     "remote_request_id": "r", "remote_host": "h", "remote_port": 1, "remote_num_tokens": 3},
+])
+def test_invalid_params_are_rejected(raw):
+    with pytest.raises(KVParamsError):
+        parse_remote_blocks(raw)
+
+
+def test_optional_params():
+    assert parse_optional_remote_blocks(None) is None
+    assert parse_optional_remote_blocks({"do_remote_decode": True}) is None
