@@ -43,8 +43,8 @@ def test_unknown_size_is_rejected(tmp_path):
 
 def test_bench_is_bigger_than_tiny():
     tiny, bench = MODEL_SPECS["tiny"], MODEL_SPECS["bench"]
-    bench_size = bench.hidden_size * bench.num_hidden_layers
-    assert bench_size > 8 * tiny.hidden_size * tiny.num_hidden_layers
+    assert bench.hidden_size >= 4 * tiny.hidden_size
+    assert bench.num_hidden_layers > tiny.num_hidden_layers
 
 
 def test_byte_level_round_trip(tiny):
