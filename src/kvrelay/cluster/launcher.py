@@ -159,20 +159,10 @@ class LocalCluster:
 
     def _spawn(self, spec: NodeSpec, model_path: Path) -> RunningNode:
         log_path = self.run_dir / f"{spec.name}.log"
-        log = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log_files.append(log)
         cmd = self._command(self.config, spec, model_path)
-        log.write(("$ " + " ".join(cmd) + "\n").encode())
-        log.flush()
-        process = subprocess.Popen(
-            cmd,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            stdin=subprocess.DEVNULL,
-            env=server_env(self.config, spec, dict(os.environ)),
-            start_new_session=True,
-            preexec_fn=_die_with_parent,
-        )
+        env = server_env(self.config, spec, dict(os.environ))
+        process, log = spawn_supervised(cmd, log_path, env)
+        self._log_files.append(log)
         url = f"http://{self.config.host}:{spec.http_port}"
         return RunningNode(spec=spec, process=process, log_path=log_path, url=url)
 
@@ -197,6 +187,50 @@ class LocalCluster:
                     f"last lines of {node.log_path}:\n{self.log_tail(node)}"
                 )
             time.sleep(1.0)
+
+
+def spawn_supervised(
+    cmd: list[str], log_path: Path, env: dict[str, str]
+) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
+    """Start ``cmd`` in its own process group, logging to ``log_path``, dying with us.
+
+    The caller owns the returned log file and stops the group with ``stop_group``.
+    """
+    log = open(log_path, "ab")  # noqa: SIM115 - returned to the caller, who closes it
+    log.write(("$ " + " ".join(cmd) + "\n").encode())
+    log.flush()
+    process = subprocess.Popen(
+        cmd,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+        stdin=subprocess.DEVNULL,
+        env=env,
+        start_new_session=True,
+        preexec_fn=_die_with_parent,
+    )
+    return process, log
+
+
+def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 20.0) -> None:
+    """SIGTERM ``process``'s group, then SIGKILL whatever is left after ``timeout_s``."""
+    _signal_group(process, signal.SIGTERM)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=timeout_s)
+    _signal_group(process, signal.SIGKILL)
+    with contextlib.suppress(subprocess.TimeoutExpired):
+        process.wait(timeout=5)
+
+
+def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> bool:
+    """Poll ``url``/health until 200 (True) or the process exits or time runs out (False)."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            return False
+        if _healthy(url):
+            return True
+        time.sleep(0.5)
+    return False
 
 
 def _healthy(url: str) -> bool:
