@@ -38,8 +38,14 @@ BLOCKS = decode_blocks()
 ENGINE = BLOCKS.engine_id
 
 
+BLOCK_SIZE = 128  # vLLM's CPU block size: the captured params hold cdiv(2056, 128) blocks
+
+
 def make_entry(
-    prompt: list[int] = PROMPT, generated: list[int] = GENERATED, blocks: RemoteBlocks = BLOCKS
+    prompt: list[int] = PROMPT,
+    generated: list[int] = GENERATED,
+    blocks: RemoteBlocks = BLOCKS,
+    block_size: int | None = BLOCK_SIZE,
 ) -> ConversationEntry:
     return entry_from_decode(
         decode_node_id="d0",
@@ -47,6 +53,7 @@ def make_entry(
         prompt_token_ids=prompt,
         generated_token_ids=generated,
         now_s=CREATED_S,
+        block_size=block_size,
     )
 
 
@@ -100,7 +107,9 @@ def assert_pull(decision: TurnDecision, verified: int) -> RemoteBlocks:
     assert sent is not None
     assert sent.num_tokens == verified
     assert sent.to_json()["remote_num_tokens"] == verified
-    assert replace(sent, num_tokens=BLOCKS.num_tokens) == BLOCKS
+    keep = -(-verified // BLOCK_SIZE)
+    assert sent.block_ids == tuple(group[:keep] for group in BLOCKS.block_ids)
+    assert replace(sent, num_tokens=BLOCKS.num_tokens, block_ids=BLOCKS.block_ids) == BLOCKS
     return sent
 
 
@@ -121,6 +130,28 @@ def test_changed_last_assistant_message_caps_pull_at_verified_prefix() -> None:
     rewritten = [t + 1 for t in GENERATED]
     decision = decide(PROMPT + rewritten + NEW_USER)
     assert_pull(decision, 2025 // 16 * 16)
+
+
+def test_unknown_block_size_allows_only_whole_reuse() -> None:
+    entry = make_entry(block_size=None)
+    assert_pull(decide(next_turn_prompt(), entry=entry), 2056)
+    rewritten = [t + 1 for t in GENERATED]
+    decision = decide(PROMPT + rewritten + NEW_USER, entry=entry)
+    assert_recompute(decision, "partial_reuse_unsafe")
+
+
+def test_block_size_inconsistent_with_held_blocks_is_ignored() -> None:
+    assert make_entry(block_size=16).block_size is None
+    assert make_entry(block_size=BLOCK_SIZE).block_size == BLOCK_SIZE
+
+
+def test_regenerated_turn_keeps_the_last_prompt_token_for_p() -> None:
+    """The same prompt again (a retry): everything matches, but P must compute at least
+    the last prompt token, so at most len(prompt) - 1 tokens are pulled."""
+    decision = decide(PROMPT)
+    assert_pull(decision, 2016)
+    assert decision.blocks_to_send is not None
+    assert decision.blocks_to_send.num_tokens <= len(PROMPT) - 1
 
 
 def test_edit_late_in_history_pulls_only_the_prefix_before_it() -> None:
@@ -315,7 +346,8 @@ def test_never_sends_more_than_the_true_common_prefix(
     assert decision.verified_tokens <= common
     if decision.action == "pull":
         assert decision.blocks_to_send is not None
-        assert decision.blocks_to_send.num_tokens == decision.verified_tokens
-        assert decision.verified_tokens >= max(threshold, 1)
+        assert decision.blocks_to_send.num_tokens == decision.reused_tokens
+        assert decision.reused_tokens <= min(decision.verified_tokens, len(prompt) - 1)
+        assert decision.reused_tokens >= max(threshold, 1)
     else:
         assert decision.blocks_to_send is None

@@ -60,10 +60,18 @@ def test_streamed_chunks_carry_no_params_on_vllm_032():
 
 def test_cap_and_host_rewrite():
     blocks = parse_remote_blocks(load("chat_turn1.json")["d1"]["kv_transfer_params"])
-    capped = blocks.capped(1000)
-    assert capped.num_tokens == 1000 and capped.block_ids == blocks.block_ids
-    assert blocks.capped(10**9).num_tokens == blocks.num_tokens
-    assert blocks.capped(-5).num_tokens == 0
+    capped = blocks.capped(1000, 128)
+    assert capped.num_tokens == 1000
+    assert capped.block_ids == (blocks.block_ids[0][:8],)
+    assert blocks.capped(1024, 128).block_ids == (blocks.block_ids[0][:8],)
+    assert blocks.capped(1025, 128).block_ids == (blocks.block_ids[0][:9],)
+    assert blocks.capped(10**9, 128) == blocks
+    assert blocks.capped(-5, 128).num_tokens == 0
+    assert blocks.capped(blocks.num_tokens, None) == blocks
+    with pytest.raises(ValueError, match="block size"):
+        blocks.capped(1000, None)
+    with pytest.raises(ValueError, match="fewer are held"):
+        blocks.capped(blocks.num_tokens, 64)
     moved = blocks.with_host("10.0.0.7", 7000)
     assert (moved.host, moved.port) == ("10.0.0.7", 7000)
 

@@ -58,6 +58,8 @@ class ConversationEntry:
     ``fingerprint`` covers the first ``num_tokens`` of prompt + generated tokens, which is
     never more than ``blocks.num_tokens`` (see ``entry_from_decode``). ``expires_at_s`` and
     ``created_at_s`` are on the router's monotonic clock; ``turn`` counts from 1.
+    ``block_size`` is D's KV block size when known and consistent with ``blocks``; ``None``
+    means the entry may only be reused whole.
     """
 
     decode_node_id: str
@@ -66,6 +68,7 @@ class ConversationEntry:
     expires_at_s: float
     created_at_s: float
     turn: int
+    block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.blocks.direction != "decode_to_prefill":
@@ -104,6 +107,7 @@ def entry_from_decode(
     ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S,
     chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+    block_size: int | None = None,
 ) -> ConversationEntry:
     """Build the entry for a turn D just finished, at router time ``now_s``.
 
@@ -115,7 +119,10 @@ def entry_from_decode(
     policy caps it before sending.
 
     ``ttl_s`` must be D's ``decoder_kv_blocks_ttl``; ``safety_margin_s`` is subtracted because
-    D's clock started before the router saw the response.
+    D's clock started before the router saw the response. ``block_size`` is D's KV block size
+    in tokens; without it (``None``) the entry can only be reused whole (see
+    ``RemoteBlocks.capped``). A block size that does not match the number of blocks D
+    reported for its tokens is dropped to ``None``, for the same reason.
     """
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -134,4 +141,13 @@ def entry_from_decode(
         expires_at_s=now_s + ttl_s - safety_margin_s,
         created_at_s=now_s,
         turn=turn,
+        block_size=block_size if blocks_match(blocks, block_size) else None,
     )
+
+
+def blocks_match(blocks: RemoteBlocks, block_size: int | None) -> bool:
+    """Whether every group of ``blocks`` holds exactly ``cdiv(num_tokens, block_size)`` ids."""
+    if block_size is None or block_size <= 0:
+        return False
+    need = -(-blocks.num_tokens // block_size)
+    return all(len(group) == need for group in blocks.block_ids)

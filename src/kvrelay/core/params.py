@@ -79,13 +79,32 @@ class RemoteBlocks:
         """Same blocks, reached through another address (router-side NAT/host rewrite)."""
         return _replace(self, host=host, port=self.port if port is None else port)
 
-    def capped(self, num_tokens: int) -> RemoteBlocks:
-        """Same blocks with ``remote_num_tokens`` lowered to ``num_tokens`` (never raised).
+    def capped(self, num_tokens: int, block_size: int | None) -> RemoteBlocks:
+        """Same blocks, limited to the first ``num_tokens`` tokens (never raised).
 
-        vLLM pulls ``min(remote_num_tokens, prompt) - local hits`` tokens, so capping is how
-        the router limits reuse to the prefix it has verified.
+        vLLM's P pulls ``min(remote_num_tokens, prompt) - local hits`` tokens into
+        ``cdiv(count, block_size)`` local blocks, and pairs them with the *last* blocks of
+        ``remote_block_ids`` (it end-trims the remote list, assuming a shorter local list
+        means a local prefix-cache hit). So lowering ``remote_num_tokens`` alone would pair
+        local blocks with the wrong remote blocks: each group is also cut to its first
+        ``cdiv(num_tokens, block_size)`` block ids. With ``block_size=None`` (unknown) only a
+        cap that keeps every block is allowed.
+
+        Raises ``ValueError`` if a group holds fewer blocks than the tokens need, or if the
+        block size is unknown and the cap would drop blocks.
         """
-        return _replace(self, num_tokens=min(self.num_tokens, max(0, num_tokens)))
+        n = min(self.num_tokens, max(0, num_tokens))
+        if block_size is None:
+            if n < self.num_tokens:
+                raise ValueError("cannot cap below the held tokens without the block size")
+            return self
+        if block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {block_size}")
+        keep = -(-n // block_size)
+        if any(len(group) < keep for group in self.block_ids):
+            raise ValueError(f"{n} tokens need {keep} blocks of {block_size}; fewer are held")
+        groups = tuple(group[:keep] for group in self.block_ids)
+        return _replace(self, num_tokens=n, block_ids=groups)
 
 
 def request_remote_decode() -> dict[str, object]:

@@ -21,12 +21,17 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
    the whole turn goes to the holding D, which reuses its local prefix cache; nothing is sent
    over NIXL.
 9. ``cost_model`` – recompute when ``pull_s(verified) * pull_cost_factor`` exceeds
-   ``prefill_s(verified)``; otherwise ``pull`` (ties pull).
+   ``prefill_s(verified)``.
+10. ``partial_reuse_unsafe`` – the reusable part (the verified prefix, at most the prompt
+   minus its last token, which P must compute to sample) is shorter than what D holds, and
+   D's block size is unknown: cutting the block list needs it (``RemoteBlocks.capped``),
+   and vLLM would otherwise pair P's blocks with the wrong remote blocks. Else ``pull``.
 
-Contracts: ``blocks_to_send`` is set only for ``pull`` and never claims more tokens than the
-verified prefix; ``reused_tokens`` is zero for ``recompute``. The predictions compare the two
-ways to obtain the verified prefix's KV (the suffix costs the same either way) and are zero
-when the policy stopped before verifying. A ``pull`` consumes the entry (single-use); the
+Contracts: ``blocks_to_send`` is set only for ``pull``, never claims more tokens than the
+verified prefix (nor the whole prompt), and holds exactly the blocks of the tokens it
+claims; ``reused_tokens`` is zero for ``recompute``. The predictions compare the two ways to
+obtain the reusable prefix's KV (the suffix costs the same either way) and are zero when
+the policy stopped before verifying. A ``pull`` consumes the entry (single-use); the
 caller must drop it once the request is sent.
 """
 
@@ -54,6 +59,7 @@ TurnReason = Literal[
     "prefix_mismatch",
     "below_threshold",
     "cost_model",
+    "partial_reuse_unsafe",
     "pull",
     "direct",
 ]
@@ -139,8 +145,9 @@ def decide_turn(
         return TurnDecision("recompute", "engine_restarted")
 
     verified = verified_prefix_tokens(entry.fingerprint, prompt_token_ids)
-    transfer_s = costs.pull_s(verified)
-    prefill_s = costs.prefill_s(verified)
+    usable = min(verified, len(prompt_token_ids) - 1)
+    transfer_s = costs.pull_s(max(0, usable))
+    prefill_s = costs.prefill_s(max(0, usable))
 
     def recompute(reason: TurnReason) -> TurnDecision:
         return TurnDecision(
@@ -151,7 +158,7 @@ def decide_turn(
             predicted_prefill_s=prefill_s,
         )
 
-    if verified == 0 or verified < config.kv_recompute_threshold:
+    if usable <= 0 or usable < config.kv_recompute_threshold:
         diverged = verified < verifiable_tokens(entry.fingerprint, len(prompt_token_ids))
         return recompute("prefix_mismatch" if diverged else "below_threshold")
     new_tokens = len(prompt_token_ids) - verified
@@ -160,18 +167,20 @@ def decide_turn(
             "direct",
             "direct",
             verified_tokens=verified,
-            reused_tokens=verified,
+            reused_tokens=usable,
             predicted_transfer_s=transfer_s,
             predicted_prefill_s=prefill_s,
         )
     if transfer_s * config.pull_cost_factor > prefill_s:
         return recompute("cost_model")
+    if usable < entry.blocks.num_tokens and entry.block_size is None:
+        return recompute("partial_reuse_unsafe")
     return TurnDecision(
         "pull",
         "pull",
         verified_tokens=verified,
-        reused_tokens=verified,
-        blocks_to_send=entry.blocks.capped(verified),
+        reused_tokens=usable,
+        blocks_to_send=entry.blocks.capped(usable, entry.block_size),
         predicted_transfer_s=transfer_s,
         predicted_prefill_s=prefill_s,
     )
