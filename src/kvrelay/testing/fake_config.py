@@ -1,0 +1,127 @@
+"""Configuration of a fake engine and the per-request record it keeps of what it reused."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from kvrelay.testing.fake_connector import KVRole, PlanReason
+from kvrelay.testing.fake_latency import FAST, LatencyModel
+from kvrelay.testing.fake_report import DEFAULT_REPORT_HOSTS, ReportOutcome
+
+FailurePolicy = Literal["recompute", "fail"]
+
+
+@dataclass(frozen=True)
+class FakeEngineConfig:
+    """Knobs of one fake vLLM engine; names follow vLLM's options and kv-transfer extras.
+
+    Defaults follow kvrelay's local CPU cluster (``kvrelay.cluster.config.ClusterConfig``):
+    bidirectional transfer on, ``kv_load_failure_policy`` ``recompute`` (vLLM's own default is
+    ``fail``). ``FakeCluster`` turns prefix caching off on P and on on D, like that cluster.
+
+    ``default_max_tokens`` applies to chat requests without ``max_tokens`` /
+    ``max_completion_tokens`` (vLLM would generate up to ``max_model_len``, and the fake never
+    emits EOS); ``None`` restores vLLM's behaviour. Completions default to 16, as in vLLM.
+    ``stream_kv_params_on_final_chunk`` emulates vLLM >= 0.33, which puts
+    ``kv_transfer_params`` on the final streamed chunk; 0.32 (default False) never streams them.
+    ``report_delay_s`` / ``report_hosts``: kvrelay's D-side report (see ``fake_report``).
+    ``deterministic_ids``: engine and request ids derived from ``seed``, engine name and side
+    channel instead of random ones (generated text depends only on ``seed`` either way).
+    ``records_limit`` bounds the request records, freed-block reads and expired ids kept (a
+    record holds its prompt, context and pulled token ids: ~50 KB for a 2k-token prompt).
+    """
+
+    served_model_name: str = "tiny"
+    max_model_len: int = 32768
+    block_size: int = 128
+    num_gpu_blocks: int = 16384
+    enable_prefix_caching: bool = True
+    bidirectional_kv_xfer: bool = True
+    kv_recompute_threshold: int = 64
+    decoder_kv_blocks_ttl: float = 480.0
+    kv_lease_duration: float = 30.0
+    kv_load_failure_policy: FailurePolicy = "recompute"
+    stream_kv_params_on_final_chunk: bool = False
+    default_max_tokens: int | None = 16
+    latency: LatencyModel = FAST
+    seed: int = 0
+    kv_bytes_per_token: int = 1024
+    tp_size: int = 1
+    dcp_size: int = 1
+    pp_size: int = 1
+    system_fingerprint: str = "vllm-0.32.0-fake"
+    records_limit: int = 1000
+    deterministic_ids: bool = False
+    report_delay_s: float = 0.1
+    report_hosts: tuple[str, ...] = DEFAULT_REPORT_HOSTS
+
+    def __post_init__(self) -> None:
+        if self.kv_load_failure_policy not in ("recompute", "fail"):
+            raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
+        if self.block_size < 1 or self.num_gpu_blocks < 2 or self.max_model_len < 2:
+            raise ValueError("block_size >= 1, num_gpu_blocks >= 2 and max_model_len >= 2")
+        if self.decoder_kv_blocks_ttl < 0 or self.kv_lease_duration < 0:
+            raise ValueError("TTLs must be >= 0")
+        if self.report_delay_s < 0 or self.records_limit < 1:
+            raise ValueError("report_delay_s >= 0 and records_limit >= 1")
+
+
+@dataclass
+class RequestRecord:
+    """What one request did with KV on one engine; read it with ``engine.record(id)``.
+
+    ``context_token_ids`` is the *effective context*: the tokens whose KV the engine used
+    (prefix-cache contents, then pulled KV, then computed prompt tokens). With correct reuse
+    it equals ``prompt_token_ids``; ``wrong_reuse`` says it does not. ``pulled_source_token_ids``
+    is what the pulled KV encodes, to compare with ``expected_pulled_token_ids``.
+
+    ``plan`` is the connector's decision (``fake_connector.PlanReason``): ``pull`` (read
+    ``pulled_tokens`` from ``pulled_from_engine``), ``below_threshold`` / ``local_hit`` (no
+    read; the holder was only notified, which frees its blocks), ``bidirectional_off``,
+    ``invalid_params`` or ``none``. ``read_freed_blocks``: the holder no longer held the blocks
+    (params used twice): the KV read is whatever those block ids held at that moment.
+    ``load_failure`` (a ``fake_kv.ReadFailure``) is set when the read failed; then
+    ``recomputed_after_failure`` under policy ``recompute``, or the request failed.
+    ``report`` is kvrelay's D-side report, when the request asked for one.
+    """
+
+    request_id: str
+    internal_request_id: str
+    engine_id: str
+    endpoint: str
+    kv_role: KVRole
+    prompt_token_ids: tuple[int, ...]
+    max_tokens: int
+    plan: PlanReason = "none"
+    local_cache_hit_tokens: int = 0
+    pulled_tokens: int = 0
+    pulled_from_engine: str | None = None
+    pulled_from_request: str | None = None
+    pulled_block_ids: tuple[int, ...] = ()
+    pulled_source_token_ids: tuple[int, ...] = ()
+    read_freed_blocks: bool = False
+    notified_engine: str | None = None
+    load_failure: str | None = None
+    recomputed_after_failure: bool = False
+    computed_tokens: int = 0
+    context_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    kv_transfer_params: dict[str, object] | None = None
+    report: ReportOutcome | None = None
+
+    @property
+    def expected_pulled_token_ids(self) -> tuple[int, ...]:
+        """The prompt tokens the pulled KV should have encoded."""
+        start = self.local_cache_hit_tokens
+        return self.prompt_token_ids[start : start + self.pulled_tokens]
+
+    @property
+    def pulled_matches_prompt(self) -> bool:
+        return self.pulled_source_token_ids == self.expected_pulled_token_ids
+
+    @property
+    def wrong_reuse(self) -> bool:
+        """True when the KV used differs from the prompt (pulled or prefix-cached garbage)."""
+        return bool(self.context_token_ids) and self.context_token_ids != self.prompt_token_ids

@@ -1,0 +1,296 @@
+"""A fake vLLM 0.32 engine with NixlConnector (pull mode, bidirectional): state and lifecycle.
+
+``FakeEngine`` owns one engine's KV cache, its held blocks, counters and request records, its
+HTTP server (``fake_http``) and its place on the in-process "NIXL" fabric (``fake_kv``). The
+request path lives in ``fake_generation``. Lifecycle: ``start()``, ``stop()``, and the fault
+actions ``crash()`` (the process dies: server gone, blocks gone, side channel unreachable) and
+``restart()`` (crash, then start again on the same ports with a new engine id and empty
+caches and counters, like a restarted vLLM process).
+
+Most tests use ``FakeCluster`` instead of building engines by hand.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections import OrderedDict, deque
+from collections.abc import Coroutine, Sequence
+from typing import Any
+
+from kvrelay.testing.fake_config import FakeEngineConfig, RequestRecord
+from kvrelay.testing.fake_faults import Faults
+from kvrelay.testing.fake_kv import (
+    BlockPool,
+    FreedRead,
+    Hold,
+    HoldTable,
+    KVFabric,
+    KVReadError,
+    KVReadResult,
+)
+from kvrelay.testing.fake_latency import Clock, Sleep
+from kvrelay.testing.fake_metrics import EngineMetrics, render_metrics
+from kvrelay.testing.fake_model import FakeModel
+from kvrelay.testing.fake_report import Reporter
+from kvrelay.testing.fake_server import HttpServer
+
+
+class EngineState:
+    """Everything a restart wipes: engine id, KV cache, holds, counters, prefill queue,
+    pending reports."""
+
+    def __init__(
+        self, engine_id: str, config: FakeEngineConfig, clock: Clock, sleep: Sleep
+    ) -> None:
+        self.engine_id = engine_id
+        self.pool = BlockPool(
+            config.num_gpu_blocks, config.block_size, config.enable_prefix_caching
+        )
+        self.holds = HoldTable(self.pool, clock, remember_expired=config.records_limit)
+        self.freed_reads: deque[FreedRead] = deque(maxlen=config.records_limit)
+        self.reporter = Reporter(config.report_hosts, config.report_delay_s, sleep)
+        self.metrics = EngineMetrics()
+        limit = config.latency.max_concurrent_prefills
+        self.prefill_slots: asyncio.Semaphore | None = (
+            asyncio.Semaphore(limit) if limit is not None else None
+        )
+        self.running = 0
+        self.waiting = 0
+
+    def reap(self) -> list[Hold]:
+        """Release expired holds (counted like vLLM's expired send leases)."""
+        expired = self.holds.reap()
+        self.metrics.nixl_kv_expired_reqs += len(expired)
+        return expired
+
+
+class FakeEngine:
+    """One fake engine. P or D is only a label: like vLLM, roles follow each request's params.
+
+    ``faults`` holds the runtime fault knobs; ``records`` the last ``records_limit`` requests
+    (see ``RequestRecord``); ``record(id)`` finds one by response id or internal request id;
+    ``freed_reads`` lists reads other engines made of blocks this engine had already freed.
+    """
+
+    def __init__(
+        self,
+        name: str,
+        config: FakeEngineConfig,
+        model: FakeModel,
+        fabric: KVFabric,
+        *,
+        clock: Clock = time.monotonic,
+        sleep: Sleep = asyncio.sleep,
+        host: str = "127.0.0.1",
+        port: int = 0,
+        side_channel_host: str | None = None,
+        side_channel_port: int = 5600,
+    ) -> None:
+        from kvrelay.testing.fake_http import build_app
+
+        self.name = name
+        self.config = config
+        self.model = model
+        self.fabric = fabric
+        self.clock = clock
+        self._sleep = sleep
+        self.faults = Faults()
+        self.side_channel_host = side_channel_host or host
+        self.side_channel_port = side_channel_port
+        self.incarnation = 0
+        # Engine and request ids: random like vLLM's (a restarted process must not reuse an
+        # engine id), or reproducible with ``deterministic_ids``.
+        id_seed = f"{config.seed}:{name}:{self.side_channel_host}:{side_channel_port}"
+        self.rng = random.Random(id_seed if config.deterministic_ids else None)
+        self._records: OrderedDict[str, RequestRecord] = OrderedDict()
+        self._record_alias: dict[str, str] = {}
+        self._state: EngineState | None = None
+        self._server = HttpServer(build_app(self), host, port)
+        self._background: set[asyncio.Task[Any]] = set()
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def host(self) -> str:
+        return self._server.host
+
+    @property
+    def port(self) -> int:
+        return self._server.port
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def running(self) -> bool:
+        return self._state is not None
+
+    @property
+    def current_state(self) -> EngineState | None:
+        """The live state, or ``None`` while stopped (a request compares it with the state
+        it started in to tell that the engine crashed or restarted meanwhile)."""
+        return self._state
+
+    @property
+    def state(self) -> EngineState:
+        """The live state; ``RuntimeError`` while the engine is stopped or crashed."""
+        if self._state is None:
+            raise RuntimeError(f"fake engine {self.name} is not running")
+        return self._state
+
+    @property
+    def engine_id(self) -> str:
+        """NixlConnector's engine id (a new one after every restart)."""
+        return self.state.engine_id
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Start serving (no-op if running). Every start after the first is a restart."""
+        if self._state is not None:
+            return
+        engine_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        state = EngineState(engine_id, self.config, self.clock, self._sleep)
+        self.fabric.register(self.side_channel_host, self.side_channel_port, self)
+        self._state = state
+        try:
+            await self._server.start()
+        except BaseException:
+            self._state = None
+            self.fabric.unregister(self.side_channel_host, self.side_channel_port, self)
+            raise
+        self.incarnation += 1
+
+    async def stop(self) -> None:
+        """Stop serving and drop all state (same as ``crash``; the name says it is intended)."""
+        await self.crash()
+
+    async def crash(self) -> None:
+        """Die now: reset connections, cancel requests, lose every block, leave the fabric,
+        drop pending reports."""
+        state, self._state = self._state, None
+        self.fabric.unregister(self.side_channel_host, self.side_channel_port, self)
+        await self._server.stop()
+        if state is not None:
+            await state.reporter.close()
+
+    async def restart(self) -> None:
+        """Crash, then start again on the same ports with a new engine id."""
+        await self.crash()
+        await self.start()
+
+    async def pause(self, seconds: float) -> None:
+        """Wait out simulated latency (skips the event loop round-trip for 0)."""
+        if seconds > 0:
+            await self._sleep(seconds)
+
+    def spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        """Run a coroutine detached from any request (survives the request's cancellation)."""
+        task = asyncio.get_running_loop().create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def kill_connection(self, client: object) -> bool:
+        """Drop one client connection (the ``die_after_tokens`` fault)."""
+        return await self._server.kill_connection(client)
+
+    # -- records ----------------------------------------------------------------------------
+
+    def add_record(self, record: RequestRecord) -> None:
+        self._records[record.request_id] = record
+        self._record_alias[record.internal_request_id] = record.request_id
+        while len(self._records) > self.config.records_limit:
+            _, old = self._records.popitem(last=False)
+            self._record_alias.pop(old.internal_request_id, None)
+
+    @property
+    def records(self) -> list[RequestRecord]:
+        """Records of the latest requests, oldest first."""
+        return list(self._records.values())
+
+    def record(self, request_id: str) -> RequestRecord:
+        """The record of a request by response id (``chatcmpl-...``) or internal request id
+        (``remote_request_id``); ``KeyError`` if unknown or already dropped."""
+        key = self._record_alias.get(request_id, request_id)
+        return self._records[key]
+
+    # -- KV peer (the side other engines read from) -----------------------------------------
+
+    def kv_clock(self) -> float:
+        return self.clock()
+
+    def side_channel_reachable(self) -> bool:
+        return self._state is not None and not self.faults.side_channel_unreachable
+
+    def read_kv(self, request_id: str, block_ids: Sequence[int], reader: str) -> KVReadResult:
+        state = self._state
+        if state is None:
+            raise KVReadError("unreachable", f"engine {self.name} is down")
+        state.reap()
+        if state.holds.expired(request_id):
+            raise KVReadError("expired", f"{request_id} on {state.engine_id} has expired")
+        contents = tuple(state.pool.read(b) for b in block_ids)
+        freed = not state.holds.release(request_id)
+        if freed:
+            # vLLM: "Potentially invalid KV blocks for unrecognized request ... were retrieved"
+            state.metrics.nixl_notifications_after_expiry += 1
+            state.freed_reads.append(
+                FreedRead(request_id, tuple(block_ids), reader, contents, self.clock())
+            )
+        return KVReadResult(contents, freed)
+
+    def notify_kv_done(self, request_id: str) -> None:
+        state = self._state
+        if state is None:
+            return
+        state.reap()
+        if not state.holds.release(request_id):
+            state.metrics.nixl_notifications_after_expiry += 1
+
+    @property
+    def freed_reads(self) -> list[FreedRead]:
+        """Reads of blocks this engine no longer held for the request (latest last)."""
+        return list(self.state.freed_reads)
+
+    async def drain_reports(self) -> None:
+        """Wait until every D-side report submitted so far was posted (tests)."""
+        if self._state is not None:
+            await self._state.reporter.drain()
+
+    def held(self) -> list[Hold]:
+        """Blocks currently held for remote reads (expired ones are released first)."""
+        state = self.state
+        state.reap()
+        return state.holds.snapshot()
+
+    # -- observability ----------------------------------------------------------------------
+
+    @property
+    def metrics(self) -> EngineMetrics:
+        return self.state.metrics
+
+    def metrics_text(self) -> str:
+        state = self.state
+        state.reap()
+        return render_metrics(
+            state.metrics,
+            model_name=self.config.served_model_name,
+            running=state.running,
+            waiting=state.waiting,
+            kv_cache_usage=state.pool.usage,
+        )
+
+    def describe(self) -> dict[str, object]:
+        """Addresses and identity, as printed by the CLI and served at ``/fake/info``."""
+        return {
+            "name": self.name,
+            "url": self.url,
+            "engine_id": self.engine_id if self._state is not None else None,
+            "side_channel_host": self.side_channel_host,
+            "side_channel_port": self.side_channel_port,
+            "incarnation": self.incarnation,
+        }

@@ -1,0 +1,285 @@
+"""The fake engine's HTTP API: vLLM's OpenAI endpoints plus a small ``/fake`` admin API.
+
+vLLM endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not),
+``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``.
+Admin: ``GET|POST /fake/faults`` (see ``fake_faults``), ``GET /fake/info`` (engine id,
+side channel, held blocks), ``GET /fake/requests/{id}`` (a ``RequestRecord`` as JSON).
+
+Error semantics follow vLLM: invalid requests get 400/404 ``ErrorResponse`` bodies; a KV load
+failure under policy ``fail`` is HTTP 500 (streamed: HTTP 200 with the role chunk, an error
+chunk and ``[DONE]``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import TYPE_CHECKING, Any
+
+from starlette.applications import Starlette
+from starlette.background import BackgroundTask
+from starlette.requests import Request
+from starlette.responses import Response, StreamingResponse
+from starlette.routing import Route
+
+from kvrelay.testing import fake_openai as oai
+from kvrelay.testing.fake_generation import Generation, KVLoadFailed, admit
+from kvrelay.testing.fake_kv import KVCacheFull
+from kvrelay.testing.fake_requests import BadRequest, ParsedRequest, parse_generation, tokenize
+
+if TYPE_CHECKING:
+    from kvrelay.testing.fake_engine import FakeEngine
+
+Handler = Callable[[Request], Awaitable[Response]]
+_JSON = "application/json"
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    return Response(oai.dumps(obj), status_code=status, media_type=_JSON)
+
+
+def error_response(status: int, message: str | None = None, param: str | None = None) -> Response:
+    return json_response(oai.error_body(status, message, param), status)
+
+
+async def _body(request: Request) -> dict[str, Any]:
+    try:
+        body = json.loads(await request.body())
+    except ValueError as exc:
+        raise BadRequest(f"JSON decode error: {exc}") from exc
+    if not isinstance(body, dict):
+        raise BadRequest("the request body must be a JSON object")
+    return body
+
+
+def build_app(engine: FakeEngine) -> Starlette:
+    """The ASGI app of one engine (routes close over ``engine``)."""
+
+    async def health(request: Request) -> Response:
+        return Response(status_code=503 if engine.faults.unhealthy else 200)
+
+    async def models(request: Request) -> Response:
+        cfg = engine.config
+        body = oai.models_body(
+            cfg.served_model_name, engine.model.path, cfg.max_model_len, int(time.time())
+        )
+        return json_response(body)
+
+    async def tokenize_route(request: Request) -> Response:
+        try:
+            return json_response(tokenize(engine, await _body(request)))
+        except BadRequest as exc:
+            return error_response(exc.status, str(exc), exc.param)
+
+    async def metrics(request: Request) -> Response:
+        return Response(
+            engine.metrics_text(), media_type="text/plain; version=0.0.4; charset=utf-8"
+        )
+
+    def generation(endpoint: str) -> Handler:
+        async def handle(request: Request) -> Response:
+            await engine.faults.wait_while_hung()
+            status = engine.faults.take_error()
+            if status is not None:
+                return error_response(status)
+            try:
+                parsed = parse_generation(
+                    engine, await _body(request), endpoint, request.headers.get("x-request-id")
+                )
+            except BadRequest as exc:
+                return error_response(exc.status, str(exc), exc.param)
+            client = request.scope.get("client")
+            if parsed.stream:
+                return StreamingResponse(
+                    _stream(engine, parsed, client), media_type="text/event-stream"
+                )
+            return await _complete(engine, parsed, client)
+
+        return handle
+
+    async def faults(request: Request) -> Response:
+        if request.method == "GET":
+            return json_response(engine.faults.to_json())
+        try:
+            body = await _body(request)
+            actions = {k: body.pop(k) for k in ("crash", "restart", "clear") if k in body}
+            if actions.get("clear"):
+                engine.faults.clear()
+            engine.faults.update(body)
+        except (BadRequest, ValueError) as exc:
+            return error_response(400, str(exc))
+        task = None
+        if actions.get("restart") is True:
+            task = BackgroundTask(_detach, engine, engine.restart)
+        elif actions.get("crash") is True:
+            task = BackgroundTask(_detach, engine, engine.crash)
+        return Response(oai.dumps(engine.faults.to_json()), media_type=_JSON, background=task)
+
+    async def info(request: Request) -> Response:
+        out = engine.describe()
+        out["held"] = [dataclasses.asdict(h) for h in engine.held()]
+        return json_response(out)
+
+    async def record(request: Request) -> Response:
+        try:
+            rec = engine.record(request.path_params["request_id"])
+        except KeyError:
+            return error_response(404, "unknown request id")
+        out = dataclasses.asdict(rec)
+        out["wrong_reuse"] = rec.wrong_reuse
+        out["pulled_matches_prompt"] = rec.pulled_matches_prompt
+        return json_response(out)
+
+    return Starlette(
+        routes=[
+            Route("/health", health, methods=["GET"]),
+            Route("/v1/models", models, methods=["GET"]),
+            Route("/tokenize", tokenize_route, methods=["POST"]),
+            Route("/metrics", metrics, methods=["GET"]),
+            Route("/v1/chat/completions", generation("chat"), methods=["POST"]),
+            Route("/v1/completions", generation("completions"), methods=["POST"]),
+            Route("/fake/faults", faults, methods=["GET", "POST"]),
+            Route("/fake/info", info, methods=["GET"]),
+            Route("/fake/requests/{request_id}", record, methods=["GET"]),
+        ]
+    )
+
+
+async def _detach(engine: FakeEngine, action: Callable[[], Awaitable[None]]) -> None:
+    """Run a crash/restart after the admin response was sent, outside the request's task
+    (which the crash cancels)."""
+
+    async def run() -> None:
+        await action()
+
+    engine.spawn(run())
+
+
+async def _report_after_response(gen: Generation) -> None:
+    """Background task of a non-streamed response: runs once the body was sent."""
+    gen.report()
+
+
+def _cut_after(engine: FakeEngine, total: int) -> int | None:
+    """How many tokens to send before the ``die_after_tokens`` fault cuts the connection;
+    ``None`` when it does not apply (off, or the request has no more than ``k`` tokens)."""
+    die = engine.faults.die_after_tokens
+    return die if die is not None and die < total else None
+
+
+async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -> Response:
+    inp, cfg = parsed.inp, engine.config
+    try:
+        gen = await admit(engine, inp)
+    except KVLoadFailed:
+        return error_response(500)
+    except KVCacheFull as exc:
+        return error_response(503, str(exc))
+    try:
+        cut = _cut_after(engine, len(gen.output))
+        produced = 0
+        if cut != 0:
+            async for _ in gen.tokens():
+                produced += 1
+                if produced == cut:
+                    break
+        if cut is not None:
+            gen.abort()
+            gen.report()
+            await engine.kill_connection(client)
+            return Response(status_code=500)  # never reaches the client
+        params = gen.finish()
+    except BaseException:
+        gen.abort()
+        gen.report()
+        raise
+    ids = gen.output if parsed.return_token_ids else None
+    prompt_ids = inp.prompt_token_ids if parsed.return_token_ids else None
+    body_args: dict[str, Any] = {
+        "request_id": inp.request_id,
+        "created": int(time.time()),
+        "model": cfg.served_model_name,
+        "text": engine.model.decode(gen.output),
+        "token_ids": ids,
+        "prompt_token_ids": prompt_ids,
+        "num_prompt_tokens": len(inp.prompt_token_ids),
+        "num_output_tokens": len(gen.output),
+        "kv_transfer_params": params,
+        "system_fingerprint": cfg.system_fingerprint,
+    }
+    build = oai.chat_response if inp.endpoint == "chat" else oai.completion_response
+    return Response(
+        oai.dumps(build(**body_args)),
+        media_type=_JSON,
+        background=BackgroundTask(_report_after_response, gen),
+    )
+
+
+async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> AsyncIterator[str]:
+    """vLLM's SSE stream. ``finish()`` runs when the last token is produced (before its chunk
+    is sent), the D-side report once ``[DONE]`` was written or the connection went away."""
+    inp, cfg = parsed.inp, engine.config
+    chat = inp.endpoint == "chat"
+    created = int(time.time())
+    model = cfg.served_model_name
+    prompt_ids = inp.prompt_token_ids if parsed.return_token_ids else None
+    n_prompt = len(inp.prompt_token_ids)
+    role_chunk = oai.sse(oai.chat_role_chunk(inp.request_id, created, model, prompt_ids))
+    try:
+        gen = await admit(engine, inp)
+    except KVLoadFailed:
+        if chat:
+            yield role_chunk
+        yield oai.sse(oai.error_body(500))
+        yield oai.SSE_DONE
+        return
+    except KVCacheFull as exc:
+        yield oai.sse(oai.error_body(503, str(exc)))
+        yield oai.SSE_DONE
+        return
+    try:
+        if chat:
+            yield role_chunk
+        total, sent = len(gen.output), 0
+        cut = _cut_after(engine, total)
+        if cut == 0:
+            gen.abort()
+            await engine.kill_connection(client)
+            return
+        async for token in gen.tokens():
+            sent += 1
+            final = sent == total
+            params = gen.finish() if final else None
+            ids = [token] if parsed.return_token_ids else None
+            text = engine.model.decode([token])
+            if chat:
+                chunk = oai.chat_token_chunk(inp.request_id, created, model, text, ids, final=final)
+            else:
+                first_ids = prompt_ids if sent == 1 else None
+                chunk = oai.completion_chunk(
+                    inp.request_id, created, model, text, ids, first_ids, final=final
+                )
+            if parsed.continuous_usage:
+                chunk["usage"] = oai.usage(n_prompt, sent, full=False)
+            if final and not parsed.include_usage:
+                chunk["system_fingerprint"] = cfg.system_fingerprint
+            if final and params is not None and cfg.stream_kv_params_on_final_chunk:
+                chunk["kv_transfer_params"] = params
+            yield oai.sse(chunk)
+            if sent == cut:
+                gen.abort()
+                await engine.kill_connection(client)
+                return
+        if parsed.include_usage:
+            obj = "chat.completion.chunk" if chat else "text_completion"
+            yield oai.sse(
+                oai.usage_chunk(
+                    inp.request_id, created, model, obj, n_prompt, total, cfg.system_fingerprint
+                )
+            )
+        yield oai.SSE_DONE
+    finally:
+        gen.abort()
+        gen.report()

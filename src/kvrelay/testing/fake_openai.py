@@ -1,0 +1,283 @@
+"""Response bodies and SSE chunks shaped exactly like vLLM 0.32's OpenAI server.
+
+Field sets and order follow vLLM's pydantic models as serialized by its server: non-streamed
+responses dump every field (``None`` as ``null``); streamed chunks use ``exclude_unset`` (only
+the fields vLLM sets); the trailing usage chunk uses ``exclude_none``. Captured real responses
+are in ``tests/data/vllm-0.32.0``.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from http import HTTPStatus
+from types import MappingProxyType
+
+_ERROR_TYPES: Mapping[int, str] = MappingProxyType({
+    400: "BadRequestError",
+    404: "NotFoundError",
+    500: "InternalServerError",
+    501: "NotImplementedError",
+    503: "ServiceUnavailableError",
+})
+
+
+def dumps(obj: object) -> str:
+    """Compact JSON, non-ASCII kept as is (like pydantic's ``model_dump_json``)."""
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def sse(obj: object) -> str:
+    return f"data: {dumps(obj)}\n\n"
+
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def error_body(
+    status: int, message: str | None = None, param: str | None = None
+) -> dict[str, object]:
+    """vLLM's ``ErrorResponse``; generation errors read "Internal server error"."""
+    err_type = _ERROR_TYPES.get(status) or HTTPStatus(status).phrase.replace(" ", "") + "Error"
+    if message is None:
+        message = "Internal server error" if status >= 500 else HTTPStatus(status).phrase
+    return {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+
+
+def usage(prompt_tokens: int, completion_tokens: int, *, full: bool) -> dict[str, object]:
+    out: dict[str, object] = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+    }
+    if full:
+        out["prompt_tokens_details"] = None
+        out["completion_tokens_details"] = None
+    return out
+
+
+def chat_response(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    kv_transfer_params: dict[str, object] | None,
+    system_fingerprint: str,
+) -> dict[str, object]:
+    """A non-streamed ``chat.completion`` (``token_ids``/``prompt_token_ids``: only with
+    ``return_token_ids``)."""
+    return {
+        "id": request_id,
+        "object": "chat.completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "message": {
+                    "role": "assistant",
+                    "content": text,
+                    "refusal": None,
+                    "annotations": None,
+                    "audio": None,
+                    "function_call": None,
+                    "reasoning": None,
+                },
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": token_ids,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": system_fingerprint,
+        "usage": usage(num_prompt_tokens, num_output_tokens, full=True),
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_token_ids,
+        "prompt_text": None,
+        "kv_transfer_params": kv_transfer_params,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def completion_response(
+    *,
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None,
+    num_prompt_tokens: int,
+    num_output_tokens: int,
+    kv_transfer_params: dict[str, object] | None,
+    system_fingerprint: str,
+) -> dict[str, object]:
+    """A non-streamed ``text_completion``; token ids sit in the choice, as in vLLM."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length",
+                "stop_reason": None,
+                "token_ids": token_ids,
+                "prompt_logprobs": None,
+                "prompt_token_ids": prompt_token_ids,
+                "routed_experts": None,
+            }
+        ],
+        "service_tier": None,
+        "system_fingerprint": system_fingerprint,
+        "usage": usage(num_prompt_tokens, num_output_tokens, full=True),
+        "kv_transfer_params": kv_transfer_params,
+        "ec_transfer_params": None,
+        "metrics": None,
+    }
+
+
+def chat_role_chunk(
+    request_id: str, created: int, model: str, prompt_token_ids: list[int] | None
+) -> dict[str, object]:
+    """The first chat chunk: the assistant role (and prompt ids with ``return_token_ids``)."""
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+        ],
+        "prompt_token_ids": prompt_token_ids,
+        "prompt_text": None,
+    }
+
+
+def chat_token_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    token_ids: list[int] | None,
+    *,
+    final: bool,
+) -> dict[str, object]:
+    """One generated token; the final one carries ``finish_reason``/``stop_reason``."""
+    choice: dict[str, object] = {
+        "index": 0,
+        "delta": {"content": text},
+        "logprobs": None,
+        "finish_reason": "length" if final else None,
+    }
+    if final:
+        choice["stop_reason"] = None
+    choice["token_ids"] = token_ids
+    return {
+        "id": request_id,
+        "object": "chat.completion.chunk",
+        "created": created,
+        "model": model,
+        "choices": [choice],
+    }
+
+
+def completion_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    text: str,
+    token_ids: list[int] | None,
+    prompt_token_ids: list[int] | None,
+    *,
+    final: bool,
+) -> dict[str, object]:
+    """One generated token of a streamed completion (prompt ids only on the first chunk)."""
+    return {
+        "id": request_id,
+        "object": "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [
+            {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": "length" if final else None,
+                "stop_reason": None,
+                "prompt_token_ids": prompt_token_ids,
+                "token_ids": token_ids,
+            }
+        ],
+    }
+
+
+def usage_chunk(
+    request_id: str,
+    created: int,
+    model: str,
+    obj: str,
+    prompt_tokens: int,
+    completion_tokens: int,
+    system_fingerprint: str,
+) -> dict[str, object]:
+    """The trailing chunk of ``stream_options.include_usage``: no choices, usage, fingerprint."""
+    return {
+        "id": request_id,
+        "object": obj,
+        "created": created,
+        "model": model,
+        "choices": [],
+        "usage": usage(prompt_tokens, completion_tokens, full=False),
+        "system_fingerprint": system_fingerprint,
+    }
+
+
+def models_body(model: str, root: str, max_model_len: int, created: int) -> dict[str, object]:
+    """``/v1/models`` with the one served model."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": model,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": None,
+                "max_model_len": max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{model}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+        ],
+    }

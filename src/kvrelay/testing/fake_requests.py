@@ -1,0 +1,174 @@
+"""Parsing of the fake engine's request bodies (the subset of vLLM's OpenAI API it serves).
+
+Supported: chat ``messages`` (+ ``tools``, ``add_generation_prompt``,
+``chat_template_kwargs``), completion ``prompt`` as a string or token ids (one prompt),
+``max_tokens`` / ``max_completion_tokens``, ``stream`` + ``stream_options``
+(``include_usage``, ``continuous_usage_stats``), ``return_token_ids``,
+``kv_transfer_params``, ``seed``, ``request_id`` (or the ``X-Request-Id`` header), ``n == 1``.
+Sampling knobs (temperature, top_p, stop, ...) are accepted and ignored: the fake's output is
+a pure function of its context.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from kvrelay.testing.fake_generation import GenerationInput
+
+if TYPE_CHECKING:
+    from kvrelay.testing.fake_engine import FakeEngine
+
+COMPLETIONS_DEFAULT_MAX_TOKENS = 16
+
+
+class BadRequest(ValueError):
+    """A request vLLM would reject; becomes an ``ErrorResponse`` with ``status``."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+@dataclass(frozen=True)
+class ParsedRequest:
+    """A generation request plus how to shape its response."""
+
+    inp: GenerationInput
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    return_token_ids: bool
+
+
+def parse_generation(
+    engine: FakeEngine, body: Mapping[str, Any], endpoint: str, header_request_id: str | None
+) -> ParsedRequest:
+    """Validate a ``/v1/chat/completions`` or ``/v1/completions`` body; ``BadRequest`` if bad."""
+    cfg = engine.config
+    model = body.get("model")
+    if model is not None and model != cfg.served_model_name:
+        raise BadRequest(f"The model `{model}` does not exist.", 404, "model")
+    if body.get("n", 1) not in (1, None):
+        raise BadRequest("the fake engine only supports n=1", param="n")
+    if endpoint == "chat":
+        prompt = _chat_prompt(engine, body)
+        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+        default = cfg.default_max_tokens
+        if max_tokens is None:
+            max_tokens = default if default is not None else cfg.max_model_len - len(prompt)
+    else:
+        prompt = _completion_prompt(engine, body)
+        max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
+        if max_tokens is None:
+            max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
+    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+        raise BadRequest("max_tokens must be an integer >= 1", param="max_tokens")
+    if not prompt:
+        raise BadRequest("The prompt cannot be empty.", param="prompt")
+    if len(prompt) + max_tokens > cfg.max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
+            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
+            f"{max_tokens} in the completion). Please reduce the length of the messages or "
+            "completion.",
+            param="max_tokens",
+        )
+    params = body.get("kv_transfer_params")
+    if params is not None and not isinstance(params, Mapping):
+        raise BadRequest("kv_transfer_params must be an object", param="kv_transfer_params")
+    seed = body.get("seed")
+    if seed is not None and (not isinstance(seed, int) or isinstance(seed, bool)):
+        raise BadRequest("seed must be an integer", param="seed")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, Mapping):
+        raise BadRequest("stream_options must be an object", param="stream_options")
+    body_id = body.get("request_id")
+    if body_id is not None and not isinstance(body_id, str):
+        raise BadRequest("request_id must be a string", param="request_id")
+    # vLLM: the X-Request-Id header, else the body's request_id, else a random id.
+    base = header_request_id or body_id or f"{engine.rng.getrandbits(64):016x}"
+    suffix = f"{engine.rng.getrandbits(32):08x}"
+    if endpoint == "chat":
+        request_id = f"chatcmpl-{base}"
+        internal = f"{request_id}-{suffix}"
+    else:
+        request_id = f"cmpl-{base}"
+        internal = f"{request_id}-0-{suffix}"
+    stream = bool(body.get("stream", False))
+    return ParsedRequest(
+        inp=GenerationInput(
+            endpoint=endpoint,
+            request_id=request_id,
+            internal_request_id=internal,
+            prompt_token_ids=prompt,
+            max_tokens=max_tokens,
+            kv_transfer_params=dict(params) if params is not None else None,
+            seed=seed,
+        ),
+        stream=stream,
+        include_usage=stream and bool(options.get("include_usage", False)),
+        continuous_usage=stream and bool(options.get("continuous_usage_stats", False)),
+        return_token_ids=bool(body.get("return_token_ids", False)),
+    )
+
+
+def tokenize(engine: FakeEngine, body: Mapping[str, Any]) -> dict[str, object]:
+    """The ``/tokenize`` response for a ``prompt`` or ``messages`` body."""
+    if "messages" in body:
+        tokens = _chat_prompt(engine, body)
+    elif "prompt" in body:
+        prompt = body["prompt"]
+        if not isinstance(prompt, str):
+            raise BadRequest("prompt must be a string", param="prompt")
+        tokens = engine.model.encode_prompt(
+            prompt, add_special_tokens=bool(body.get("add_special_tokens", True))
+        )
+    else:
+        raise BadRequest("either 'prompt' or 'messages' is required")
+    strs = None
+    if body.get("return_token_strs"):
+        strs = list(engine.model.tokenizer.convert_ids_to_tokens(tokens))
+    return {
+        "count": len(tokens),
+        "max_model_len": engine.config.max_model_len,
+        "tokens": tokens,
+        "token_strs": strs,
+    }
+
+
+def _chat_prompt(engine: FakeEngine, body: Mapping[str, Any]) -> list[int]:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("messages must be a non-empty list", param="messages")
+    if not all(isinstance(m, Mapping) and isinstance(m.get("role"), str) for m in messages):
+        raise BadRequest("every message needs a string 'role'", param="messages")
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is not None and not isinstance(kwargs, Mapping):
+        raise BadRequest("chat_template_kwargs must be an object", param="chat_template_kwargs")
+    try:
+        return engine.model.encode_chat(
+            messages,
+            tools=body.get("tools"),
+            add_generation_prompt=bool(body.get("add_generation_prompt", True)),
+            chat_template_kwargs=kwargs,
+        )
+    except ValueError as exc:
+        raise BadRequest(str(exc), param="tools") from exc
+    except Exception as exc:  # jinja errors from odd messages
+        raise BadRequest(f"chat template failed: {exc}", param="messages") from exc
+
+
+def _completion_prompt(engine: FakeEngine, body: Mapping[str, Any]) -> list[int]:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str | list):
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        return engine.model.encode_prompt(prompt)
+    if isinstance(prompt, list) and all(
+        isinstance(t, int) and not isinstance(t, bool) and t >= 0 for t in prompt
+    ):
+        return list(prompt)
+    raise BadRequest("prompt must be a string or a list of token ids (one prompt)", param="prompt")

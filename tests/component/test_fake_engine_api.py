@@ -1,0 +1,302 @@
+"""The fake engine's HTTP API is shaped like vLLM 0.32's: response and SSE chunk fields
+(compared with responses captured from a real engine), return_token_ids, /tokenize, /models,
+/health, /metrics, and kvrelay's D-side report POST."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrelay.testing import FakeCluster, FakeEngineConfig, ManualClock
+from tests.component.fake_engine_helpers import (
+    DATA,
+    GatedSleep,
+    Receiver,
+    chat,
+    client,
+    post,
+    sse_json,
+    sse_lines,
+    text_of,
+    user,
+)
+
+CONFIG = FakeEngineConfig(report_delay_s=0.0)
+PROMPT = user("Streaming shapes must match vLLM exactly. " * 10)
+TOOLS = [{"type": "function", "function": {
+    "name": "ls", "description": "list files",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+
+def captured(name: str) -> Any:
+    return json.loads(Path(DATA, name).read_text())
+
+
+def keys(obj: Any) -> Any:
+    """The key structure of a JSON value (dicts -> sorted keys, recursively on choices)."""
+    if isinstance(obj, dict):
+        return {k: keys(v) if k in ("choices", "delta", "message", "usage") else None
+                for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [keys(v) for v in obj[:1]]
+    return None
+
+
+async def test_streamed_chat_chunks_are_shaped_like_vllm_032() -> None:
+    real = [json.loads(line.removeprefix("data: "))
+            for line in captured("chat_stream.json")["d_stream"][:-1]]
+    async with FakeCluster(1, 1, CONFIG) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        lines = await sse_lines(d, "/v1/chat/completions", {
+            "messages": PROMPT, "max_tokens": 8, "stream": True,
+            "stream_options": {"include_usage": True},
+            "kv_transfer_params": pr["kv_transfer_params"]})
+        chunks = sse_json(lines)
+        assert len(chunks) == len(real) == 10
+        for ours, theirs in zip(chunks, real, strict=True):
+            assert list(keys(ours)) == list(keys(theirs))
+            assert keys(ours) == keys(theirs)
+        assert all("kv_transfer_params" not in c for c in chunks)  # vLLM 0.32
+        assert chunks[-2]["choices"][0]["finish_reason"] == "length"
+        assert chunks[-1]["usage"]["completion_tokens"] == 8
+        assert "".join(c["choices"][0]["delta"]["content"] for c in chunks[1:-1]) == (
+            text_of(await chat(d, PROMPT, max_tokens=8)))
+        # D retained its blocks even though the stream did not say which.
+        assert len(d.held()) == 1
+
+
+async def test_kv_params_on_final_chunk_when_emulating_vllm_033() -> None:
+    config = replace(CONFIG, stream_kv_params_on_final_chunk=True)
+    async with FakeCluster(1, 1, config) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        chunks = sse_json(await sse_lines(d, "/v1/chat/completions", {
+            "messages": PROMPT, "max_tokens": 6, "stream": True,
+            "kv_transfer_params": pr["kv_transfer_params"]}))
+        with_params = [c for c in chunks if "kv_transfer_params" in c]
+        assert with_params == [chunks[-1]]  # no usage chunk: the finish chunk is the last
+        params = with_params[0]["kv_transfer_params"]
+        assert params == d.record(chunks[0]["id"]).kv_transfer_params
+        assert params["do_remote_decode"] is True
+        assert chunks[-1]["system_fingerprint"] == config.system_fingerprint
+
+
+async def test_non_streamed_responses_are_shaped_like_vllm_032() -> None:
+    turn1 = captured("chat_turn1.json")
+    completions = captured("completions.json")
+    async with FakeCluster(1, 1, CONFIG) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        dr = await chat(d, PROMPT, max_tokens=4, kv_transfer_params=pr["kv_transfer_params"])
+        assert keys(pr) == keys(turn1["p1"]) and keys(dr) == keys(turn1["d1"])
+        assert list(pr) == list(turn1["p1"])
+        prompt = "hello " * 50
+        cp = await post(p, "/v1/completions", {
+            "prompt": prompt, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}})
+        cd = await post(d, "/v1/completions", {
+            "prompt": prompt, "max_tokens": 8, "return_token_ids": True,
+            "kv_transfer_params": cp["kv_transfer_params"]})
+        assert keys(cp) == keys(completions["p"]) and keys(cd) == keys(completions["d"])
+        assert cp["id"].startswith("cmpl-") and cp["object"] == "text_completion"
+        choice = cd["choices"][0]
+        assert choice["prompt_token_ids"] == d.model.encode_prompt(prompt)
+        assert choice["token_ids"] == [ord(ch) for ch in choice["text"]]
+        assert len(choice["token_ids"]) == 8 == cd["usage"]["completion_tokens"]
+        assert cd["kv_transfer_params"]["remote_num_tokens"] == len(choice["prompt_token_ids"]) + 7
+
+
+async def test_return_token_ids_when_streaming() -> None:
+    async with FakeCluster(1, 0, CONFIG) as cluster:
+        p = cluster.prefill[0]
+        expected_prompt = p.model.encode_chat(PROMPT)
+        chunks = sse_json(await sse_lines(p, "/v1/chat/completions", {
+            "messages": PROMPT, "max_tokens": 5, "stream": True, "return_token_ids": True}))
+        assert chunks[0]["prompt_token_ids"] == expected_prompt
+        tokens = chunks[1:]
+        assert len(tokens) == 5
+        for c in tokens:
+            choice = c["choices"][0]
+            assert choice["token_ids"] == [ord(choice["delta"]["content"])]
+            assert "prompt_token_ids" not in c
+        assert "usage" not in chunks[-1]  # no include_usage: no usage chunk
+
+        completion = sse_json(await sse_lines(p, "/v1/completions", {
+            "prompt": "abc", "max_tokens": 3, "stream": True, "return_token_ids": True,
+            "stream_options": {"include_usage": True}}))
+        firsts = [c["choices"][0]["prompt_token_ids"] for c in completion[:-1]]
+        assert firsts == [p.model.encode_prompt("abc"), None, None]
+        assert completion[-1]["choices"] == [] and completion[-1]["object"] == "text_completion"
+
+
+async def test_tokenize_matches_the_chat_template_and_tokenizer() -> None:
+    async with FakeCluster(1, 0, CONFIG) as cluster:
+        p = cluster.prefill[0]
+        tok = p.model.tokenizer
+        messages = [{"role": "system", "content": "be brief"}, *PROMPT,
+                    {"role": "assistant", "content": "ok"}, *user("again, é")]
+        raw = tok.apply_chat_template(messages, tools=TOOLS, add_generation_prompt=True,
+                                      tokenize=True)
+        expected = list(raw["input_ids"] if hasattr(raw, "keys") else raw)
+        body = await post(p, "/tokenize", {"messages": messages, "tools": TOOLS})
+        assert body == {"count": len(expected), "max_model_len": CONFIG.max_model_len,
+                        "tokens": expected, "token_strs": None}
+        prompt_body = await post(p, "/tokenize", {"prompt": "héllo <|im_start|>"})
+        assert prompt_body["tokens"] == list(tok.encode("héllo <|im_start|>"))
+        assert prompt_body["count"] == len(prompt_body["tokens"])
+        # The generation endpoints see the same prompt ids.
+        r = await chat(p, messages, tools=TOOLS, max_tokens=1)
+        assert r["usage"]["prompt_tokens"] == len(expected)
+
+
+async def test_models_health_and_errors() -> None:
+    async with FakeCluster(1, 0, CONFIG) as cluster:
+        p = cluster.prefill[0]
+        async with client() as http:
+            models = (await http.get(p.url + "/v1/models")).json()
+            assert [m["id"] for m in models["data"]] == [CONFIG.served_model_name]
+            assert models["data"][0]["max_model_len"] == CONFIG.max_model_len
+            assert (await http.get(p.url + "/health")).status_code == 200
+            wrong = await http.post(p.url + "/v1/chat/completions",
+                                    json={"model": "other", "messages": PROMPT})
+            assert wrong.status_code == 404
+            assert wrong.json()["error"]["type"] == "NotFoundError"
+            long = await http.post(p.url + "/v1/completions",
+                                   json={"prompt": "x", "max_tokens": CONFIG.max_model_len})
+            assert long.status_code == 400
+            assert "maximum context length" in long.json()["error"]["message"]
+            fixed = await http.post(p.url + "/v1/chat/completions",
+                                    headers={"X-Request-Id": "abc123"},
+                                    json={"messages": PROMPT, "max_tokens": 1})
+            assert fixed.json()["id"] == "chatcmpl-abc123"
+            assert p.record("chatcmpl-abc123").max_tokens == 1
+
+
+def samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+async def test_metrics_count_prompt_sources_and_transfers_like_vllm() -> None:
+    async with FakeCluster(1, 1, CONFIG, clock=ManualClock()) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        dr = await chat(d, PROMPT, max_tokens=16, kv_transfer_params=pr["kv_transfer_params"])
+        messages = [*PROMPT, {"role": "assistant", "content": text_of(dr)}, *user("more")]
+        p2 = await chat(p, messages, max_tokens=2, kv_transfer_params=dr["kv_transfer_params"])
+        n1, n2 = pr["usage"]["prompt_tokens"], p2["usage"]["prompt_tokens"]
+        pulled = p.record(p2["id"]).pulled_tokens
+        assert pulled == n1 + 15
+        async with client() as http:
+            text = (await http.get(p.url + "/metrics")).text
+        m = samples(text)
+        base = (("engine", "0"), ("model_name", CONFIG.served_model_name))
+
+        def value(name: str, **labels: str) -> float:
+            return m[(name, tuple(sorted((*base, *labels.items()))))]
+
+        assert value("vllm:prompt_tokens_total") == n1 + n2
+        assert value("vllm:prompt_tokens_by_source_total", source="local_compute") == (
+            n1 + n2 - pulled)
+        assert value("vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 0
+        assert value("vllm:prompt_tokens_by_source_total",
+                     source="external_kv_transfer") == pulled
+        assert value("vllm:external_prefix_cache_queries_total") == n1 + n2
+        assert value("vllm:external_prefix_cache_hits_total") == pulled
+        assert value("vllm:prefix_cache_queries_total") == 0  # P: prefix caching off
+        assert value("vllm:prefix_cache_hits_total") == 0
+        assert value("vllm:nixl_num_failed_transfers_total") == 0
+        assert value("vllm:nixl_num_kv_expired_reqs_total") == 0
+        assert value("vllm:nixl_xfer_time_seconds_count") == 1
+        assert value("vllm:nixl_xfer_time_seconds_sum") >= 0
+        assert value("vllm:generation_tokens_total") == 3
+
+        async with client() as http:
+            dm = samples((await http.get(d.url + "/metrics")).text)
+        assert dm[("vllm:external_prefix_cache_hits_total", base)] == n1
+        assert dm[("vllm:prefix_cache_queries_total", base)] == n1  # D: prefix caching on
+
+
+async def test_decode_reports_retained_params_after_the_stream_completes() -> None:
+    sleep = GatedSleep(open_=False)  # holds the report delay until the test opens it
+    config = replace(CONFIG, report_delay_s=0.1)
+    async with Receiver() as receiver, FakeCluster(1, 1, config, sleep=sleep) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = {**pr["kv_transfer_params"], "kvrelay_report_url": receiver.url,
+                  "kvrelay_turn_id": "turn-7"}
+        chunks = sse_json(await sse_lines(d, "/v1/chat/completions", {
+            "messages": PROMPT, "max_tokens": 6, "stream": True, "kv_transfer_params": params}))
+        rec = d.record(chunks[0]["id"])
+        # Submitted once [DONE] was written (before the body ended), posted after the delay.
+        assert rec.report is not None and rec.report.status is None
+        assert sleep.requested == [0.1] and receiver.bodies == []
+        sleep.gate.set()
+        body = await receiver.next_body()
+        assert body == {"turn_id": "turn-7", "kv_transfer_params": rec.kv_transfer_params,
+                        "num_prompt_tokens": len(rec.prompt_token_ids), "num_output_tokens": 6}
+        assert body["kv_transfer_params"]["do_remote_decode"] is True
+        assert body["kv_transfer_params"]["remote_num_tokens"] == len(rec.prompt_token_ids) + 5
+        await d.drain_reports()
+        assert rec.report.status == 204
+
+        plain = await chat(d, PROMPT, max_tokens=2)  # no report URL: no report
+        assert d.record(plain["id"]).report is None
+
+
+async def test_report_for_non_streamed_request_and_only_to_loopback_hosts() -> None:
+    async with Receiver() as receiver, FakeCluster(1, 1, CONFIG) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        params = {**pr["kv_transfer_params"], "kvrelay_report_url": receiver.url,
+                  "kvrelay_turn_id": "t1"}
+        dr = await chat(d, PROMPT, max_tokens=3, kv_transfer_params=params)
+        body = await receiver.next_body()
+        assert body["turn_id"] == "t1"
+        assert body["kv_transfer_params"] == dr["kv_transfer_params"]
+
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        remote = {**pr["kv_transfer_params"], "kvrelay_report_url": "http://192.0.2.1:9/report",
+                  "kvrelay_turn_id": "t2"}
+        dr = await chat(d, PROMPT, max_tokens=3, kv_transfer_params=remote)
+        await d.drain_reports()
+        rec = d.record(dr["id"])
+        assert rec.report is not None and rec.report.status is None
+        assert rec.report.error is not None and "report_hosts" in rec.report.error
+        assert receiver.bodies == [body]
+
+
+async def test_admin_endpoints_describe_engine_and_records() -> None:
+    async with FakeCluster(1, 1, CONFIG) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
+        async with client() as http:
+            info = (await http.get(p.url + "/fake/info")).json()
+            assert info["engine_id"] == p.engine_id
+            assert [h["request_id"] for h in info["held"]] == [
+                pr["kv_transfer_params"]["remote_request_id"]]
+            rec = (await http.get(p.url + f"/fake/requests/{pr['id']}")).json()
+            assert rec["kv_role"] == "prefill" and rec["wrong_reuse"] is False
+            missing = await http.get(p.url + "/fake/requests/nope")
+            assert missing.status_code == 404
+        assert cluster.side_channels == [
+            f"{e.side_channel_host}:{e.side_channel_port}" for e in (p, d)]
+        assert cluster.engine(p.engine_id) is p and cluster.engine(d.url) is d
+
+
+async def test_many_engines_in_one_process_on_distinct_ports() -> None:
+    async with FakeCluster(2, 3, CONFIG) as cluster:
+        urls = {e.url for e in cluster.engines}
+        assert len(urls) == 5 and len(set(cluster.side_channels)) == 5
+        assert len({e.engine_id for e in cluster.engines}) == 5
+        async with httpx.AsyncClient(trust_env=False) as http:
+            for e in cluster.engines:
+                assert (await http.get(e.url + "/health")).status_code == 200
