@@ -1,0 +1,94 @@
+"""PNG charts of a benchmark (matplotlib, Agg backend: no display needed).
+
+* ``W_ttft_vs_context.png``: p50 TTFT of the measured turns against context length, one line
+  per mode (the seed's chart: reuse vs no reuse as the context grows), points labelled in ms
+  when at most two modes ran; drawn when some measured turn has a context length.
+* ``W_ttft_by_turn.png``: mean TTFT by turn number, one line per mode; drawn when some turn
+  succeeded.
+
+matplotlib is imported inside the functions (the ``bench`` extra), on a private ``Figure``
+(not pyplot's global state), so charts can be drawn from any thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from kvrelay.bench.metrics import ModeSummary
+
+if TYPE_CHECKING:
+    from kvrelay.bench.report import BenchResults
+
+_STYLES: Mapping[str, str] = MappingProxyType(
+    {"pull": "o-", "recompute": "s--", "local": "^:", "direct": "d-."}
+)
+
+
+def write_charts(results: BenchResults, out_dir: Path) -> list[Path]:
+    """Draw the charts that apply to ``results`` into ``out_dir``; returns their paths."""
+    summaries = results.summaries()
+    out: list[Path] = []
+    if any(s.ttft_by_context for s in summaries.values()):
+        path = out_dir / f"{results.workload}_ttft_vs_context.png"
+        ttft_vs_context(summaries, path, title=f"TTFT vs context length ({results.workload})")
+        out.append(path)
+    if any(s.ttft_by_turn for s in summaries.values()):
+        path = out_dir / f"{results.workload}_ttft_by_turn.png"
+        ttft_by_turn(summaries, path, title=f"Mean TTFT by turn ({results.workload})")
+        out.append(path)
+    return out
+
+
+def ttft_vs_context(summaries: dict[str, ModeSummary], path: Path, title: str) -> None:
+    fig, ax = _figure()
+    label_points = len(summaries) <= 2  # more labels than that overlap; the table has them
+    for i, (mode, s) in enumerate(summaries.items()):
+        xs = sorted(s.ttft_by_context)
+        if not xs:
+            continue
+        ys = [s.ttft_by_context[x].p50 * 1000 for x in xs]
+        ax.plot(xs, ys, _STYLES.get(mode, "o-"), label=mode)
+        for x, y in zip(xs, ys, strict=True):
+            if label_points:
+                ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points",
+                            xytext=(0, 6 if i == 0 else -12), ha="center", fontsize=7)
+    ax.set_xlabel("context length (tokens)")
+    ax.set_ylabel("TTFT p50 (ms)")
+    _finish(fig, ax, path, title)
+
+
+def ttft_by_turn(summaries: dict[str, ModeSummary], path: Path, title: str) -> None:
+    fig, ax = _figure()
+    for mode, s in summaries.items():
+        xs = sorted(s.ttft_by_turn)
+        if xs:
+            ax.plot(xs, [s.ttft_by_turn[x] * 1000 for x in xs], _STYLES.get(mode, "o-"),
+                    label=mode)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_xlabel("turn")
+    ax.set_ylabel("mean TTFT (ms)")
+    _finish(fig, ax, path, title)
+
+
+def _figure() -> tuple[Any, Any]:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(7, 4.2), dpi=110)
+    FigureCanvasAgg(fig)
+    return fig, fig.add_subplot(1, 1, 1)
+
+
+def _finish(fig: Any, ax: Any, path: Path, title: str) -> None:
+    ax.set_title(title)
+    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.12)  # room for the point labels
+    ax.grid(True, alpha=0.3)
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, format="png")

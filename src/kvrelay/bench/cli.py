@@ -1,0 +1,215 @@
+"""``kvrelay bench sweep|agent|replay``: multi-turn TTFT benchmarks through the router.
+
+    kvrelay bench sweep --modes pull,recompute,local --model bench --lengths 2048 8192 16384
+    kvrelay bench agent --conversations 16 --turns 10 --think-mean-s 30 --ttl-s 60
+    kvrelay bench replay --file conversations.json --max-conversations 50
+    kvrelay bench agent --router-url http://127.0.0.1:8000 --mode-label mine
+
+Without ``--router-url`` every mode gets its own local cluster (the ``kvrelay up`` flags
+apply) and router, one after another. Results go to ``--out`` (JSON, Markdown, PNG); the
+Markdown is also printed. Exit status: 0 when every mode ran (even with failed turns, which
+the report counts), 1 when a cluster or router did not start or a mode had no successful
+turn, 2 on bad arguments.
+"""
+
+from __future__ import annotations
+
+import argparse
+import secrets
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from kvrelay.bench.modes import DEFAULT_MODES
+
+
+def register(sub: Any) -> None:
+    bench = sub.add_parser("bench", help="multi-turn TTFT benchmarks: pull vs recompute vs local",
+                           description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    kinds = bench.add_subparsers(dest="bench_command", metavar="WORKLOAD", required=True)
+
+    sweep = kinds.add_parser("sweep", help="follow-up TTFT per context length")
+    sweep.add_argument("--lengths", type=int, nargs="+",
+                       default=[2048, 4096, 8192, 16384, 24576], help="context lengths (tokens)")
+    sweep.add_argument("--conversations", type=int, default=3,
+                       help="conversations per context length")
+    sweep.add_argument("--answer-tokens", type=int, default=32, help="turn 1 max_tokens")
+    sweep.add_argument("--user-tokens", type=int, default=64, help="follow-up message tokens")
+    sweep.add_argument("--followup-answer-tokens", type=int, default=16)
+    sweep.add_argument("--gap-s", type=float, default=1.0,
+                       help="pause before the follow-up (lets D's KV report reach the router)")
+
+    agent = kinds.add_parser("agent", help="concurrent agent sessions with think times")
+    agent.add_argument("--conversations", type=int, default=16)
+    agent.add_argument("--turns", type=int, default=10)
+    agent.add_argument("--system-tokens", type=int, default=1024)
+    agent.add_argument("--user-tokens", type=int, default=150, help="user/tool turn tokens")
+    agent.add_argument("--answer-tokens", type=int, default=300, help="max_tokens per answer")
+
+    replay = kinds.add_parser("replay", help="replay a conversations file (vLLM or ShareGPT)")
+    replay.add_argument("--file", type=Path, required=True)
+    replay.add_argument("--max-conversations", type=int, default=None)
+    replay.add_argument("--max-turns", type=int, default=None)
+    replay.add_argument("--max-answer-tokens", type=int, default=1024)
+    replay.add_argument("--default-answer-tokens", type=int, default=128)
+
+    for parser in (agent, replay):
+        parser.add_argument("--think", choices=["exponential", "lognormal", "uniform",
+                                                "constant"], default="exponential")
+        parser.add_argument("--think-mean-s", type=float, default=5.0)
+        parser.add_argument("--think-sigma", type=float, default=1.0, help="lognormal sigma")
+        parser.add_argument("--arrival-mean-s", type=float, default=1.0,
+                            help="mean gap between conversation starts (0: all at once)")
+        parser.add_argument("--concurrency", type=int, default=None,
+                            help="conversations in flight at most (default: all)")
+    for name, parser in (("sweep", sweep), ("agent", agent), ("replay", replay)):
+        _common(parser)
+        parser.set_defaults(func=_run, bench_kind=name)
+
+
+def _common(parser: argparse.ArgumentParser) -> None:
+    from kvrelay.cluster.cli import add_cluster_arguments
+
+    g = parser.add_argument_group("benchmark")
+    g.add_argument("--modes", default=DEFAULT_MODES,
+                   help=f"comma-separated, run in order: pull, recompute, local, direct "
+                        f"(default {DEFAULT_MODES})")
+    g.add_argument("--router-url", default=None,
+                   help="bench this running router instead of starting clusters")
+    g.add_argument("--mode-label", default="router", help="mode name with --router-url")
+    g.add_argument("--out", type=Path, default=None,
+                   help="results folder (default results/bench-KIND-TIMESTAMP)")
+    g.add_argument("--seed", type=int, default=0)
+    g.add_argument("--salt", default=None,
+                   help="session tag in every prompt (default random: no cache hits across runs)")
+    g.add_argument("--tenant", default="default", help="router tenant (for the /stats fallback)")
+    g.add_argument("--timeout-s", type=float, default=900.0, help="per-request timeout")
+    g.add_argument("--allow-eos", action="store_true",
+                   help="do not send ignore_eos (answers may end before max_tokens)")
+    g.add_argument("--no-charts", action="store_true")
+    g.add_argument("--engines", choices=["vllm", "fake"], default="vllm",
+                   help="what each mode's cluster runs: real vLLM servers, or kvrelay's fake "
+                        "engines (no vLLM needed; simulated latency, see --fake-latency)")
+    g.add_argument("--fake-latency", choices=["cpu", "fast"], default="cpu",
+                   help="latency preset of --engines fake")
+    c = parser.add_argument_group("cluster (without --router-url; modes set bidirectional and "
+                                  "P prefix caching)")
+    add_cluster_arguments(c)  # type: ignore[arg-type]
+
+
+def _run(args: argparse.Namespace) -> int:
+    from kvrelay.bench.replay import ReplayFormatError
+    from kvrelay.bench.workloads import WorkloadError
+
+    try:
+        return _bench(args)
+    except (ValueError, ReplayFormatError, WorkloadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _bench(args: argparse.Namespace) -> int:
+    from kvrelay.bench.modes import parse_modes
+    from kvrelay.bench.report import BenchResults, write_report
+    from kvrelay.bench.runner import BenchOptions, ServiceStartError
+
+    modes = parse_modes(args.modes)
+    salt = args.salt if args.salt is not None else secrets.token_hex(3)
+    workload = build_workload(args, salt)
+    out = args.out or Path("results") / f"bench-{args.bench_kind}-{time.strftime('%Y%m%d-%H%M%S')}"
+    options = BenchOptions(
+        id_prefix=f"{salt}-", tenant=args.tenant, timeout_s=args.timeout_s,
+        extra_body=None if args.allow_eos else {"ignore_eos": True},
+    )
+    meta = {"model": args.model, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "salt": salt,
+            "command": " ".join(sys.argv)}
+    print(f"{args.bench_kind}: {len(workload.conversations)} conversations, "
+          f"{workload.num_turns} turns; results in {out}", file=sys.stderr, flush=True)
+    try:
+        if args.router_url:
+            from kvrelay.bench.runner import run_external
+
+            meta["router_url"] = args.router_url
+            runs = run_external(workload, args.router_url, args.mode_label,
+                                _served_model(args), options)
+        else:
+            from kvrelay.bench.runner import ClusterFactory, local_cluster, run_managed
+            from kvrelay.cluster.cli import cluster_config_from_args
+            from kvrelay.cluster.launcher import ClusterStartError
+
+            run_dir = args.run_dir or out / "runs"
+            factory: ClusterFactory = local_cluster
+            if args.engines == "fake":
+                from kvrelay.bench.fake_engines import fake_engine_cluster
+
+                factory = fake_engine_cluster(args.fake_latency)
+                meta["engines"] = f"fake ({args.fake_latency} latency)"
+            try:
+                runs = run_managed(workload, modes, cluster_config_from_args(args), run_dir,
+                                   options, cluster_factory=factory,
+                                   router_args=getattr(args, "router_arg", None) or ())
+            except ClusterStartError as exc:
+                print(f"error: cluster did not start: {exc}", file=sys.stderr)
+                return 1
+    except ServiceStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    results = BenchResults(workload.kind, dict(workload.params), runs, meta)
+    files = write_report(results, out, charts=not args.no_charts)
+    print(files.markdown.read_text())
+    for path in (files.json, files.markdown, *files.charts):
+        print(f"wrote {path}", file=sys.stderr)
+    empty = [s.mode for s in results.summaries().values() if s.ttft is None]
+    if empty:
+        print(f"error: no successful turn in mode(s) {empty}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def build_workload(args: argparse.Namespace, salt: str) -> Any:
+    """The workload ``args`` describe (token counting from ``--model``)."""
+    from kvrelay.bench.tokens import default_counter
+    from kvrelay.bench.workloads import ThinkTime, agent_workload, sweep_workload
+
+    count = default_counter(args.model)
+    if args.bench_kind == "sweep":
+        return sweep_workload(
+            count, lengths=args.lengths, conversations_per_length=args.conversations,
+            setup_answer_tokens=args.answer_tokens, followup_tokens=args.user_tokens,
+            followup_answer_tokens=args.followup_answer_tokens, gap_s=args.gap_s,
+            seed=args.seed, salt=salt,
+        )
+    think = ThinkTime(args.think, args.think_mean_s, args.think_sigma)
+    if args.bench_kind == "agent":
+        return agent_workload(
+            count, conversations=args.conversations, turns=args.turns,
+            system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+            answer_tokens=args.answer_tokens, think=think, arrival_mean_s=args.arrival_mean_s,
+            concurrency=args.concurrency, seed=args.seed, salt=salt,
+        )
+    from kvrelay.bench.replay import load_conversations, replay_workload
+
+    return replay_workload(
+        load_conversations(args.file), count, max_conversations=args.max_conversations,
+        max_turns=args.max_turns, default_answer_tokens=args.default_answer_tokens,
+        max_answer_tokens=args.max_answer_tokens, think=think,
+        arrival_mean_s=args.arrival_mean_s, concurrency=args.concurrency, seed=args.seed,
+        salt=salt,
+    )
+
+
+def _served_model(args: argparse.Namespace) -> str:
+    """``--served-model-name``, else what the router lists, else ``--model``."""
+    if args.served_model_name:
+        return str(args.served_model_name)
+    import asyncio
+
+    from kvrelay.bench.client import ChatClient
+
+    async def ask() -> str | None:
+        async with ChatClient(args.router_url, "") as client:
+            return await client.served_model()
+
+    return asyncio.run(ask()) or str(args.model)

@@ -1,0 +1,56 @@
+"""``kvrelay bench`` end to end without vLLM: per mode, fake engines (``kvrelay fake-engine``)
+and the real router (``kvrelay route``) as subprocesses, configured by the mode."""
+
+from __future__ import annotations
+
+import json
+
+from kvrelay.bench.fake_engines import fake_engine_command
+from kvrelay.bench.modes import cluster_config_for, parse_modes
+from kvrelay.cli import main
+from kvrelay.cluster.config import ClusterConfig
+from tests.ports import free_port_block
+
+
+def test_fake_engine_command_follows_the_mode():
+    pull, local = parse_modes("pull,local")
+    base = ClusterConfig(num_prefill=2, num_decode=3, base_port=9100, decoder_kv_blocks_ttl_s=60)
+    cmd = fake_engine_command(cluster_config_for(pull, base), "fast", "py")
+    assert cmd[:4] == ["py", "-m", "kvrelay.cli", "fake-engine"]
+    args = dict(zip(cmd[4::2], cmd[5::2], strict=False))
+    assert (args["--prefill"], args["--decode"], args["--base-port"]) == ("2", "3", "9100")
+    assert args["--ttl-s"] == "60" and args["--served-model-name"] == "tiny"
+    assert "--no-bidirectional" not in cmd and "--prefill-prefix-caching" not in cmd
+    assert "--model" not in cmd
+    local_cmd = fake_engine_command(cluster_config_for(local, base), "cpu", "py")
+    assert "--no-bidirectional" in local_cmd and "--prefill-prefix-caching" in local_cmd
+    assert local_cmd[local_cmd.index("--prefill") + 1] == "1"
+
+
+def test_sweep_pulls_in_pull_mode_and_recomputes_in_recompute_mode(tmp_path, capsys):
+    out = tmp_path / "results"
+    port = free_port_block(2, start=24100)
+    code = main(["bench", "sweep", "--engines", "fake", "--fake-latency", "fast",
+                 "--modes", "pull,recompute", "--lengths", "1024", "2048",
+                 "--conversations", "1", "--gap-s", "0.3", "--base-port", str(port),
+                 "--side-channel-base-port", str(port + 3000), "--salt", "fc",
+                 "--out", str(out)])
+    captured = capsys.readouterr()
+    assert code == 0, captured.err
+    data = json.loads((out / "sweep.json").read_text())
+    pull, recompute = data["modes"]["pull"], data["modes"]["recompute"]
+    assert pull["errors"] == 0 and recompute["errors"] == 0
+    assert pull["hit_rate"] == 1.0 and recompute["hit_rate"] == 0.0
+    assert set(pull["ttft_by_context"]) == {"1024", "2048"}
+    records = {run["mode"]: run["records"] for run in data["runs"]}
+    for r in records["pull"]:
+        # the engines tokenize what the workload planned: prompts are on target
+        assert abs(r["prompt_tokens"] - r["target_tokens"]) < 128, r
+        if r["turn"] == 2:
+            assert r["action"] == "pull" and r["reused_tokens"] > r["context_tokens"] - 256
+    assert {r["action"] for r in records["recompute"]} == {"recompute"}
+    ratios = {c["label"]: c for c in data["comparisons"]}
+    assert set(ratios["recompute/pull"]["by_context"]) == {"1024", "2048"}
+    assert (out / "runs" / "pull" / "router.log").exists()
+    assert (out / "runs" / "recompute" / "cluster" / "fake-engine.log").exists()
+    assert (out / "sweep_ttft_vs_context.png").exists()

@@ -1,0 +1,187 @@
+"""Workload generators: token targets within one KV block, determinism from the seed, salts,
+and think-time distributions."""
+
+from __future__ import annotations
+
+import itertools
+import math
+import random
+import statistics
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from kvrelay.bench.tokens import byte_template_counter, chat_template_counter
+from kvrelay.bench.workloads import (
+    BLOCK_TOKENS,
+    ThinkTime,
+    WorkloadError,
+    agent_workload,
+    appending,
+    fill_text,
+    placeholder_answer,
+    planned_history,
+    sweep_workload,
+)
+from kvrelay.cluster.model import ensure_model
+
+count = byte_template_counter
+
+
+def assert_targets_hit(workload, counter):
+    for conv in workload.conversations:
+        for i, turn in enumerate(conv.turns):
+            got = counter(planned_history(conv, i, counter))
+            assert turn.target_tokens - BLOCK_TOKENS < got <= turn.target_tokens, (
+                conv.conversation_id, i, got, turn.target_tokens)
+
+
+def test_sweep_follow_ups_hit_each_context_length_within_a_block():
+    w = sweep_workload(count, conversations_per_length=2, salt="s")
+    assert w.kind == "sweep" and w.concurrency == 1
+    assert [c.context_tokens for c in w.conversations] == [
+        L for L in (2048, 4096, 8192, 16384, 24576) for _ in range(2)]
+    assert_targets_hit(w, count)
+    for conv in w.conversations:
+        first, follow = conv.turns
+        assert follow.target_tokens == conv.context_tokens
+        assert follow.measured and not first.measured
+        assert [m["role"] for m in first.new_messages] == ["system", "user"]
+        assert [m["role"] for m in follow.new_messages] == ["user"]
+        assert first.max_tokens == 32 and follow.max_tokens == 16
+        assert follow.think_s == 1.0
+
+
+def test_sweep_targets_hold_with_the_real_tokenizer():
+    real = chat_template_counter(ensure_model("tiny"))
+    w = sweep_workload(real, lengths=(2048, 16384), conversations_per_length=1)
+    assert_targets_hit(w, real)
+
+
+def test_agent_turns_hit_their_targets_without_drift():
+    w = agent_workload(count, conversations=3, turns=20, system_tokens=700, user_tokens=150,
+                       answer_tokens=300, salt="s")
+    assert_targets_hit(w, count)
+    conv = w.conversations[0]
+    assert [t.target_tokens for t in conv.turns[:3]] == [850, 1300, 1750]
+    assert conv.turns[-1].target_tokens == 700 + 20 * 150 + 19 * 300
+    assert all(t.max_tokens == 300 for t in conv.turns)
+    assert [m["role"] for m in conv.turns[0].new_messages] == ["system", "user"]
+    assert all([m["role"] for m in t.new_messages] == ["user"] for t in conv.turns[1:])
+    assert conv.turns[1].new_messages[0]["content"].startswith("Tool result:\n")
+
+
+def test_agent_targets_hold_with_the_real_tokenizer():
+    real = chat_template_counter(ensure_model("tiny"))
+    assert_targets_hit(agent_workload(real, conversations=2, turns=6), real)
+
+
+def test_workloads_are_deterministic_from_seed_and_salt():
+    assert agent_workload(count, conversations=4, seed=7, salt="a") == agent_workload(
+        count, conversations=4, seed=7, salt="a")
+    assert sweep_workload(count, lengths=(2048,), seed=7) == sweep_workload(
+        count, lengths=(2048,), seed=7)
+    a = agent_workload(count, conversations=4, seed=7, salt="a")
+    b = agent_workload(count, conversations=4, seed=8, salt="a")
+    assert a.conversations[0].turns[0].new_messages != b.conversations[0].turns[0].new_messages
+    assert [t.think_s for t in a.conversations[0].turns] != [
+        t.think_s for t in b.conversations[0].turns]
+
+
+def test_salt_and_index_differ_within_the_first_kv_block():
+    def first_block(w, i):
+        return w.conversations[i].turns[0].new_messages[0]["content"][:BLOCK_TOKENS - 20]
+
+    a = agent_workload(count, conversations=2, salt="run1")
+    b = agent_workload(count, conversations=2, salt="run2")
+    assert first_block(a, 0) != first_block(b, 0)
+    assert first_block(a, 0) != first_block(a, 1)
+    s = sweep_workload(count, lengths=(2048,), conversations_per_length=2, salt="x")
+    assert first_block(s, 0) != first_block(s, 1)
+
+
+def test_conversation_ids_are_unique():
+    for w in (sweep_workload(count, conversations_per_length=3),
+              agent_workload(count, conversations=12)):
+        ids = [c.conversation_id for c in w.conversations]
+        assert len(set(ids)) == len(ids)
+
+
+def test_agent_arrivals_and_concurrency():
+    w = agent_workload(count, conversations=50, arrival_mean_s=2.0)
+    starts = [c.start_s for c in w.conversations]
+    assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == 50
+    assert 1.4 < statistics.mean(b - a for a, b in itertools.pairwise(starts)) < 2.6
+    assert w.concurrency == 50
+    together = agent_workload(count, conversations=5, arrival_mean_s=0, concurrency=2)
+    assert {c.start_s for c in together.conversations} == {0.0}
+    assert together.concurrency == 2
+
+
+def test_first_turn_never_thinks_and_later_turns_follow_the_distribution():
+    w = agent_workload(count, conversations=2, turns=5, think=ThinkTime("constant", 3.5))
+    for conv in w.conversations:
+        assert [t.think_s for t in conv.turns] == [0.0, 3.5, 3.5, 3.5, 3.5]
+
+
+def test_targets_below_the_fixed_overhead_are_rejected():
+    with pytest.raises(WorkloadError, match="below the fixed overhead"):
+        sweep_workload(count, lengths=(100,))
+    with pytest.raises(WorkloadError):
+        agent_workload(count, conversations=0)
+    with pytest.raises(WorkloadError):
+        sweep_workload(count, lengths=())
+
+
+@settings(max_examples=60, deadline=None)
+@given(target=st.integers(min_value=40, max_value=5000), seed=st.integers(0, 1000))
+def test_fill_text_is_as_long_as_fits(target, seed):
+    build = appending([{"role": "system", "content": "s"}], "user", "head: ")
+    text = fill_text(build, count, target, random.Random(seed))
+    assert count(build(text)) <= target
+    # the next word (at most 8 bytes, plus a space) would not fit
+    assert count(build(text)) > target - 9
+
+
+def test_placeholder_answer_has_the_planned_length():
+    base = count([{"role": "assistant", "content": ""}])
+    for n in (1, 16, 300):
+        text = placeholder_answer(n, count)
+        assert n - 8 < count([{"role": "assistant", "content": text}]) - base <= n
+
+
+class TestThinkTime:
+    N = 20000
+
+    def samples(self, think, seed=1):
+        rng = random.Random(seed)
+        return [think.sample(rng) for _ in range(self.N)]
+
+    def test_exponential_mean_and_tail(self):
+        xs = self.samples(ThinkTime("exponential", 10.0))
+        assert min(xs) >= 0
+        assert statistics.mean(xs) == pytest.approx(10.0, rel=0.05)
+        # P(X > 3 * mean) = e^-3: the tail that outlives a TTL of three means
+        beyond = sum(1 for x in xs if x > 30.0) / self.N
+        assert beyond == pytest.approx(math.exp(-3), rel=0.15)
+
+    def test_lognormal_mean_and_median(self):
+        think = ThinkTime("lognormal", 10.0, sigma=1.0)
+        xs = self.samples(think)
+        assert min(xs) > 0
+        assert statistics.mean(xs) == pytest.approx(10.0, rel=0.07)
+        assert statistics.median(xs) == pytest.approx(10.0 * math.exp(-0.5), rel=0.05)
+
+    def test_uniform_and_constant(self):
+        xs = self.samples(ThinkTime("uniform", 4.0))
+        assert min(xs) >= 0 and max(xs) <= 8.0
+        assert statistics.mean(xs) == pytest.approx(4.0, rel=0.03)
+        assert set(self.samples(ThinkTime("constant", 2.5))) == {2.5}
+        assert set(self.samples(ThinkTime("exponential", 0.0))) == {0.0}
+
+    def test_invalid(self):
+        with pytest.raises(WorkloadError):
+            ThinkTime("exponential", -1.0)
+        with pytest.raises(WorkloadError):
+            ThinkTime("gamma", 1.0)  # type: ignore[arg-type]
