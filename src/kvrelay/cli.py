@@ -17,6 +17,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvrelay.testing.cli",
     "kvrelay.router.cli",
     "kvrelay.bench.cli",
+    "kvrelay.bench.demo_command",
 )
 
 

@@ -31,6 +31,7 @@ STARTUP_TIMEOUT_S = 900
 class RealCluster:
     prefill_url: str
     decode_url: str
+    router_url: str
     model: str
     run_dir: Path
 
@@ -45,9 +46,11 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     run_dir = tmp_path_factory.mktemp("cluster")
     base_port = free_port_block(2, start=18100)
     side_port = free_port_block(2, start=15600)
+    router_port = free_port_block(1, start=18000)
     cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--prefill", "1", "--decode", "1",
            "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
-           "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S)]
+           "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
+           "--router-port", str(router_port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -65,11 +68,11 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         except queue.Empty:
             continue
         seen.append(line)
-        if m := re.match(r"\s*(prefill-0|decode-0)\s+(http://\S+)", line):
+        if m := re.match(r"\s*(prefill-0|decode-0|router)\s+(http://\S+)", line):
             urls[m.group(1)] = m.group(2)
         if m := re.match(r"model (\S+); Ctrl-C to stop", line):
             model = m.group(1)
-    yield RealCluster(urls["prefill-0"], urls["decode-0"], model, run_dir)
+    yield RealCluster(urls["prefill-0"], urls["decode-0"], urls["router"], model, run_dir)
 
     proc.send_signal(signal.SIGINT)
     try:
@@ -80,7 +83,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     leftovers = [
         p.pid for p in psutil.process_iter(["cmdline"])
         if any(f"--port {port}" in " ".join(p.info["cmdline"] or [])
-               for port in (base_port, base_port + 1))
+               for port in (base_port, base_port + 1, router_port))
     ]
     tail = "".join(seen[-40:])
     assert rc == 0, f"kvrelay up exited with {rc}:\n{tail}"

@@ -3,14 +3,24 @@
 from __future__ import annotations
 
 import argparse
+import os
 import signal
+import subprocess
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 from kvrelay.cluster.config import DEFAULT_NIXL_PROGRESS_DELAY_US, ClusterConfig
+from kvrelay.cluster.launcher import (
+    ClusterStartError,
+    LocalCluster,
+    spawn_supervised,
+    stop_group,
+    wait_healthy,
+)
 
 
 def register(sub: Any) -> None:
@@ -54,6 +64,11 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="keep vLLM's CPU main-thread re-pinning (reproduces the stall)")
     parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
     parser.add_argument("--run-dir", type=Path, default=None, help="where node logs go")
+    parser.add_argument("--router-port", type=int, default=8000,
+                        help="port of the kvrelay router started in front of the cluster")
+    parser.add_argument("--no-router", action="store_true", help="start the engines only")
+    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                        help="extra argument for `kvrelay route` (repeatable)")
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -88,9 +103,56 @@ def _model_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def _up(args: argparse.Namespace) -> int:
-    from kvrelay.cluster.launcher import ClusterStartError, LocalCluster
+def block_size_of(config: ClusterConfig) -> int:
+    """vLLM's default KV block size for the cluster's device (128 on CPU, 16 on CUDA)."""
+    return 128 if config.device == "cpu" else 16
 
+
+def router_command(
+    config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
+) -> list[str]:
+    """``kvrelay route`` in front of ``cluster``'s nodes, as a child process command."""
+    cmd = [config.python, "-m", "kvrelay.cli", "route", "--host", config.host,
+           "--port", str(port), "--ttl-s", str(config.decoder_kv_blocks_ttl_s),
+           "--kv-recompute-threshold", str(config.kv_recompute_threshold),
+           "--block-size", str(block_size_of(config))]
+    for node in cluster.prefill:
+        cmd += ["--prefill", node.url]
+    for node in cluster.decode:
+        cmd += ["--decode", node.url]
+    return cmd + extra
+
+
+@dataclass
+class RouterProcess:
+    """The router child of ``kvrelay up``: supervised like the engines."""
+
+    process: subprocess.Popen[bytes]
+    url: str
+    log: IO[bytes]
+
+    def stop(self) -> None:
+        stop_group(self.process)
+        self.log.close()
+
+
+def start_router(
+    config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
+) -> RouterProcess:
+    """Start the router and wait until it answers /health; raise ClusterStartError if not."""
+    cmd = router_command(config, cluster, port, extra)
+    process, log = spawn_supervised(cmd, cluster.run_dir / "router.log", dict(os.environ))
+    url = f"http://{config.host}:{port}"
+    router = RouterProcess(process, url, log)
+    if not wait_healthy(url, process, timeout_s=60):
+        router.stop()
+        raise ClusterStartError(
+            f"router did not become healthy; see {cluster.run_dir / 'router.log'}"
+        )
+    return router
+
+
+def _up(args: argparse.Namespace) -> int:
     config = cluster_config_from_args(args)
     cluster = LocalCluster(config, args.run_dir)
     print(f"starting {config.num_prefill} P + {config.num_decode} D on {config.model!r}; "
@@ -103,11 +165,16 @@ def _up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         cluster.stop()
         return 130
+    router: RouterProcess | None = None
     stop = install_stop_signals()
     try:
+        if not args.no_router:
+            router = start_router(config, cluster, args.router_port, args.router_arg)
         for node in cluster.nodes:
             print(f"{node.spec.name:>10}  {node.url}  side channel {node.side_channel}  "
                   f"cores {','.join(map(str, node.spec.cores)) or '-'}", flush=True)
+        if router is not None:
+            print(f"{'router':>10}  {router.url}  (OpenAI API: {router.url}/v1)", flush=True)
         print(f"model {cluster.served_model_name}; Ctrl-C to stop", flush=True)
         while not stop.wait(1.0):
             for node in cluster.nodes:
@@ -115,10 +182,19 @@ def _up(args: argparse.Namespace) -> int:
                     print(f"error: {node.spec.name} exited ({node.process.returncode}); "
                           f"last lines:\n{cluster.log_tail(node)}", file=sys.stderr)
                     return 1
+            if router is not None and router.process.poll() is not None:
+                print(f"error: router exited ({router.process.returncode}); see "
+                      f"{cluster.run_dir / 'router.log'}", file=sys.stderr)
+                return 1
         return 0
+    except ClusterStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
     finally:
         print("stopping cluster", flush=True)
         started = time.monotonic()
+        if router is not None:
+            router.stop()
         cluster.stop()
         print(f"stopped in {time.monotonic() - started:.1f} s", flush=True)
 

@@ -16,6 +16,7 @@ import contextlib
 import ctypes
 import os
 import signal
+import socket
 import subprocess
 import time
 import urllib.error
@@ -231,6 +232,25 @@ def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -
             return True
         time.sleep(0.5)
     return False
+
+
+def free_port_block(size: int, start: int = 20000, stop: int = 60000) -> int:
+    """First port ``p`` in [start, stop) such that p..p+size-1 can all be bound right now."""
+    port = start
+    while port + size < stop:
+        socks: list[socket.socket] = []
+        try:
+            for p in range(port, port + size):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return port
+        except OSError:
+            port += size + 7
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError(f"no block of {size} free ports in [{start}, {stop})")
 
 
 def _healthy(url: str) -> bool:
