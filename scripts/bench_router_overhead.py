@@ -1,0 +1,328 @@
+"""What the kvrelay router adds on top of calling P then D directly (a benchmark, not a test).
+
+Starts ``kvrelay fake-engine --prefill 1 --decode 1`` (zero simulated latency, reports sent at
+once) and ``kvrelay route`` in front of it, each in its own process, then runs ``--clients``
+concurrent streaming conversations of ``--turns`` turns in three modes:
+
+* ``direct``: the client itself POSTs P (``max_tokens=1``, ``do_remote_decode``) and then
+  streams from D with P's params: the P/D protocol with no router.
+* ``router``: the same turns through the router, without a conversation id (no tokenize, no
+  report, no entry).
+* ``router+conv``: the same turns with a conversation id: ``/tokenize`` on P, the policy, a pull
+  on turns 2..N, ``return_token_ids`` stripping and the D report. (The router runs with
+  ``--pull-cost-factor 0.001``: with zero-latency engines its learned costs would otherwise
+  find recomputing free and stop pulling.)
+
+For each mode: requests/s, and p50/p99 of the time to the first content token (TTFT) and to
+``[DONE]``; then the router's added latency (mode minus ``direct``) at p50 and p99. With zero
+engine latency this is the router's own cost (plus one more HTTP hop). Numbers depend on the
+machine; docs/perf.md has a run and the exact command.
+
+    .venv/bin/python scripts/bench_router_overhead.py --clients 64 --turns 4 --rounds 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+USER = "Please describe, in detail, how a river carves a canyon over a long time. " * 4
+FOLLOW_UP = "Go on, and be specific about the rocks involved."
+
+
+def free_ports(n: int) -> int:
+    """A base port with ``n`` consecutive free ports after it."""
+    for base in range(21000, 60000, 17):
+        socks = []
+        try:
+            for p in range(base, base + n):
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise RuntimeError("no free ports")
+
+
+@dataclass
+class Sample:
+    ttft_s: float
+    e2e_s: float
+
+
+@dataclass
+class ModeResult:
+    mode: str
+    samples: list[Sample] = field(default_factory=list)
+    wall_s: float = 0.0
+    errors: int = 0
+    cpu_s: dict[str, float] = field(default_factory=dict)
+
+    def pct(self, attr: str, q: float) -> float:
+        values = sorted(getattr(s, attr) for s in self.samples)
+        if not values:
+            return float("nan")
+        return float(values[min(len(values) - 1, int(q * len(values)))])
+
+
+def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{url}: process exited with {proc.returncode}")
+        try:
+            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.1)
+    raise SystemExit(f"{url} did not become healthy")
+
+
+class Conn:
+    """A minimal keep-alive HTTP/1.1 client connection (cheap on CPU, unlike a full client:
+    on a small machine the load generator must not be what is measured)."""
+
+    def __init__(self, port: int) -> None:
+        self.port = port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def _send(self, path: str, body: dict[str, Any]) -> asyncio.StreamReader:
+        if self.writer is None or self.writer.is_closing():
+            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
+        data = json.dumps(body).encode()
+        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
+        self.writer.write(head.encode() + data)
+        assert self.reader is not None
+        return self.reader
+
+    @staticmethod
+    async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
+        raw = await reader.readuntil(b"\r\n\r\n")
+        lines = raw.decode("latin-1").split("\r\n")
+        headers = {}
+        for line in lines[1:]:
+            if ":" in line:
+                k, v = line.split(":", 1)
+                headers[k.strip().lower()] = v.strip()
+        return int(lines[0].split()[1]), headers
+
+    async def post_json(self, path: str, body: dict[str, Any]) -> Any:
+        reader = await self._send(path, body)
+        status, headers = await self._head(reader)
+        data = await reader.readexactly(int(headers.get("content-length", "0")))
+        if status != 200:
+            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+        return json.loads(data)
+
+    async def stream(self, path: str, body: dict[str, Any], started: float) -> tuple[str, float]:
+        """POST and read a chunked SSE response; the reply text and the first token's time."""
+        reader = await self._send(path, body)
+        status, headers = await self._head(reader)
+        if status != 200 or headers.get("transfer-encoding") != "chunked":
+            raise RuntimeError(f"HTTP {status} {headers}")
+        parts: list[str] = []
+        ttft = 0.0
+        buf = b""
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            buf += chunk[:-2]
+            while b"\n\n" in buf:
+                event, buf = buf.split(b"\n\n", 1)
+                if not event.startswith(b"data: {"):
+                    continue
+                obj = json.loads(event[6:])
+                for choice in obj.get("choices") or ():
+                    content = (choice.get("delta") or {}).get("content")
+                    if content:
+                        if not ttft:
+                            ttft = time.perf_counter() - started
+                        parts.append(content)
+        return "".join(parts), ttft
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+@dataclass
+class Client:
+    """One conversation's connections (one per server, as a pooled client would keep)."""
+
+    ports: dict[str, int]
+    conns: dict[str, Conn] = field(default_factory=dict)
+
+    def conn(self, name: str) -> Conn:
+        if name not in self.conns:
+            self.conns[name] = Conn(self.ports[name])
+        return self.conns[name]
+
+    def close(self) -> None:
+        for c in self.conns.values():
+            c.close()
+
+
+async def turn(client: Client, mode: str, messages: list[dict[str, str]], conv_id: str,
+               max_tokens: int) -> tuple[str, Sample]:
+    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
+                            "stream": True}
+    path = "/v1/chat/completions"
+    started = time.perf_counter()
+    if mode == "direct":
+        p_body = {**body, "stream": False, "max_tokens": 1,
+                  "kv_transfer_params": {"do_remote_decode": True}}
+        p = await client.conn("p").post_json(path, p_body)
+        d_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
+        text, ttft = await client.conn("d").stream(path, d_body, started)
+    else:
+        if mode == "router+conv":
+            body["conversation_id"] = conv_id
+        text, ttft = await client.conn("router").stream(path, body, started)
+    return text, Sample(ttft, time.perf_counter() - started)
+
+
+async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, turns: int,
+                       max_tokens: int, out: ModeResult) -> None:
+    client = Client(ports)
+    messages = [{"role": "user", "content": f"[{idx}] " + USER}]
+    try:
+        for _ in range(turns):
+            try:
+                text, sample = await turn(client, mode, messages, f"c{rnd}-{idx}", max_tokens)
+            except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError) as exc:
+                out.errors += 1
+                print(f"  {mode} client {idx}: {exc!r}", file=sys.stderr)
+                return
+            out.samples.append(sample)
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": FOLLOW_UP}]
+    finally:
+        client.close()
+
+
+def cpu_s(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+async def run_mode(mode: str, ports: dict[str, int], args: argparse.Namespace, rnd: int,
+                   result: ModeResult, pids: dict[str, int]) -> None:
+    before = {name: cpu_s(pid) for name, pid in pids.items()}
+    started = time.perf_counter()
+    await asyncio.gather(*(
+        conversation(ports, mode, i, rnd, args.turns, args.max_tokens, result)
+        for i in range(args.clients)))
+    result.wall_s += time.perf_counter() - started
+    for name, pid in pids.items():
+        result.cpu_s[name] = result.cpu_s.get(name, 0.0) + cpu_s(pid) - before[name]
+
+
+async def bench(ports: dict[str, int], args: argparse.Namespace,
+                pids: dict[str, int]) -> list[ModeResult]:
+    modes = ["direct", "router", "router+conv"]
+    results = {m: ModeResult(m) for m in modes}
+    warm = ModeResult("warmup")
+    small = argparse.Namespace(**{**vars(args), "clients": 4})
+    for mode in modes:  # warm code paths
+        await run_mode(mode, ports, small, -1, warm, pids)
+    for rnd in range(args.rounds):  # interleave modes so background noise hits all alike
+        for mode in modes:
+            await run_mode(mode, ports, args, rnd, results[mode], pids)
+    return [results[m] for m in modes]
+
+
+def report(results: list[ModeResult]) -> str:
+    ms = 1000.0
+    lines = ["| mode | requests | errors | req/s | TTFT p50 ms | TTFT p99 ms | "
+             "e2e p50 ms | e2e p99 ms | router CPU ms/req | engines CPU ms/req |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        n = max(1, len(r.samples))
+        rps = len(r.samples) / r.wall_s if r.wall_s else 0.0
+        lines.append(
+            f"| {r.mode} | {len(r.samples)} | {r.errors} | {rps:.0f} | "
+            f"{r.pct('ttft_s', 0.5) * ms:.1f} | {r.pct('ttft_s', 0.99) * ms:.1f} | "
+            f"{r.pct('e2e_s', 0.5) * ms:.1f} | {r.pct('e2e_s', 0.99) * ms:.1f} | "
+            f"{r.cpu_s.get('router', 0.0) * ms / n:.2f} | "
+            f"{r.cpu_s.get('engines', 0.0) * ms / n:.2f} |")
+    base = results[0]
+    lines += ["", "| added vs direct | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
+              "|---|---|---|---|---|"]
+    for r in results[1:]:
+        cells = [(r.pct(a, q) - base.pct(a, q)) * ms
+                 for a, q in (("ttft_s", 0.5), ("ttft_s", 0.99), ("e2e_s", 0.5),
+                              ("e2e_s", 0.99))]
+        lines.append(f"| {r.mode} | " + " | ".join(f"{c:+.1f}" for c in cells) + " |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--clients", type=int, default=64, help="concurrent conversations")
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    args = ap.parse_args()
+
+    base = free_ports(3)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    engines = subprocess.Popen(
+        [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
+         "--base-port", str(base), "--report-delay-s", "0", "--latency-preset", "fast"],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
+    urls = {"p": f"http://127.0.0.1:{base}", "d": f"http://127.0.0.1:{base + 1}",
+            "router": f"http://127.0.0.1:{base + 2}"}
+    router = None
+    try:
+        wait_healthy(urls["p"], engines)
+        wait_healthy(urls["d"], engines)
+        router = subprocess.Popen(
+            [sys.executable, "-m", "kvrelay.cli", "route", "--prefill", urls["p"], "--decode",
+             urls["d"], "--port", str(base + 2), "--block-size", "128",
+             # zero-latency engines make every recompute look free: keep the pull path on
+             "--pull-cost-factor", "0.001", "--log-level", "warning"], env=env)
+        wait_healthy(urls["router"], router)
+        print(f"clients {args.clients}, turns {args.turns}, rounds {args.rounds}, "
+              f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
+        ports = {"p": base, "d": base + 1, "router": base + 2}
+        pids = {"router": router.pid, "engines": engines.pid}
+        results = asyncio.run(bench(ports, args, pids))
+        print(report(results))
+        stats = httpx.get(urls["router"] + "/stats").json()["decisions"]
+        by_reason = re.sub(r"[{}']", "", str(stats["by_reason"]))
+        print(f"\nrouter decisions: {by_reason}")
+        return 0 if all(r.errors == 0 for r in results) else 1
+    finally:
+        for proc in (router, engines):
+            if proc is not None:
+                proc.terminate()
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

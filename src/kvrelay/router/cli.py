@@ -1,0 +1,111 @@
+"""``kvrelay route``: run the router in front of vLLM prefill and decode servers.
+
+Settings, later winning: built-in defaults, ``--config FILE`` (TOML, keys as in
+``config.build_config``), ``KVRELAY_*`` env vars (``config.ENV_KEYS``), then flags.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+
+def register(sub: Any) -> None:
+    route = sub.add_parser(
+        "route",
+        help="run the KV-aware router in front of vLLM P/D servers",
+        description="OpenAI-compatible router that reuses D's retained KV across turns.",
+    )
+    add_route_arguments(route)
+    route.set_defaults(func=_route)
+
+
+def add_route_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prefill", action="append", metavar="URL", default=None,
+                        help="prefill (P) server URL; repeat for several (env KVRELAY_PREFILL, "
+                             "comma-separated)")
+    parser.add_argument("--decode", action="append", metavar="URL", default=None,
+                        help="decode (D) server URL; repeat for several (env KVRELAY_DECODE)")
+    parser.add_argument("--side-channel", action="append", metavar="URL=HOST[:PORT]",
+                        default=None,
+                        help="address by which the other role reaches this node's NIXL side "
+                             "channel (default: as the node advertises it)")
+    parser.add_argument("--ttl-s", type=float, default=None,
+                        help="D's decoder_kv_blocks_ttl in seconds (default 480)")
+    parser.add_argument("--block-size", type=int, default=None,
+                        help="D's KV block size in tokens (default: inferred from its params; "
+                             "set it for non-power-of-two block sizes)")
+    parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
+    parser.add_argument("--public-url", default=None,
+                        help="URL by which D nodes reach this router for KV reports "
+                             "(default http://HOST:PORT)")
+    parser.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
+    parser.add_argument("--kv-recompute-threshold", type=int, default=None)
+    parser.add_argument("--near-expiry-s", type=float, default=None)
+    parser.add_argument("--pull-cost-factor", type=float, default=None)
+    parser.add_argument("--direct", action="store_true", default=None,
+                        help="enable the direct action (whole turn to the holding D)")
+    parser.add_argument("--report-wait-s", type=float, default=None)
+    parser.add_argument("--health-interval-s", type=float, default=None)
+    parser.add_argument("--log-level", default=None,
+                        choices=["critical", "error", "warning", "info", "debug"])
+
+
+def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The flags given on the command line as a settings layer (unset flags omitted)."""
+    from kvrelay.router.config import ConfigError
+
+    side: dict[str, str] = {}
+    for item in args.side_channel or ():
+        node, sep, address = item.partition("=")
+        if not sep or not node or not address:
+            raise ConfigError(f"--side-channel needs URL=HOST[:PORT], got {item!r}")
+        side[node.rstrip("/")] = address
+    out: dict[str, Any] = {
+        "prefill": args.prefill,
+        "decode": args.decode,
+        "ttl_s": args.ttl_s,
+        "block_size": args.block_size,
+        "host": args.host,
+        "port": args.port,
+        "public_url": args.public_url,
+        "kv_recompute_threshold": args.kv_recompute_threshold,
+        "near_expiry_s": args.near_expiry_s,
+        "pull_cost_factor": args.pull_cost_factor,
+        "direct_enabled": args.direct,
+        "report_wait_s": args.report_wait_s,
+        "health_interval_s": args.health_interval_s,
+        "log_level": args.log_level,
+    }
+    if side:
+        out["side_channels"] = side
+    return {k: v for k, v in out.items() if v is not None}
+
+
+def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = None) -> Any:
+    """The ``RouterConfig`` for parsed ``kvrelay route`` arguments."""
+    from kvrelay.router.config import build_config, settings_from_env, settings_from_toml
+
+    layers = []
+    if args.config:
+        layers.append(settings_from_toml(args.config))
+    layers.append(settings_from_env(environ))
+    layers.append(settings_from_args(args))
+    return build_config(*layers)
+
+
+def _route(args: argparse.Namespace) -> int:
+    from kvrelay.router.app import serve
+    from kvrelay.router.config import ConfigError
+
+    try:
+        config = config_from_args(args)
+    except ConfigError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    nodes = ", ".join(f"{n.node_id}={n.url}" for n in config.nodes)
+    print(f"kvrelay router on http://{config.host}:{config.port} -> {nodes}", flush=True)
+    serve(config)
+    return 0

@@ -1,0 +1,361 @@
+"""Router configuration: immutable values, built from code, a TOML file, env vars or flags.
+
+``RouterConfig.from_urls(prefill_urls, decode_urls, ...)`` is the programmatic entry point
+(``kvrelay up`` uses it). ``build_config(layers...)`` merges plain settings mappings, later
+layers winning; the CLI passes defaults <- TOML file <- ``KVRELAY_*`` env <- flags.
+
+Node ids default to ``prefill-<i>`` / ``decode-<j>`` in the order given, like the local cluster.
+A node's ``side_channel`` is the address (``host`` and optionally ``port``) by which the *other*
+role reaches this node's NIXL side channel; when set, the router rewrites ``remote_host`` (and
+``remote_port``) in params that point at this node before forwarding them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any, Literal
+from urllib.parse import urlsplit
+
+import tomllib
+
+from kvrelay.core.conversation import (
+    DEFAULT_DECODER_KV_BLOCKS_TTL_S,
+    DEFAULT_EXPIRY_SAFETY_MARGIN_S,
+)
+from kvrelay.core.policy import PolicyConfig
+from kvrelay.core.selection import AffinityConfig
+
+Role = Literal["prefill", "decode"]
+
+
+class ConfigError(ValueError):
+    """An invalid router setting (bad URL, unknown key, wrong type)."""
+
+
+@dataclass(frozen=True)
+class SideChannel:
+    """Where the other role reaches a node's NIXL side channel; ``port=None`` keeps the
+    port the node advertises."""
+
+    host: str
+    port: int | None = None
+
+    @classmethod
+    def parse(cls, text: str) -> SideChannel:
+        """``host``, ``host:port`` or ``[v6]:port``."""
+        text = text.strip()
+        if text.startswith("["):
+            host, _, rest = text[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        elif text.count(":") == 1:
+            host, _, port_text = text.partition(":")
+        else:
+            host, port_text = text, ""
+        if not host:
+            raise ConfigError(f"side channel {text!r} has no host")
+        if not port_text:
+            return cls(host)
+        try:
+            port = int(port_text)
+        except ValueError:
+            raise ConfigError(f"side channel {text!r}: port is not a number") from None
+        if not 0 < port < 65536:
+            raise ConfigError(f"side channel {text!r}: port out of range")
+        return cls(host, port)
+
+
+@dataclass(frozen=True)
+class NodeConfig:
+    """One vLLM server. ``ttl_s`` is D's ``decoder_kv_blocks_ttl`` (ignored for P);
+    ``block_size`` its KV block size in tokens (``None``: inferred from its params, see
+    ``router.blocks``)."""
+
+    node_id: str
+    role: Role
+    url: str
+    side_channel: SideChannel | None = None
+    ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S
+    block_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.node_id:
+            raise ConfigError("node id must be non-empty")
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ConfigError(f"node URL must be http(s)://host[:port], got {self.url!r}")
+        if self.url.endswith("/"):
+            object.__setattr__(self, "url", self.url.rstrip("/"))
+        if self.ttl_s <= 0:
+            raise ConfigError(f"{self.node_id}: ttl_s must be positive")
+        if self.block_size is not None and self.block_size < 1:
+            raise ConfigError(f"{self.node_id}: block_size must be >= 1")
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs; see ``docs/router.md`` for each knob's meaning.
+
+    Timeouts are wall-clock seconds. ``ttl_safety_margin_s`` is subtracted from each D's
+    ``ttl_s`` to get an entry's expiry on the router clock. ``report_wait_s`` bounds how long a
+    turn waits for the previous turn's pending D report; ``report_timeout_s`` how long after a
+    response ends the router keeps waiting for that report before giving up on the entry.
+    """
+
+    prefill: tuple[NodeConfig, ...]
+    decode: tuple[NodeConfig, ...]
+    host: str = "127.0.0.1"
+    port: int = 8000
+    public_url: str | None = None
+    tenant: str = "default"
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    affinity: AffinityConfig = field(default_factory=AffinityConfig)
+    ttl_safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S
+    report_wait_s: float = 1.0
+    report_timeout_s: float = 10.0
+    health_interval_s: float = 5.0
+    health_timeout_s: float = 2.0
+    health_failures_to_down: int = 2
+    connect_timeout_s: float = 5.0
+    read_timeout_s: float = 600.0
+    max_connections: int = 512
+    max_entries: int = 100_000
+    expired_retention_s: float = 300.0
+    recent_decisions: int = 100
+    log_level: str = "info"
+
+    def __post_init__(self) -> None:
+        if not self.prefill or not self.decode:
+            raise ConfigError("the router needs at least one prefill and one decode node")
+        ids = [n.node_id for n in self.nodes]
+        if len(set(ids)) != len(ids):
+            raise ConfigError(f"node ids must be unique, got {ids}")
+        if any(n.role != "prefill" for n in self.prefill):
+            raise ConfigError("every prefill node needs role 'prefill'")
+        if any(n.role != "decode" for n in self.decode):
+            raise ConfigError("every decode node needs role 'decode'")
+        if not 0 < self.port < 65536:
+            raise ConfigError(f"port out of range: {self.port}")
+        for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
+            if getattr(self, name) < 0:
+                raise ConfigError(f"{name} cannot be negative")
+        for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
+                     "read_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name} must be positive")
+        if self.health_failures_to_down < 1 or self.max_connections < 1:
+            raise ConfigError("health_failures_to_down and max_connections must be >= 1")
+        if self.max_entries < 1 or self.recent_decisions < 0:
+            raise ConfigError("max_entries must be >= 1 and recent_decisions >= 0")
+        for node in self.decode:
+            if not 0 <= self.ttl_safety_margin_s < node.ttl_s:
+                raise ConfigError(f"ttl_safety_margin_s must be in [0, {node.node_id}'s ttl_s)")
+        if not self.tenant:
+            raise ConfigError("tenant must be non-empty")
+
+    @property
+    def nodes(self) -> tuple[NodeConfig, ...]:
+        return (*self.prefill, *self.decode)
+
+    @property
+    def report_url(self) -> str:
+        """Where D's connector POSTs its report: ``public_url`` or this router's address."""
+        base = self.public_url
+        if base is None:
+            host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+            host = f"[{host}]" if ":" in host else host
+            base = f"http://{host}:{self.port}"
+        return base.rstrip("/") + "/internal/kv-report"
+
+    @classmethod
+    def from_urls(
+        cls,
+        prefill_urls: Sequence[str],
+        decode_urls: Sequence[str],
+        *,
+        side_channels: Mapping[str, str] | None = None,
+        ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S,
+        block_size: int | None = None,
+        **settings: Any,
+    ) -> RouterConfig:
+        """Config for nodes given by URL; ``side_channels`` maps a node URL (or id) to
+        ``host[:port]``; other keyword arguments are ``RouterConfig`` fields."""
+        return build_config(
+            {"prefill": list(prefill_urls), "decode": list(decode_urls), "ttl_s": ttl_s,
+             "block_size": block_size, "side_channels": dict(side_channels or {}),
+             **settings}
+        )
+
+
+_POLICY_KEYS = {f.name for f in fields(PolicyConfig)}
+_AFFINITY_KEYS = {f.name for f in fields(AffinityConfig)}
+_SCALAR_KEYS = {
+    f.name: f for f in fields(RouterConfig) if f.name not in ("prefill", "decode", "policy",
+                                                             "affinity")
+}
+_NODE_KEYS = {"url", "id", "side_channel", "ttl_s", "block_size"}
+
+
+def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
+    """Merge settings layers (later wins) into a ``RouterConfig``; ``ConfigError`` if invalid.
+
+    Keys: ``RouterConfig`` scalar fields, ``prefill``/``decode`` (lists of URLs or of
+    ``{"url", "id", "side_channel", "ttl_s", "block_size"}`` tables), ``ttl_s`` (default D
+    TTL), ``block_size`` (default block size, unset: inferred),
+    ``side_channels`` (``{url_or_id: "host[:port]"}``), ``policy`` and ``affinity`` tables
+    (or their fields at top level, e.g. ``kv_recompute_threshold``).
+    """
+    merged: dict[str, Any] = {}
+    policy: dict[str, Any] = {}
+    affinity: dict[str, Any] = {}
+    side: dict[str, str] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if value is None:
+                continue
+            if key == "policy" or key == "affinity":
+                if not isinstance(value, Mapping):
+                    raise ConfigError(f"{key} must be a table")
+                (policy if key == "policy" else affinity).update(value)
+            elif key == "side_channels":
+                side.update({str(k): str(v) for k, v in dict(value).items()})
+            elif key in _POLICY_KEYS:
+                policy[key] = value
+            elif key in _AFFINITY_KEYS:
+                affinity[key] = value
+            elif key in _SCALAR_KEYS or key in ("prefill", "decode", "ttl_s", "block_size"):
+                merged[key] = value
+            else:
+                raise ConfigError(f"unknown router setting {key!r}")
+    default_ttl = float(merged.pop("ttl_s", DEFAULT_DECODER_KV_BLOCKS_TTL_S))
+    default_bs = merged.pop("block_size", None)
+    default_bs = int(default_bs) if default_bs is not None else None
+    prefill = _nodes("prefill", merged.pop("prefill", []), side, default_ttl, default_bs)
+    decode = _nodes("decode", merged.pop("decode", []), side, default_ttl, default_bs)
+    used = {n.url for n in (*prefill, *decode)} | {n.node_id for n in (*prefill, *decode)}
+    unknown = sorted(set(side) - used)
+    if unknown:
+        raise ConfigError(f"side channel given for unknown node(s): {unknown}")
+    try:
+        scalars = {k: _coerce(k, v) for k, v in merged.items()}
+        return RouterConfig(
+            prefill=prefill,
+            decode=decode,
+            policy=replace(PolicyConfig(), **policy),
+            affinity=replace(AffinityConfig(), **affinity),
+            **scalars,
+        )
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, ConfigError):
+            raise
+        raise ConfigError(str(exc)) from exc
+
+
+def _nodes(
+    role: Role,
+    raw: object,
+    side: Mapping[str, str],
+    default_ttl: float,
+    default_block_size: int | None,
+) -> tuple[NodeConfig, ...]:
+    if isinstance(raw, str):
+        raw = [u for u in raw.split(",") if u.strip()]
+    if not isinstance(raw, list | tuple):
+        raise ConfigError(f"{role} must be a list of URLs or node tables")
+    out: list[NodeConfig] = []
+    for i, item in enumerate(raw):
+        table: Mapping[str, Any] = {"url": item} if isinstance(item, str) else item
+        if not isinstance(table, Mapping) or not isinstance(table.get("url"), str):
+            raise ConfigError(f"{role}[{i}] needs a 'url'")
+        extra = set(table) - _NODE_KEYS
+        if extra:
+            raise ConfigError(f"{role}[{i}]: unknown key(s) {sorted(extra)}")
+        url = str(table["url"]).strip().rstrip("/")
+        node_id = str(table.get("id") or f"{role}-{i}")
+        channel = table.get("side_channel") or side.get(url) or side.get(node_id)
+        try:
+            ttl = float(table.get("ttl_s", default_ttl))
+            bs = table.get("block_size", default_block_size)
+            bs = int(bs) if bs is not None else None
+        except (TypeError, ValueError):
+            raise ConfigError(f"{role}[{i}]: ttl_s and block_size must be numbers") from None
+        out.append(NodeConfig(
+            node_id=node_id,
+            role=role,
+            url=url,
+            side_channel=SideChannel.parse(str(channel)) if channel else None,
+            ttl_s=ttl,
+            block_size=bs,
+        ))
+    return tuple(out)
+
+
+def _coerce(key: str, value: Any) -> Any:
+    """Env/flag strings to the field's type (TOML values are already typed)."""
+    kind = _SCALAR_KEYS[key].type
+    if not isinstance(value, str) or kind in ("str", "str | None"):
+        return value
+    if kind == "int":
+        return int(value)
+    if kind == "float":
+        return float(value)
+    return value
+
+
+ENV_PREFIX = "KVRELAY_"
+#: Env var suffix -> settings key (list-valued ones are comma-separated).
+ENV_KEYS = {
+    "PREFILL": "prefill",
+    "DECODE": "decode",
+    "HOST": "host",
+    "PORT": "port",
+    "PUBLIC_URL": "public_url",
+    "TTL_S": "ttl_s",
+    "BLOCK_SIZE": "block_size",
+    "REPORT_WAIT_S": "report_wait_s",
+    "REPORT_TIMEOUT_S": "report_timeout_s",
+    "HEALTH_INTERVAL_S": "health_interval_s",
+    "MAX_ENTRIES": "max_entries",
+    "KV_RECOMPUTE_THRESHOLD": "kv_recompute_threshold",
+    "NEAR_EXPIRY_S": "near_expiry_s",
+    "PULL_COST_FACTOR": "pull_cost_factor",
+    "DIRECT": "direct_enabled",
+    "LOG_LEVEL": "log_level",
+}
+
+
+def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any]:
+    """``KVRELAY_*`` variables (see ``ENV_KEYS``) as a settings layer."""
+    env = os.environ if environ is None else environ
+    out: dict[str, Any] = {}
+    for suffix, key in ENV_KEYS.items():
+        value = env.get(ENV_PREFIX + suffix)
+        if value is None or value == "":
+            continue
+        if key == "direct_enabled":
+            out[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        elif key in ("kv_recompute_threshold", "block_size"):
+            out[key] = _number(suffix, value, int)
+        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s"):
+            out[key] = _number(suffix, value, float)
+        else:
+            out[key] = value
+    return out
+
+
+def settings_from_toml(path: str | Path) -> dict[str, Any]:
+    """A TOML config file as a settings layer (keys as in ``build_config``)."""
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from exc
+
+
+def _number(name: str, value: str, kind: type[int] | type[float]) -> int | float:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ConfigError(f"{ENV_PREFIX}{name} must be a number, got {value!r}") from None

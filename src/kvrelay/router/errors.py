@@ -1,0 +1,112 @@
+"""OpenAI-style error bodies, and the router's two error types.
+
+Every error the router answers has the body ``{"error": {"message", "type", "param", "code"}}``
+(``code`` is the HTTP status, as vLLM does), so the unmodified ``openai`` SDK raises its usual
+``APIStatusError`` subclasses. ``ClientError`` is bad client input (always 4xx, never a 500);
+``RouterError`` is anything else the router answers itself (no capacity, upstream failure).
+Upstream 4xx answers are passed through with their own status and message.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from http import HTTPStatus
+
+from starlette.responses import Response
+
+_TYPES = {
+    400: "BadRequestError",
+    404: "NotFoundError",
+    413: "RequestEntityTooLargeError",
+    422: "UnprocessableEntityError",
+    500: "InternalServerError",
+    502: "BadGatewayError",
+    503: "ServiceUnavailableError",
+    504: "GatewayTimeoutError",
+}
+
+
+def error_type(status: int) -> str:
+    """The ``type`` string for an HTTP status (``BadRequestError`` style, as vLLM names them)."""
+    known = _TYPES.get(status)
+    if known is not None:
+        return known
+    try:
+        phrase = HTTPStatus(status).phrase
+    except ValueError:
+        phrase = "Unknown"
+    return phrase.replace(" ", "").replace("-", "") + "Error"
+
+
+def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
+    """``{"error": {"message", "type", "param", "code"}}`` for ``status``."""
+    return {
+        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
+    }
+
+
+def error_response(status: int, message: str, param: str | None = None) -> Response:
+    """A JSON error response with an OpenAI-style body."""
+    return json_response(error_body(status, message, param), status)
+
+
+def json_response(obj: object, status: int = 200) -> Response:
+    """Compact JSON (non-ASCII kept, like vLLM's pydantic dumps)."""
+    return Response(dumps(obj), status_code=status, media_type="application/json")
+
+
+def dumps(obj: object) -> str:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+
+
+def passthrough_error_body(status: int, upstream: object) -> dict[str, object]:
+    """An upstream 4xx body as an OpenAI-style error: kept if it already is one (vLLM's
+    ``ErrorResponse``), else wrapped with a generic message."""
+    if isinstance(upstream, Mapping):
+        err = upstream.get("error")
+        if isinstance(err, Mapping) and isinstance(err.get("message"), str):
+            param = err.get("param")
+            out = error_body(status, str(err["message"]), param if isinstance(param, str) else None)
+            if isinstance(err.get("type"), str):
+                out["error"]["type"] = err["type"]  # type: ignore[index]
+            return out
+        # vLLM's older/FastAPI error shapes: {"message": ...} or {"detail": ...}
+        for field in ("message", "detail"):
+            if isinstance(upstream.get(field), str):
+                return error_body(status, str(upstream[field]))
+    return error_body(status, f"upstream answered HTTP {status}")
+
+
+class ClientError(Exception):
+    """Bad client input: answered with ``status`` (4xx) and an OpenAI error body."""
+
+    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.status = status
+
+    def response(self) -> Response:
+        return error_response(self.status, self.message, self.param)
+
+
+class RouterError(Exception):
+    """A failure the router answers itself (502/503/504, or a passed-through upstream 4xx
+    when ``body`` is set)."""
+
+    def __init__(
+        self, status: int, message: str, body: Mapping[str, object] | None = None
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.body = body
+
+    def to_body(self) -> dict[str, object]:
+        if self.body is not None:
+            return dict(self.body)
+        return error_body(self.status, self.message)
+
+    def response(self) -> Response:
+        return json_response(self.to_body(), self.status)

@@ -1,0 +1,29 @@
+"""The per-app bundle of router state, built by ``create_app`` (never a module global)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.reports import ReportBook
+from kvrelay.router.stats import RouterStats
+from kvrelay.router.store import ConversationStore
+from kvrelay.router.upstream import Upstream
+
+
+@dataclass
+class RouterContext:
+    """Everything one router app owns. ``clock`` is the router clock (entry expiry, policy
+    ``now_s``); durations for metrics and cost estimates use ``time.perf_counter``."""
+
+    config: RouterConfig
+    clock: Callable[[], float]
+    upstream: Upstream
+    nodes: NodeRegistry
+    store: ConversationStore
+    reports: ReportBook
+    metrics: RouterMetrics
+    stats: RouterStats

@@ -1,0 +1,171 @@
+"""Helpers for router tests: a router app on a ``MockCluster``, a manual clock, SSE parsing
+and a multi-turn chat driver."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+
+from kvrelay.router.app import create_app
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.state import RouterContext
+from tests.component.router_mock import MockCluster
+
+
+async def until(predicate: Any, what: str, spins: int = 5000) -> None:
+    """Yield to the event loop until ``predicate()`` holds (bounded, never a time threshold)."""
+    for _ in range(spins):
+        if predicate():
+            return
+        await asyncio.sleep(0.001)
+    raise AssertionError(f"never happened: {what}")
+
+
+class Clock:
+    """A router clock that moves only when told to."""
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def sse_events(text: str) -> list[Any]:
+    """The data payloads of an SSE body: parsed JSON objects, or the string ``[DONE]``."""
+    out: list[Any] = []
+    for block in text.split("\n\n"):
+        block = block.strip()
+        if not block.startswith("data: "):
+            continue
+        data = block[6:]
+        out.append(data if data == "[DONE]" else json.loads(data))
+    return out
+
+
+def stream_text(events: list[Any]) -> str:
+    parts: list[str] = []
+    for ev in events:
+        if not isinstance(ev, dict):
+            continue
+        for choice in ev.get("choices") or ():
+            delta = choice.get("delta")
+            parts.append((delta or {}).get("content") or choice.get("text") or "")
+    return "".join(parts)
+
+
+def reply_text(obj: dict[str, Any]) -> str:
+    choice = obj["choices"][0]
+    return str(choice["message"]["content"] if "message" in choice else choice["text"])
+
+
+def walk_keys(obj: Any) -> list[tuple[str, Any]]:
+    """Every (key, value) pair in a JSON value, recursively."""
+    out: list[tuple[str, Any]] = []
+    if isinstance(obj, dict):
+        for k, v in obj.items():
+            out.append((k, v))
+            out.extend(walk_keys(v))
+    elif isinstance(obj, list):
+        for v in obj:
+            out.extend(walk_keys(v))
+    return out
+
+
+def assert_no_internal_fields(payloads: list[Any]) -> None:
+    """No router-internal field reaches the client: no ``kv_transfer_params`` or
+    ``kvrelay_*`` key at all, token ids only as vLLM's own ``null``."""
+    for payload in payloads:
+        for key, value in walk_keys(payload):
+            assert not key.startswith("kvrelay_"), key
+            assert key != "kv_transfer_params", payload
+            if key in ("token_ids", "prompt_token_ids"):
+                assert value is None, (key, value)
+
+
+@dataclass
+class Rig:
+    """A router app (no lifespan: no health loop) on a mock cluster, with an ASGI client."""
+
+    cluster: MockCluster
+    settings: dict[str, Any] = field(default_factory=dict)
+    clock: Clock = field(default_factory=Clock)
+    config: RouterConfig | None = None
+
+    def __post_init__(self) -> None:
+        if self.config is None:
+            self.config = self.cluster.config(**self.settings)
+        self.app = create_app(self.config, transport=self.cluster.transport, clock=self.clock)
+        self.cluster.router_app = self.app
+        self.client = httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=self.app), base_url="http://router", timeout=30
+        )
+
+    @property
+    def ctx(self) -> RouterContext:
+        ctx: RouterContext = self.app.state.router
+        return ctx
+
+    async def close(self) -> None:
+        await self.cluster.drain()
+        await self.client.aclose()
+        await self.ctx.upstream.aclose()
+
+    async def post(self, path: str, body: Any, **kw: Any) -> httpx.Response:
+        if isinstance(body, bytes | str):
+            return await self.client.post(path, content=body, **kw)
+        return await self.client.post(path, json=body, **kw)
+
+    async def stats(self) -> dict[str, Any]:
+        resp = await self.client.get("/stats")
+        assert resp.status_code == 200
+        result: dict[str, Any] = resp.json()
+        return result
+
+    async def last_decision(self) -> dict[str, Any]:
+        recent = (await self.stats())["decisions"]["recent"]
+        assert recent, "no decision recorded"
+        last: dict[str, Any] = recent[-1]
+        return last
+
+    async def settle(self) -> None:
+        """Let pending D reports arrive and be processed."""
+        await self.cluster.drain()
+
+
+@dataclass
+class Chat:
+    """One conversation: keeps the messages and sends each turn through the router."""
+
+    rig: Rig
+    conversation_id: str | None
+    stream: bool = False
+    max_tokens: int = 8
+    messages: list[dict[str, Any]] = field(default_factory=list)
+
+    async def turn(self, user: str, **extra: Any) -> tuple[httpx.Response, str]:
+        self.messages.append({"role": "user", "content": user})
+        body: dict[str, Any] = {
+            "model": "mock", "messages": list(self.messages), "max_tokens": self.max_tokens,
+            "stream": self.stream, **extra,
+        }
+        if self.conversation_id is not None:
+            body["conversation_id"] = self.conversation_id
+        resp = await self.rig.post("/v1/chat/completions", body)
+        text = ""
+        if resp.status_code == 200:
+            if self.stream:
+                events = sse_events(resp.text)
+                assert events[-1] == "[DONE]"
+                text = stream_text(events)
+            else:
+                text = reply_text(resp.json())
+            self.messages.append({"role": "assistant", "content": text})
+        return resp, text

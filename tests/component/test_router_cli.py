@@ -1,0 +1,81 @@
+"""``python -m kvrelay.cli route`` as a subprocess in front of in-process fake engines:
+``serve()`` with its lifespan (health loop), reports over loopback, clean exit on SIGINT."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+
+import httpx
+
+from kvrelay.testing import FakeCluster
+from tests.component.router_fake import ENGINE_CONFIG, free_port
+from tests.component.router_rig import sse_events, stream_text
+
+FIRST = "What is the capital of France, and why? " * 8
+
+
+async def wait_healthy(url: str, proc: asyncio.subprocess.Process) -> None:
+    async with httpx.AsyncClient(trust_env=False) as c:
+        for _ in range(300):
+            if proc.returncode is not None:
+                raise AssertionError(f"router exited with {proc.returncode}")
+            try:
+                if (await c.get(url + "/health", timeout=1.0)).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            await asyncio.sleep(0.05)
+    raise AssertionError("router never became healthy")
+
+
+async def test_route_subprocess_serves_pulls_and_stops_on_sigint() -> None:
+    async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvrelay.cli", "route",
+            "--prefill", cluster.prefill_urls[0], "--decode", cluster.decode_urls[0],
+            "--port", str(port), "--block-size", "128", "--health-interval-s", "0.2",
+            "--log-level", "warning",
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        )
+        try:
+            await wait_healthy(url, proc)
+            messages = [{"role": "user", "content": FIRST}]
+            async with httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as c:
+                for follow_up in ("Tell me more.", "And Germany?"):
+                    resp = await c.post("/v1/chat/completions", json={
+                        "messages": messages, "max_tokens": 12, "stream": True,
+                        "conversation_id": "cli"})
+                    assert resp.status_code == 200 and resp.text.endswith("data: [DONE]\n\n")
+                    await cluster.drain_reports()
+                    text = stream_text(sse_events(resp.text))
+                    messages += [{"role": "assistant", "content": text},
+                                 {"role": "user", "content": follow_up}]
+                for _ in range(100):  # the report reached the router subprocess
+                    if (await c.get("/stats")).json()["pending_reports"] == 0:
+                        break
+                    await asyncio.sleep(0.02)
+                resp = await c.post("/v1/chat/completions", json={
+                    "messages": messages, "max_tokens": 12, "conversation_id": "cli"})
+                assert resp.status_code == 200
+                stats = (await c.get("/stats")).json()
+                assert [d["reason"] for d in stats["decisions"]["recent"]] == [
+                    "no_entry", "pull", "pull"]
+                metrics = (await c.get("/metrics")).text
+                assert 'kvrelay_router_node_up{node="decode-0",role="decode"} 1.0' in metrics
+            cluster.decode[0].faults.unhealthy = True  # the health loop notices by itself
+            async with httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as c:
+                for _ in range(200):
+                    stats = (await c.get("/stats")).json()
+                    if not stats["nodes"][1]["up"]:
+                        break
+                    await asyncio.sleep(0.05)
+                assert stats["nodes"][1]["up"] is False
+        finally:
+            if proc.returncode is None:
+                proc.send_signal(signal.SIGINT)
+            out, _ = await asyncio.wait_for(proc.communicate(), 30)
+        assert proc.returncode == 0, out.decode(errors="replace")[-2000:]

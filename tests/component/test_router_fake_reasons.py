@@ -1,0 +1,311 @@
+"""Every decision reason and failure path with fake vLLM engines behind the router (real HTTP,
+real D-side reports, one shared ManualClock for TTLs)."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvrelay.core.conversation import ConversationKey
+from tests.component.router_fake import (
+    ENGINE_CONFIG,
+    PermitSleep,
+    Routed,
+    routed,
+    until,
+)
+from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
+
+FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
+KEY = ConversationKey("default", "c")
+
+
+class Conversation:
+    def __init__(self, r: Routed, conversation_id: str | None = "c", stream: bool = False,
+                 max_tokens: int = 16) -> None:
+        self.r = r
+        self.id = conversation_id
+        self.stream = stream
+        self.max_tokens = max_tokens
+        self.messages: list[dict[str, Any]] = []
+
+    def body(self, user: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": self.max_tokens,
+                                "stream": self.stream,
+                                "messages": [*self.messages, {"role": "user", "content": user}]}
+        if self.id is not None:
+            body["conversation_id"] = self.id
+        return body
+
+    async def turn(self, user: str, settle: bool = True) -> tuple[int, str, list[Any]]:
+        body = self.body(user)
+        async with self.r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body)
+        ok_stream = self.stream and resp.status_code == 200
+        payloads = sse_events(resp.text) if ok_stream else [resp.json()]
+        assert_no_internal_fields(payloads)
+        text = ""
+        if resp.status_code == 200:
+            text = (stream_text(payloads) if self.stream
+                    else payloads[0]["choices"][0]["message"]["content"])
+            self.messages = [*body["messages"], {"role": "assistant", "content": text}]
+        if settle:
+            await self.r.settle()
+        return resp.status_code, text, payloads
+
+    async def recompute_of_last(self) -> str:
+        """The last reply as a plain recompute (no conversation id) would give it."""
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": self.max_tokens,
+                                "messages": self.messages[:-1]}
+        async with self.r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body)
+        return str(resp.json()["choices"][0]["message"]["content"])
+
+
+async def two_turns(r: Routed, between: Any = None, **kw: Any) -> dict[str, Any]:
+    conv = Conversation(r, **kw)
+    status, _, _ = await conv.turn(FIRST)
+    assert status == 200
+    if between is not None:
+        await between(conv)
+    status, text, _ = await conv.turn("And what happens in winter?")
+    assert status == 200
+    decision = dict(await r.last_decision())
+    if decision["prefill_node"] is not None:  # P's record of turn 2, before the recompute
+        decision["p_record"] = r.cluster.engine(decision["prefill_node"]).records[-1]
+    assert text == await conv.recompute_of_last()
+    return decision
+
+
+# -- TTL on the shared clock --------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("advance_s", "reason"), [(481.0, "expired"), (458.0, "near_expiry"), (400.0, "pull")]
+)
+async def test_ttl(advance_s: float, reason: str) -> None:
+    async with routed() as r:
+        async def wait(conv: Conversation) -> None:
+            r.clock.advance(advance_s)
+
+        decision = await two_turns(r, wait)
+        assert decision["reason"] == reason
+        assert (decision["p_record"].plan == "pull") == (reason == "pull")
+
+
+# -- nodes going down, restarting ---------------------------------------------------------
+
+
+async def test_unhealthy_d_is_marked_down_and_its_entries_dropped() -> None:
+    async with routed(num_decode=2) as r:
+        async def fail(conv: Conversation) -> None:
+            d0 = r.cluster.engine("decode-0")
+            d0.faults.unhealthy = True
+            await r.ctx.nodes.check_all()
+            await r.ctx.nodes.check_all()
+            assert not r.ctx.nodes.state("decode-0").up  # type: ignore[union-attr]
+            assert len(r.ctx.store) == 0
+
+        decision = await two_turns(r, fail)
+        assert (decision["reason"], decision["decode_node"]) == ("no_entry", "decode-1")
+        r.cluster.engine("decode-0").faults.unhealthy = False
+        await r.ctx.nodes.check_all()
+        assert r.ctx.nodes.state("decode-0").up  # type: ignore[union-attr]
+
+
+async def test_node_down_when_the_turn_finished_after_d_went_down() -> None:
+    async with routed(num_decode=2) as r:
+        d0 = r.cluster.engine("decode-0")
+        conv = Conversation(r)
+        d0.faults.hang = True
+        turn1 = asyncio.create_task(conv.turn(FIRST))
+        await until(lambda: d0.faults.num_hung == 1, "turn 1 held by D0")
+        d0.faults.unhealthy = True
+        await r.ctx.nodes.check_all()
+        await r.ctx.nodes.check_all()
+        d0.faults.hang = False
+        assert (await turn1)[0] == 200
+        assert await r.ctx.store.get(KEY) is not None
+        status, text, _ = await conv.turn("And then?")
+        assert status == 200 and text == await conv.recompute_of_last()
+        decision = (await r.stats())["decisions"]["recent"][-2]
+        assert (decision["reason"], decision["decode_node"]) == ("node_down", "decode-1")
+
+
+async def test_engine_restarted_once_the_new_engine_id_is_known() -> None:
+    async with routed() as r:
+        async def restart(conv: Conversation) -> None:
+            d0 = r.cluster.engine("decode-0")
+            await d0.restart()
+            await Conversation(r, "other").turn("Hello there, how are you today? " * 4)
+            assert r.ctx.nodes.state("decode-0").engine_id == d0.engine_id  # type: ignore[union-attr]
+
+        decision = await two_turns(r, restart)
+        assert decision["reason"] == "engine_restarted"
+        assert decision["p_record"].plan == "none"
+
+
+async def test_restart_not_yet_seen_is_caught_by_the_engine_id_in_the_params() -> None:
+    """Before the router learns D restarted it pulls; P's read fails on the engine id and P
+    recomputes (policy ``recompute``): the answer is still exactly right."""
+    async with routed() as r:
+        async def restart(conv: Conversation) -> None:
+            await r.cluster.engine("decode-0").restart()
+
+        decision = await two_turns(r, restart)
+        assert decision["reason"] == "pull"
+        rec = decision["p_record"]
+        assert rec.load_failure == "engine_mismatch" and rec.recomputed_after_failure
+
+
+async def test_crashed_d_is_retried_on_the_other_d() -> None:
+    async with routed(num_decode=2) as r:
+        async def crash(conv: Conversation) -> None:
+            await r.cluster.engine("decode-0").crash()
+
+        decision = await two_turns(r, crash)
+        assert decision["decode_node"] == "decode-1" and decision["retries"] == 1
+        assert not r.ctx.nodes.state("decode-0").up  # type: ignore[union-attr]
+        entry = await r.ctx.store.get(KEY)
+        assert entry is not None and entry.decode_node_id == "decode-1"
+
+
+async def test_p_dropping_the_pull_is_retried_on_the_other_p_as_recompute() -> None:
+    async with routed(num_prefill=2) as r:
+        async def break_p0(conv: Conversation) -> None:
+            r.cluster.engine("prefill-0").faults.die_after_tokens = 0  # reset, no answer
+
+        decision = await two_turns(r, break_p0)
+        assert decision["reason"] == "pull"
+        assert decision["prefill_node"] == "prefill-1" and decision["retries"] == 1
+        assert decision["p_record"].plan == "none"  # a recompute: the entry was spent
+        assert [rec.plan for rec in r.cluster.engine("prefill-0").records][:2] == ["none", "pull"]
+
+
+async def test_crashed_p_before_tokenize_is_replaced() -> None:
+    async with routed(num_prefill=2) as r:
+        async def crash(conv: Conversation) -> None:
+            await r.cluster.engine("prefill-0").crash()
+
+        decision = await two_turns(r, crash)
+        assert (decision["reason"], decision["prefill_node"]) == ("pull", "prefill-1")
+        assert decision["p_record"].plan == "pull"
+        assert not r.ctx.nodes.state("prefill-0").up  # type: ignore[union-attr]
+
+
+async def test_p_5xx_once_is_retried() -> None:
+    async with routed() as r:
+        p = r.cluster.prefill[0]
+        p.faults.update({"error_status": 503, "error_count": 1})
+        status, _, _ = await Conversation(r).turn(FIRST)
+        assert status == 200
+        assert (await r.last_decision())["retries"] == 1
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_d_5xx_on_the_only_d_is_a_502(stream: bool) -> None:
+    async with routed() as r:
+        r.cluster.decode[0].faults.update({"error_status": 500})
+        status, _, payloads = await Conversation(r, stream=stream).turn(FIRST)
+        assert status == 502 and payloads[0]["error"]["code"] == 502
+        assert len(r.ctx.reports) == 0
+
+
+async def test_d_dying_mid_stream() -> None:
+    async with routed() as r:
+        conv = Conversation(r, stream=True)
+        assert (await conv.turn(FIRST))[0] == 200
+        r.cluster.decode[0].faults.die_after_tokens = 3
+        status, text, payloads = await conv.turn("more", settle=False)
+        assert status == 200 and len(text) == 3
+        assert payloads[-1] == "[DONE]" and payloads[-2]["error"]["code"] == 502
+        await r.settle()
+        assert len(r.ctx.store) == 0
+        r.cluster.decode[0].faults.die_after_tokens = None
+        assert (await conv.turn("again"))[0] == 200
+        assert (await r.last_decision())["reason"] == "no_entry"
+
+
+# -- reports ------------------------------------------------------------------------------
+
+
+async def test_late_report_is_awaited_by_the_next_turn() -> None:
+    gate = PermitSleep()
+    async with routed(engine_config=replace(ENGINE_CONFIG, report_delay_s=0.1),
+                      sleep=gate) as r:
+        conv = Conversation(r, stream=True)
+        assert (await conv.turn(FIRST, settle=False))[0] == 200
+        await until(lambda: gate.waiting == 1, "D's report held")
+        assert len(r.ctx.reports) == 1 and len(r.ctx.store) == 0
+        turn2 = asyncio.create_task(conv.turn("next", settle=False))
+        await asyncio.sleep(0.05)
+        assert not turn2.done()  # the report (and so the entry) is still held back
+        gate.grant(2)
+        assert (await turn2)[0] == 200
+        assert (await r.stats())["decisions"]["recent"][-1]["reason"] == "pull"
+        gate.grant(10)
+        await r.settle()
+
+
+async def test_report_that_does_not_come_in_time_means_no_entry() -> None:
+    gate = PermitSleep()
+    async with routed(engine_config=replace(ENGINE_CONFIG, report_delay_s=0.1), sleep=gate,
+                      report_wait_s=0.05) as r:
+        conv = Conversation(r, stream=True)
+        await conv.turn(FIRST, settle=False)
+        await conv.turn("next", settle=False)
+        assert (await r.last_decision())["reason"] == "no_entry"
+        gate.grant(10)
+        await r.settle()
+
+
+async def test_v033_final_chunk_params_need_no_report() -> None:
+    gate = PermitSleep()  # reports are held forever: only the final chunk can commit
+    config = replace(ENGINE_CONFIG, stream_kv_params_on_final_chunk=True, report_delay_s=1.0)
+    async with routed(engine_config=config, sleep=gate) as r:
+        conv = Conversation(r, stream=True)
+        assert (await conv.turn(FIRST, settle=False))[0] == 200
+        assert len(r.ctx.store) == 1 and len(r.ctx.reports) == 0
+        await conv.turn("next", settle=False)
+        assert (await r.last_decision())["reason"] == "pull"
+        gate.grant(10)
+
+
+# -- policy reasons -----------------------------------------------------------------------
+
+
+async def test_prefix_mismatch() -> None:
+    async with routed() as r:
+        async def edit(conv: Conversation) -> None:
+            conv.messages[0]["content"] = "Explain" + conv.messages[0]["content"][8:]
+
+        assert (await two_turns(r, edit))["reason"] == "prefix_mismatch"
+
+
+async def test_below_threshold() -> None:
+    async with routed(kv_recompute_threshold=100_000) as r:
+        assert (await two_turns(r))["reason"] == "below_threshold"
+
+
+async def test_cost_model() -> None:
+    async with routed(pull_cost_factor=1e9) as r:
+        assert (await two_turns(r))["reason"] == "cost_model"
+
+
+async def test_no_conversation_id() -> None:
+    async with routed() as r:
+        assert (await two_turns(r, conversation_id=None))["reason"] == "no_conversation_id"
+        assert len(r.ctx.store) == 0
+
+
+async def test_direct_reuses_d_prefix_cache() -> None:
+    async with routed(direct_enabled=True) as r:
+        decision = await two_turns(r)
+        assert decision["reason"] == "direct"
+        d = r.cluster.decode[0]
+        routed_rec = [rec for rec in d.records if rec.local_cache_hit_tokens > 0]
+        assert routed_rec and not routed_rec[0].wrong_reuse
+        assert len([rec for rec in r.cluster.prefill[0].records]) == 2  # turn 1 + recompute

@@ -1,0 +1,122 @@
+"""Router configuration: node lists, side channels, TOML, env vars and flags, in layers."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+import pytest
+
+from kvrelay.cli import build_parser
+from kvrelay.router.cli import config_from_args
+from kvrelay.router.config import (
+    ConfigError,
+    RouterConfig,
+    SideChannel,
+    build_config,
+    settings_from_env,
+)
+
+P = "http://p0:8100"
+D = "http://d0:8101"
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    return build_parser().parse_args(["route", *argv])
+
+
+def test_from_urls_defaults() -> None:
+    cfg = RouterConfig.from_urls([P], [D, "http://d1:8102/"])
+    assert [n.node_id for n in cfg.nodes] == ["prefill-0", "decode-0", "decode-1"]
+    assert cfg.decode[1].url == "http://d1:8102"
+    assert all(n.ttl_s == 480.0 and n.side_channel is None for n in cfg.nodes)
+    assert cfg.report_url == "http://127.0.0.1:8000/internal/kv-report"
+    assert cfg.policy.direct_enabled is False and cfg.report_wait_s == 1.0
+    assert cfg.tenant == "default"
+
+
+def test_side_channels_by_url_or_id() -> None:
+    cfg = RouterConfig.from_urls(
+        [P], [D], side_channels={P: "10.0.0.1:7000", "decode-0": "[fd00::2]:7001"}
+    )
+    assert cfg.prefill[0].side_channel == SideChannel("10.0.0.1", 7000)
+    assert cfg.decode[0].side_channel == SideChannel("fd00::2", 7001)
+    assert SideChannel.parse("host") == SideChannel("host", None)
+    with pytest.raises(ConfigError):
+        RouterConfig.from_urls([P], [D], side_channels={"http://nope": "h"})
+    with pytest.raises(ConfigError):
+        SideChannel.parse("h:notaport")
+
+
+@pytest.mark.parametrize(
+    "layer",
+    [
+        {"prefill": [], "decode": [D]},
+        {"prefill": ["ftp://x"], "decode": [D]},
+        {"prefill": [P], "decode": [D], "unknown_knob": 1},
+        {"prefill": [P], "decode": [D], "port": 0},
+        {"prefill": [P], "decode": [{"url": D, "ttl_s": 5}]},  # margin 10 >= ttl
+        {"prefill": [P], "decode": [{"url": D, "colour": "red"}]},
+        {"prefill": [P], "decode": [D], "kv_recompute_threshold": -1},
+        {"prefill": [{"url": P, "id": "x"}], "decode": [{"url": D, "id": "x"}]},
+    ],
+)
+def test_invalid_settings(layer: dict[str, object]) -> None:
+    with pytest.raises(ConfigError):
+        build_config(layer)
+
+
+def test_layers_toml_env_flags(tmp_path: Path) -> None:
+    toml = tmp_path / "router.toml"
+    toml.write_text(
+        'host = "0.0.0.0"\nport = 9000\nttl_s = 300\nblock_size = 16\n'
+        "[policy]\nkv_recompute_threshold = 32\nnear_expiry_s = 20.0\n"
+        '[[prefill]]\nurl = "http://p0:8100"\nside_channel = "10.1.1.1"\n'
+        '[[decode]]\nurl = "http://d0:8101"\nid = "big-d"\nttl_s = 900\nblock_size = 32\n'
+    )
+    args = parse(["--config", str(toml), "--port", "9100", "--direct"])
+    cfg = config_from_args(args, environ={"KVRELAY_PORT": "9050", "KVRELAY_REPORT_WAIT_S": "2",
+                                          "KVRELAY_PULL_COST_FACTOR": "1.5"})
+    assert (cfg.host, cfg.port) == ("0.0.0.0", 9100)  # flag beats env beats file
+    assert cfg.report_wait_s == 2.0 and cfg.policy.pull_cost_factor == 1.5
+    assert cfg.policy.kv_recompute_threshold == 32 and cfg.policy.near_expiry_s == 20.0
+    assert cfg.policy.direct_enabled is True
+    assert cfg.prefill[0].side_channel == SideChannel("10.1.1.1")
+    assert cfg.prefill[0].block_size == 16
+    assert (cfg.decode[0].node_id, cfg.decode[0].ttl_s, cfg.decode[0].block_size) == (
+        "big-d", 900.0, 32)
+    assert cfg.report_url == "http://127.0.0.1:9100/internal/kv-report"
+
+
+def test_flags_alone() -> None:
+    args = parse(["--prefill", P, "--prefill", "http://p1:8100", "--decode", D,
+                  "--side-channel", f"{D}=10.0.0.9:5601", "--ttl-s", "120",
+                  "--block-size", "128", "--kv-recompute-threshold", "64",
+                  "--public-url", "http://router.internal:8000", "--host", "127.0.0.1"])
+    cfg = config_from_args(args, environ={})
+    assert [n.url for n in cfg.prefill] == [P, "http://p1:8100"]
+    assert cfg.decode[0].side_channel == SideChannel("10.0.0.9", 5601)
+    assert cfg.decode[0].ttl_s == 120.0 and cfg.decode[0].block_size == 128
+    assert cfg.report_url == "http://router.internal:8000/internal/kv-report"
+
+
+def test_env_node_lists_and_bad_numbers() -> None:
+    env = {"KVRELAY_PREFILL": f"{P},http://p1:1", "KVRELAY_DECODE": D, "KVRELAY_DIRECT": "yes"}
+    cfg = build_config(settings_from_env(env))
+    assert len(cfg.prefill) == 2 and cfg.policy.direct_enabled
+    with pytest.raises(ConfigError):
+        settings_from_env({"KVRELAY_TTL_S": "soon"})
+    with pytest.raises(ConfigError):
+        build_config({"prefill": [P], "decode": [D], "port": "eighty"})
+
+
+def test_bad_side_channel_flag_and_missing_file() -> None:
+    with pytest.raises(ConfigError):
+        config_from_args(parse(["--prefill", P, "--decode", D, "--side-channel", "oops"]), {})
+    with pytest.raises(ConfigError):
+        config_from_args(parse(["--config", "/nonexistent/router.toml"]), {})
+
+
+def test_route_subcommand_is_registered() -> None:
+    args = parse(["--prefill", P, "--decode", D])
+    assert callable(args.func)
