@@ -1,0 +1,178 @@
+"""The router on the real local cluster (1 P + 1 D, default model): multi-turn pulls, the
+prefix guard, and the unmodified OpenAI SDK."""
+
+from __future__ import annotations
+
+import json
+import random
+import secrets
+from collections.abc import Sequence
+
+import httpx
+import openai
+import pytest
+
+from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from tests.e2e.conftest import RealCluster
+
+pytestmark = pytest.mark.e2e
+
+WORDS = "open read edit run test fail pass fix log trace diff merge lint type".split()
+Message = dict[str, object]
+
+
+def words(n: int, rng: random.Random) -> str:
+    return " ".join(rng.choice(WORDS) for _ in range(n))
+
+
+class Turn:
+    def __init__(self, text: str, action: str, reason: str, reused: int, pulled: float,
+                 usage: dict[str, int]):
+        self.text, self.action, self.reason = text, action, reason
+        self.reused, self.pulled = reused, pulled
+        self.held_by_d = usage["prompt_tokens"] + usage["completion_tokens"] - 1
+
+
+def p_external(cluster: RealCluster) -> float:
+    return external_kv_tokens(parse_prometheus(
+        httpx.get(f"{cluster.prefill_url}/metrics", timeout=30).text))
+
+
+def send(cluster: RealCluster, messages: Sequence[Message], conversation_id: str | None,
+         stream: bool, max_tokens: int = 16) -> Turn:
+    body: dict[str, object] = {"model": cluster.model, "messages": list(messages),
+                               "max_tokens": max_tokens, "temperature": 0.0, "stream": stream,
+                               **({"stream_options": {"include_usage": True}} if stream else {})}
+    if conversation_id:
+        body["conversation_id"] = conversation_id
+    before = p_external(cluster)
+    url = f"{cluster.router_url}/v1/chat/completions"
+    usage: dict[str, int] = {}
+    if stream:
+        parts = []
+        with httpx.stream("POST", url, json=body, timeout=300) as resp:
+            assert resp.status_code == 200, resp.read()
+            headers = resp.headers
+            for line in resp.iter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    assert "kv_transfer_params" not in chunk
+                    for choice in chunk.get("choices") or []:
+                        parts.append((choice.get("delta") or {}).get("content") or "")
+                    usage = chunk.get("usage") or usage
+        text = "".join(parts)
+    else:
+        resp = httpx.post(url, json=body, timeout=300)
+        assert resp.status_code == 200, resp.text
+        data = resp.json()
+        assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
+        headers = resp.headers
+        text = data["choices"][0]["message"]["content"]
+        usage = data["usage"]
+    return Turn(text, headers["x-kvrelay-action"], headers["x-kvrelay-reason"],
+                int(headers["x-kvrelay-reused-tokens"]), p_external(cluster) - before, usage)
+
+
+def agent_conversation(turns: int, seed: int) -> tuple[list[Message], list[Message]]:
+    rng = random.Random(seed)
+    opening: list[Message] = [
+        {"role": "system", "content": "You are a coding agent. " + words(120, rng)},
+        {"role": "user", "content": "Task: " + words(40, rng)},
+    ]
+    later: list[Message] = [{"role": "user", "content": f"Tool result {i}: " + words(60, rng)}
+                            for i in range(turns)]
+    return opening, later
+
+
+def run(cluster: RealCluster, opening: list[Message], later: list[Message], turns: int,
+        conversation_id: str | None, stream: bool,
+        answers: list[str] | None = None) -> tuple[list[Turn], list[Message]]:
+    """Run ``turns`` turns; with ``answers`` the previous answers are replayed (baseline)."""
+    messages = list(opening)
+    out: list[Turn] = []
+    for i in range(turns):
+        if i:
+            previous = answers[i - 1] if answers is not None else out[-1].text
+            messages += [{"role": "assistant", "content": previous}, later[i - 1]]
+        out.append(send(cluster, messages, conversation_id, stream))
+    return out, messages
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["nonstream", "stream"])
+def test_eight_turns_pull_from_turn_two_and_match_recompute(real_cluster: RealCluster,
+                                                           stream: bool):
+    opening, later = agent_conversation(8, seed=10 + stream)
+    reuse, _ = run(real_cluster, opening, later, 8, f"e2e-{secrets.token_hex(4)}", stream)
+    baseline, _ = run(real_cluster, opening, later, 8, None, stream,
+                      answers=[t.text for t in reuse])
+
+    assert (reuse[0].action, reuse[0].reason) == ("recompute", "no_entry")
+    for turn in reuse[1:]:
+        assert (turn.action, turn.reason) == ("pull", "pull")
+        assert turn.reused > 0
+        assert turn.pulled == turn.reused, "P's vLLM metrics must agree with the router"
+    assert all(t.action == "recompute" and t.pulled == 0 for t in baseline)
+    assert [t.text for t in reuse] == [t.text for t in baseline]
+    assert all(t.text for t in reuse)
+
+
+def edit_earlier_user_message(messages: list[Message]) -> None:
+    messages[1] = {"role": "user", "content": "Task: something else entirely"}
+
+
+def change_system_prompt(messages: list[Message]) -> None:
+    messages[0] = {"role": "system", "content": "You are a different agent."}
+
+
+def alter_previous_answer(messages: list[Message]) -> None:
+    for i in range(len(messages) - 1, -1, -1):
+        if messages[i]["role"] == "assistant":
+            messages[i] = {"role": "assistant", "content": f"EDITED {messages[i]['content']}"}
+            return
+
+
+@pytest.mark.parametrize("edit", [edit_earlier_user_message, change_system_prompt,
+                                  alter_previous_answer])
+def test_prefix_guard_cases_equal_recompute(real_cluster: RealCluster, edit):
+    opening, later = agent_conversation(3, seed=20)
+    conversation_id = f"guard-{secrets.token_hex(4)}"
+    turns, messages = run(real_cluster, opening, later, 3, conversation_id, stream=False)
+    assert turns[-1].action == "pull"
+    edited = [*messages, {"role": "assistant", "content": turns[-1].text},
+              {"role": "user", "content": "next"}]
+    edit(edited)
+    guarded = send(real_cluster, edited, conversation_id, stream=False)
+    recomputed = send(real_cluster, edited, None, stream=False)
+    assert guarded.text == recomputed.text
+    if edit is change_system_prompt:
+        assert (guarded.action, guarded.reason) == ("recompute", "prefix_mismatch")
+        assert guarded.pulled == 0
+    else:
+        # The part before the edit is still D's KV: pulled, capped at the verified prefix.
+        assert guarded.action == "pull" and 0 < guarded.reused == guarded.pulled
+        assert guarded.reused < turns[-1].held_by_d
+    stats = httpx.get(f"{real_cluster.router_url}/stats", timeout=30).json()
+    assert stats["decisions"]["by_reason"][guarded.reason] >= 1
+    recent = stats["decisions"]["recent"][-2:]
+    assert any(d["reason"] == guarded.reason and d.get("verified_tokens") is not None
+               for d in recent)
+
+
+def test_openai_sdk_through_the_router(real_cluster: RealCluster):
+    client = openai.OpenAI(base_url=f"{real_cluster.router_url}/v1", api_key="unused")
+    conversation_id = f"sdk-{secrets.token_hex(4)}"
+    messages: list[dict[str, str]] = [{"role": "user", "content": "Say something " * 150}]
+    first = client.chat.completions.create(model=real_cluster.model, messages=messages,
+                                           max_tokens=12, temperature=0,
+                                           extra_body={"conversation_id": conversation_id})
+    answer = first.choices[0].message.content or ""
+    assert answer
+    messages += [{"role": "assistant", "content": answer}, {"role": "user", "content": "More."}]
+    before = p_external(real_cluster)
+    stream = client.chat.completions.create(model=real_cluster.model, messages=messages,
+                                            max_tokens=12, temperature=0, stream=True,
+                                            extra_body={"conversation_id": conversation_id})
+    streamed = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert streamed
+    assert p_external(real_cluster) > before
+    assert [m.id for m in client.models.list().data] == [real_cluster.model]
