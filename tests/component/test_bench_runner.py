@@ -10,11 +10,12 @@ from pathlib import Path
 import pytest
 
 from kvrelay.bench.modes import parse_modes
-from kvrelay.bench.runner import BenchOptions, ServiceProcess, ServiceStartError, run_managed
+from kvrelay.bench.runner import BenchOptions, run_managed
 from kvrelay.bench.tokens import byte_template_counter
 from kvrelay.bench.workloads import ThinkTime, agent_workload
 from kvrelay.cli import main
 from kvrelay.cluster.config import ClusterConfig
+from kvrelay.cluster.launcher import ServiceProcess, ServiceStartError
 
 STUB_ROUTER = Path(__file__).with_name("bench_stub_router.py")
 

@@ -113,7 +113,8 @@ def _run(args: argparse.Namespace) -> int:
 def _bench(args: argparse.Namespace) -> int:
     from kvrelay.bench.modes import parse_modes
     from kvrelay.bench.report import BenchResults, write_report
-    from kvrelay.bench.runner import BenchOptions, ServiceStartError
+    from kvrelay.bench.runner import BenchOptions
+    from kvrelay.cluster.launcher import ServiceStartError
 
     modes = parse_modes(args.modes)
     salt = args.salt if args.salt is not None else secrets.token_hex(3)

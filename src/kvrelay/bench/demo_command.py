@@ -26,26 +26,32 @@ def register(sub: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from kvrelay.bench.demo import run_demo
     from kvrelay.bench.showcase import run_showcase
-    from kvrelay.cluster.cli import RouterProcess, start_router
+    from kvrelay.cluster.cli import start_router
     from kvrelay.cluster.config import ClusterConfig
-    from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, free_port_block
+    from kvrelay.cluster.launcher import (
+        ClusterStartError,
+        LocalCluster,
+        ServiceProcess,
+        free_port_block,
+    )
 
     out = args.out or Path("results") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     config = ClusterConfig(model=args.model, base_port=free_port_block(2, start=8100),
                            side_channel_base_port=free_port_block(2, start=5600))
     cluster = LocalCluster(config, out / "runs")
-    router: RouterProcess | None = None
+    router: ServiceProcess | None = None
     print(f"[1/4] starting a local vLLM P/D cluster ({args.model} model, 1 P + 1 D); "
           f"logs in {cluster.run_dir}", flush=True)
     try:
         cluster.start()
         router = start_router(config, cluster, free_port_block(1, start=8000), [])
         model = cluster.served_model_name
-        print(f"[2/4] router {router.url} in front of P {cluster.prefill[0].url} and "
+        router_url = str(router.url)
+        print(f"[2/4] router {router_url} in front of P {cluster.prefill[0].url} and "
               f"D {cluster.decode[0].url}", flush=True)
         print(f"[3/4] one agent conversation, {args.turns} turns, with and without reuse",
               flush=True)
-        result = run_showcase(router.url, model, turns=args.turns, progress=sys.stderr)
+        result = run_showcase(router_url, model, turns=args.turns, progress=sys.stderr)
         print()
         print(result.table())
         print()
@@ -53,7 +59,7 @@ def _demo(args: argparse.Namespace) -> int:
         print()
         if not args.no_bench:
             print("[4/4] short agent benchmark and context sweep (pull mode)", flush=True)
-            summary = run_demo(router.url, out, model=args.model, served_model_name=model,
+            summary = run_demo(router_url, out, model=args.model, served_model_name=model,
                                progress=sys.stderr)
             print(summary.markdown)
             for path in summary.files:

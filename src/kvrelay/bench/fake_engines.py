@@ -16,8 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
 
-from kvrelay.bench.runner import ClusterFactory, ClusterHandle, ServiceProcess
+from kvrelay.bench.runner import ClusterFactory, ClusterHandle
 from kvrelay.cluster.config import ClusterConfig
+from kvrelay.cluster.launcher import ServiceProcess
 from kvrelay.cluster.model import MODEL_SPECS
 
 FakeLatency = Literal["fast", "cpu"]

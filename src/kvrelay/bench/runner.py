@@ -9,20 +9,12 @@ router under one user-given label instead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import ctypes
-import os
-import signal
 import socket
-import subprocess
 import sys
-import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import IO, Any, Protocol, TextIO
-
-import httpx
+from typing import Any, Protocol, TextIO
 
 from kvrelay.bench.client import ChatClient, StatsDecisions, decision_counters
 from kvrelay.bench.execute import run_workload
@@ -31,6 +23,8 @@ from kvrelay.bench.progress import Progress
 from kvrelay.bench.report import ModeRun
 from kvrelay.bench.workloads import Workload
 from kvrelay.cluster.config import ClusterConfig
+from kvrelay.cluster.config import router_command as cluster_router_command
+from kvrelay.cluster.launcher import ServiceProcess
 
 
 def router_command(
@@ -44,92 +38,9 @@ def router_command(
     python: str = sys.executable,
 ) -> list[str]:
     """The ``kvrelay route`` command line for ``mode`` in front of the given nodes."""
-    cmd = [python, "-m", "kvrelay.cli", "route"]
-    for url in prefill_urls:
-        cmd += ["--prefill", url]
-    for url in decode_urls:
-        cmd += ["--decode", url]
-    cmd += ["--host", host, "--port", str(port), "--ttl-s", str(ttl_s), "--log-level", "warning"]
-    if mode.direct:
-        cmd.append("--direct")
-    return cmd
-
-
-class ServiceStartError(RuntimeError):
-    """A child service (router, fake engines) exited or did not answer in time; the message
-    holds the tail of its log."""
-
-
-class ServiceProcess:
-    """A child process in its own session, dying with its parent, logging to ``log_path``.
-
-    ``start()`` returns once every URL in ``ready_urls`` answers 200 (``ServiceStartError``
-    if the process exits first or ``ready_timeout_s`` passes; the process is then stopped).
-    ``stop()`` sends SIGTERM to the process group, SIGKILL after ``timeout_s``; idempotent.
-    """
-
-    def __init__(self, name: str, command: Sequence[str], ready_urls: Sequence[str],
-                 log_path: Path, ready_timeout_s: float = 60.0) -> None:
-        self.name = name
-        self.command = list(command)
-        self.ready_urls = list(ready_urls)
-        self.log_path = log_path
-        self.ready_timeout_s = ready_timeout_s
-        self.process: subprocess.Popen[bytes] | None = None
-        self._log: IO[bytes] | None = None
-
-    def start(self) -> ServiceProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 - closed in stop()
-        self._log.write(("$ " + " ".join(self.command) + "\n").encode())
-        self._log.flush()
-        self.process = subprocess.Popen(
-            self.command, stdout=self._log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-            start_new_session=True, preexec_fn=_die_with_parent,
-        )
-        try:
-            self._wait_ready()
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _wait_ready(self) -> None:
-        assert self.process is not None
-        deadline = time.monotonic() + self.ready_timeout_s
-        pending = list(self.ready_urls)
-        while pending:
-            if self.process.poll() is not None:
-                raise ServiceStartError(
-                    f"{self.name} exited with {self.process.returncode}; "
-                    f"log {self.log_path}:\n{_tail(self.log_path)}")
-            with contextlib.suppress(httpx.HTTPError):
-                if httpx.get(pending[0], timeout=2.0).status_code == 200:
-                    pending.pop(0)
-                    continue
-            if time.monotonic() > deadline:
-                raise ServiceStartError(
-                    f"{self.name} not ready after {self.ready_timeout_s:.0f} s ({pending[0]}); "
-                    f"log {self.log_path}:\n{_tail(self.log_path)}")
-            time.sleep(0.2)
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        if self.process is not None and self.process.poll() is None:
-            _signal_group(self.process, signal.SIGTERM)
-            try:
-                self.process.wait(timeout=timeout_s)
-            except subprocess.TimeoutExpired:
-                _signal_group(self.process, signal.SIGKILL)
-                self.process.wait(timeout=5)
-        if self._log is not None:
-            self._log.close()
-            self._log = None
-
-    def __enter__(self) -> ServiceProcess:
-        return self.start()
-
-    def __exit__(self, *exc: object) -> None:
-        self.stop()
+    extra = ["--log-level", "warning", *(["--direct"] if mode.direct else [])]
+    return cluster_router_command(list(prefill_urls), list(decode_urls), host=host, port=port,
+                                  ttl_s=ttl_s, python=python, extra=extra)
 
 
 class ClusterHandle(Protocol):
@@ -275,21 +186,3 @@ def free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
         s.bind((host, 0))
         return int(s.getsockname()[1])
-
-
-def _die_with_parent() -> None:
-    with contextlib.suppress(OSError, AttributeError):
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        libc.prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
-
-
-def _signal_group(process: subprocess.Popen[bytes], sig: int) -> None:
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(process.pid, sig)
-
-
-def _tail(path: Path, lines: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return ""

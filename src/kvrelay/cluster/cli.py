@@ -3,24 +3,20 @@
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import subprocess
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-from kvrelay.cluster.config import DEFAULT_NIXL_PROGRESS_DELAY_US, ClusterConfig
-from kvrelay.cluster.launcher import (
-    ClusterStartError,
-    LocalCluster,
-    spawn_supervised,
-    stop_group,
-    wait_healthy,
+from kvrelay.cluster.config import (
+    DEFAULT_NIXL_PROGRESS_DELAY_US,
+    ClusterConfig,
+    block_size_of,
+    router_command,
 )
+from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, ServiceProcess
 
 
 def register(sub: Any) -> None:
@@ -103,53 +99,19 @@ def _model_init(args: argparse.Namespace) -> int:
     return 0
 
 
-def block_size_of(config: ClusterConfig) -> int:
-    """vLLM's default KV block size for the cluster's device (128 on CPU, 16 on CUDA)."""
-    return 128 if config.device == "cpu" else 16
-
-
-def router_command(
-    config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
-) -> list[str]:
-    """``kvrelay route`` in front of ``cluster``'s nodes, as a child process command."""
-    cmd = [config.python, "-m", "kvrelay.cli", "route", "--host", config.host,
-           "--port", str(port), "--ttl-s", str(config.decoder_kv_blocks_ttl_s),
-           "--kv-recompute-threshold", str(config.kv_recompute_threshold),
-           "--block-size", str(block_size_of(config))]
-    for node in cluster.prefill:
-        cmd += ["--prefill", node.url]
-    for node in cluster.decode:
-        cmd += ["--decode", node.url]
-    return cmd + extra
-
-
-@dataclass
-class RouterProcess:
-    """The router child of ``kvrelay up``: supervised like the engines."""
-
-    process: subprocess.Popen[bytes]
-    url: str
-    log: IO[bytes]
-
-    def stop(self) -> None:
-        stop_group(self.process)
-        self.log.close()
-
-
 def start_router(
     config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
-) -> RouterProcess:
-    """Start the router and wait until it answers /health; raise ClusterStartError if not."""
-    cmd = router_command(config, cluster, port, extra)
-    process, log = spawn_supervised(cmd, cluster.run_dir / "router.log", dict(os.environ))
+) -> ServiceProcess:
+    """Start ``kvrelay route`` in front of ``cluster`` and wait until it answers /health."""
+    cmd = router_command(
+        [n.url for n in cluster.prefill], [n.url for n in cluster.decode],
+        host=config.host, port=port, ttl_s=config.decoder_kv_blocks_ttl_s,
+        block_size=block_size_of(config), kv_recompute_threshold=config.kv_recompute_threshold,
+        python=config.python, extra=extra,
+    )
     url = f"http://{config.host}:{port}"
-    router = RouterProcess(process, url, log)
-    if not wait_healthy(url, process, timeout_s=60):
-        router.stop()
-        raise ClusterStartError(
-            f"router did not become healthy; see {cluster.run_dir / 'router.log'}"
-        )
-    return router
+    return ServiceProcess("router", cmd, [f"{url}/health"], cluster.run_dir / "router.log",
+                          url=url).start()
 
 
 def _up(args: argparse.Namespace) -> int:
@@ -165,7 +127,7 @@ def _up(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         cluster.stop()
         return 130
-    router: RouterProcess | None = None
+    router: ServiceProcess | None = None
     stop = install_stop_signals()
     try:
         if not args.no_router:
@@ -182,9 +144,8 @@ def _up(args: argparse.Namespace) -> int:
                     print(f"error: {node.spec.name} exited ({node.process.returncode}); "
                           f"last lines:\n{cluster.log_tail(node)}", file=sys.stderr)
                     return 1
-            if router is not None and router.process.poll() is not None:
-                print(f"error: router exited ({router.process.returncode}); see "
-                      f"{cluster.run_dir / 'router.log'}", file=sys.stderr)
+            if router is not None and not router.alive():
+                print(f"error: router exited; see {router.log_path}", file=sys.stderr)
                 return 1
         return 0
     except ClusterStartError as exc:

@@ -176,6 +176,37 @@ def server_command(config: ClusterConfig, node: NodeSpec, model_path: Path) -> l
     return cmd + list(config.extra_args)
 
 
+def router_command(
+    prefill_urls: list[str],
+    decode_urls: list[str],
+    *,
+    host: str,
+    port: int,
+    ttl_s: float,
+    block_size: int | None = None,
+    kv_recompute_threshold: int | None = None,
+    python: str = sys.executable,
+    extra: tuple[str, ...] | list[str] = (),
+) -> list[str]:
+    """``kvrelay route`` in front of the given nodes, as a child-process command line."""
+    cmd = [python, "-m", "kvrelay.cli", "route", "--host", host, "--port", str(port),
+           "--ttl-s", str(ttl_s)]
+    if block_size is not None:
+        cmd += ["--block-size", str(block_size)]
+    if kv_recompute_threshold is not None:
+        cmd += ["--kv-recompute-threshold", str(kv_recompute_threshold)]
+    for url in prefill_urls:
+        cmd += ["--prefill", url]
+    for url in decode_urls:
+        cmd += ["--decode", url]
+    return cmd + list(extra)
+
+
+def block_size_of(config: ClusterConfig) -> int:
+    """vLLM's default KV block size for the cluster's device (128 on CPU, 16 on CUDA)."""
+    return 128 if config.device == "cpu" else 16
+
+
 def server_env(config: ClusterConfig, node: NodeSpec, base: dict[str, str]) -> dict[str, str]:
     """Environment of ``node``'s server: core binding, KV cache size, NIXL side channel."""
     env = dict(base)

@@ -190,6 +190,80 @@ class LocalCluster:
             time.sleep(1.0)
 
 
+class ServiceStartError(ClusterStartError):
+    """A supervised service (router, fake engines) exited or did not answer in time; the
+    message holds the tail of its log."""
+
+
+class ServiceProcess:
+    """One supervised child service: own process group, dies with us, logs to a file.
+
+    ``start()`` returns once every URL in ``ready_urls`` answers 200, or raises
+    ``ServiceStartError`` (the process is then stopped). ``stop()`` is idempotent.
+    ``url`` is where clients reach the service, if it has one.
+    """
+
+    def __init__(self, name: str, command: list[str], ready_urls: list[str], log_path: Path,
+                 ready_timeout_s: float = 60.0, url: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
+        self.name = name
+        self.command = list(command)
+        self.ready_urls = list(ready_urls)
+        self.log_path = log_path
+        self.ready_timeout_s = ready_timeout_s
+        self.url = url
+        self._env = env
+        self.process: subprocess.Popen[bytes] | None = None
+        self._log: IO[bytes] | None = None
+
+    def start(self) -> ServiceProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.process, self._log = spawn_supervised(
+            self.command, self.log_path, self._env or dict(os.environ)
+        )
+        try:
+            self._wait_ready(self.process)
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        if self.process is not None:
+            stop_group(self.process, timeout_s)
+        if self._log is not None:
+            self._log.close()
+            self._log = None
+
+    def __enter__(self) -> ServiceProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _wait_ready(self, process: subprocess.Popen[bytes]) -> None:
+        deadline = time.monotonic() + self.ready_timeout_s
+        pending = list(self.ready_urls)
+        while pending:
+            if process.poll() is not None:
+                raise ServiceStartError(
+                    f"{self.name} exited with {process.returncode}; "
+                    f"log {self.log_path}:\n{_tail(self.log_path, 30)}"
+                )
+            if _get_ok(pending[0]):
+                pending.pop(0)
+                continue
+            if time.monotonic() > deadline:
+                raise ServiceStartError(
+                    f"{self.name} not ready after {self.ready_timeout_s:.0f} s ({pending[0]}); "
+                    f"log {self.log_path}:\n{_tail(self.log_path, 30)}"
+                )
+            time.sleep(0.2)
+
+
 def spawn_supervised(
     cmd: list[str], log_path: Path, env: dict[str, str]
 ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
@@ -222,18 +296,6 @@ def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 20.0) -> Non
         process.wait(timeout=5)
 
 
-def wait_healthy(url: str, process: subprocess.Popen[bytes], timeout_s: float) -> bool:
-    """Poll ``url``/health until 200 (True) or the process exits or time runs out (False)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            return False
-        if _healthy(url):
-            return True
-        time.sleep(0.5)
-    return False
-
-
 def free_port_block(size: int, start: int = 20000, stop: int = 60000) -> int:
     """First port ``p`` in [start, stop) such that p..p+size-1 can all be bound right now."""
     port = start
@@ -254,8 +316,12 @@ def free_port_block(size: int, start: int = 20000, stop: int = 60000) -> int:
 
 
 def _healthy(url: str) -> bool:
+    return _get_ok(f"{url}/health")
+
+
+def _get_ok(url: str) -> bool:
     try:
-        with urllib.request.urlopen(f"{url}/health", timeout=2) as resp:
+        with urllib.request.urlopen(url, timeout=2) as resp:
             return int(resp.status) == 200
     except (urllib.error.URLError, OSError, ValueError):
         return False
