@@ -1,0 +1,118 @@
+"""Contract: the fake engine behaves like real vLLM where the router can tell.
+
+One multi-turn scenario runs through a router in front of the real local cluster and through
+a router in front of fake engines (``cpu`` latency preset, so the router's cost model sees
+realistic prefill times). Observed and compared: the fields of P's and D's
+``kv_transfer_params``, D's retained token count, that a second read of consumed params is
+not refused, prompt tokenization, and the sequence of router decisions.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import secrets
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import pytest
+
+from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from kvrelay.testing import FakeEngineConfig, latency_preset
+from tests.component.router_fake import routed
+from tests.e2e.conftest import RealCluster
+
+pytestmark = pytest.mark.e2e
+
+WORDS = "alpha beta gamma delta tool call read write plan test".split()
+
+
+@dataclass(frozen=True)
+class Observed:
+    p_param_fields: frozenset[str]
+    d_param_fields: frozenset[str]
+    d_holds_prompt_plus_generated_minus_one: bool
+    second_read_pulls_again: bool
+    prompt_tokens: int
+    decisions: tuple[tuple[str, str], ...]
+
+
+def scenario_messages(seed: int) -> list[dict[str, Any]]:
+    rng = random.Random(seed)
+    return [{"role": "system", "content": "You are an agent. " + " ".join(
+                rng.choice(WORDS) for _ in range(150))},
+            {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(60))}]
+
+
+async def observe(router: str, prefill: str, decode: str, model: str) -> Observed:
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as http:
+        async def external() -> float:
+            return external_kv_tokens(parse_prometheus((await http.get(f"{prefill}/metrics")).text))
+
+        async def engine_chat(url: str, msgs: list[dict[str, Any]], params: dict[str, Any],
+                              max_tokens: int) -> dict[str, Any]:
+            body = {"model": model, "messages": msgs, "max_tokens": max_tokens,
+                    "temperature": 0, "kv_transfer_params": params}
+            resp = await http.post(f"{url}/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            data: dict[str, Any] = resp.json()
+            return data
+
+        # The protocol, engine by engine.
+        msgs = scenario_messages(1)
+        p1 = await engine_chat(prefill, msgs, {"do_remote_decode": True}, 1)
+        d1 = await engine_chat(decode, msgs, p1["kv_transfer_params"], 12)
+        held = d1["kv_transfer_params"]["remote_num_tokens"]
+        usage = d1["usage"]
+        msgs2 = [*msgs, {"role": "assistant", "content": d1["choices"][0]["message"]["content"]},
+                 {"role": "user", "content": "go on"}]
+        await engine_chat(prefill, msgs2, d1["kv_transfer_params"], 1)
+        before = await external()
+        await engine_chat(prefill, msgs2, d1["kv_transfer_params"], 1)
+        second_read = await external() - before
+        tokenized = (await http.post(f"{prefill}/tokenize", json={
+            "model": model, "messages": msgs, "add_generation_prompt": True})).json()
+
+        # The router's decisions over a conversation with an edited system prompt at the end.
+        conversation = f"contract-{secrets.token_hex(4)}"
+        msgs = scenario_messages(2)
+        decisions: list[tuple[str, str]] = []
+        for turn in range(4):
+            if turn == 3:
+                msgs = [{"role": "system", "content": "Another system prompt."}, *msgs[1:]]
+            body = {"model": model, "messages": msgs, "max_tokens": 12, "temperature": 0,
+                    "conversation_id": conversation}
+            resp = await http.post(f"{router}/v1/chat/completions", json=body)
+            assert resp.status_code == 200, resp.text
+            decisions.append((resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"]))
+            answer = resp.json()["choices"][0]["message"]["content"]
+            msgs = [*msgs, {"role": "assistant", "content": answer},
+                    {"role": "user", "content": f"step {turn}"}]
+    return Observed(
+        p_param_fields=frozenset(p1["kv_transfer_params"]),
+        d_param_fields=frozenset(d1["kv_transfer_params"]),
+        d_holds_prompt_plus_generated_minus_one=(
+            held == usage["prompt_tokens"] + usage["completion_tokens"] - 1),
+        second_read_pulls_again=second_read > 0,
+        prompt_tokens=int(tokenized["count"]),
+        decisions=tuple(decisions),
+    )
+
+
+async def observe_fake() -> Observed:
+    config = FakeEngineConfig(latency=latency_preset("cpu"), report_delay_s=0.1,
+                              default_max_tokens=None)
+    async with routed(1, 1, config) as rig:
+        model = rig.cluster.prefill[0].config.served_model_name
+        return await observe(rig.url, rig.cluster.prefill_urls[0], rig.cluster.decode_urls[0],
+                             model)
+
+
+def test_fake_engine_matches_real_vllm(real_cluster: RealCluster):
+    real = asyncio.run(observe(real_cluster.router_url, real_cluster.prefill_url,
+                               real_cluster.decode_url, real_cluster.model))
+    fake = asyncio.run(observe_fake())
+    assert real.decisions == (("recompute", "no_entry"), ("pull", "pull"), ("pull", "pull"),
+                              ("recompute", "prefix_mismatch"))
+    assert fake == real
