@@ -45,8 +45,9 @@ def test_router_command_lists_nodes_and_enables_direct_only_for_direct():
     cmd = router_command(pull, ["http://p0", "http://p1"], ["http://d0"], host="127.0.0.1",
                          port=9000, ttl_s=60.0, python="py")
     assert cmd[:4] == ["py", "-m", "kvrelay.cli", "route"]
-    assert cmd[4:10] == ["--prefill", "http://p0", "--prefill", "http://p1",
-                         "--decode", "http://d0"]
+    pairs = list(zip(cmd[4:], cmd[5:], strict=False))
+    assert [v for k, v in pairs if k == "--prefill"] == ["http://p0", "http://p1"]
+    assert [v for k, v in pairs if k == "--decode"] == ["http://d0"]
     assert "--direct" not in cmd
     assert cmd[cmd.index("--port") + 1] == "9000" and cmd[cmd.index("--ttl-s") + 1] == "60.0"
     assert "--direct" in router_command(direct, ["p"], ["d"], host="h", port=1, ttl_s=1.0)
