@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 
 import pytest
 
@@ -45,7 +46,7 @@ def test_router_command_lists_nodes_and_enables_direct_only_for_direct():
     cmd = router_command(pull, ["http://p0", "http://p1"], ["http://d0"], host="127.0.0.1",
                          port=9000, ttl_s=60.0, python="py")
     assert cmd[:4] == ["py", "-m", "kvrelay.cli", "route"]
-    pairs = list(zip(cmd[4:], cmd[5:], strict=False))
+    pairs = list(itertools.pairwise(cmd))
     assert [v for k, v in pairs if k == "--prefill"] == ["http://p0", "http://p1"]
     assert [v for k, v in pairs if k == "--decode"] == ["http://d0"]
     assert "--direct" not in cmd
