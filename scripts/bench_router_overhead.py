@@ -28,7 +28,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import subprocess
 import sys
 import time
@@ -37,26 +36,10 @@ from typing import Any
 
 import httpx
 
+from kvrelay.cluster.launcher import free_port_block
+
 USER = "Please describe, in detail, how a river carves a canyon over a long time. " * 4
 FOLLOW_UP = "Go on, and be specific about the rocks involved."
-
-
-def free_ports(n: int) -> int:
-    """A base port with ``n`` consecutive free ports after it."""
-    for base in range(21000, 60000, 17):
-        socks = []
-        try:
-            for p in range(base, base + n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", p))
-            return base
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-    raise RuntimeError("no free ports")
 
 
 @dataclass
@@ -286,7 +269,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
 
-    base = free_ports(3)
+    base = free_port_block(3, start=21000)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     engines = subprocess.Popen(
         [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
