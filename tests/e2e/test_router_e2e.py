@@ -73,6 +73,12 @@ def send(cluster: RealCluster, messages: Sequence[Message], conversation_id: str
                 int(headers["x-kvrelay-reused-tokens"]), p_external(cluster) - before, usage)
 
 
+def router_reused_tokens(cluster: RealCluster) -> float:
+    metrics = parse_prometheus(httpx.get(f"{cluster.router_url}/metrics", timeout=30).text)
+    return sum(v for k, v in metrics.items()
+               if k.startswith("kvrelay_router_prompt_tokens_total") and 'source="reused"' in k)
+
+
 def agent_conversation(turns: int, seed: int) -> tuple[list[Message], list[Message]]:
     rng = random.Random(seed)
     opening: list[Message] = [
@@ -102,7 +108,9 @@ def run(cluster: RealCluster, opening: list[Message], later: list[Message], turn
 def test_eight_turns_pull_from_turn_two_and_match_recompute(real_cluster: RealCluster,
                                                            stream: bool):
     opening, later = agent_conversation(8, seed=10 + stream)
+    router_before = router_reused_tokens(real_cluster)
     reuse, _ = run(real_cluster, opening, later, 8, f"e2e-{secrets.token_hex(4)}", stream)
+    router_reused = router_reused_tokens(real_cluster) - router_before
     baseline, _ = run(real_cluster, opening, later, 8, None, stream,
                       answers=[t.text for t in reuse])
 
@@ -111,6 +119,7 @@ def test_eight_turns_pull_from_turn_two_and_match_recompute(real_cluster: RealCl
         assert (turn.action, turn.reason) == ("pull", "pull")
         assert turn.reused > 0
         assert turn.pulled == turn.reused, "P's vLLM metrics must agree with the router"
+    assert router_reused == sum(t.pulled for t in reuse) > 0, "router /metrics vs P's metrics"
     assert all(t.action == "recompute" and t.pulled == 0 for t in baseline)
     assert [t.text for t in reuse] == [t.text for t in baseline]
     assert all(t.text for t in reuse)
