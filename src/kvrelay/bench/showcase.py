@@ -20,6 +20,7 @@ from typing import TextIO
 import httpx
 
 from kvrelay.bench.client import decision_from_headers
+from kvrelay.cluster.pd_client import chunk_content
 
 WORDS = ("read file grep test build error fix patch commit diff plan step tool output result "
          "line function class module import return value config retry").split()
@@ -164,11 +165,10 @@ def _turn(
             if not line.startswith("data: {"):
                 continue
             chunk = json.loads(line[6:])
-            for choice in chunk.get("choices") or []:
-                delta = (choice.get("delta") or {}).get("content")
-                if delta:
-                    ttft = ttft if ttft is not None else time.perf_counter() - started
-                    parts.append(delta)
+            delta = chunk_content(chunk)
+            if delta:
+                ttft = ttft if ttft is not None else time.perf_counter() - started
+                parts.append(delta)
             usage = chunk.get("usage")
             if usage:
                 prompt_tokens = int(usage.get("prompt_tokens") or 0)

@@ -122,11 +122,10 @@ class PDClient:
                 if not line.startswith("data: ") or line == "data: [DONE]":
                     continue
                 chunk = json.loads(line[6:])
-                for choice in chunk.get("choices") or []:
-                    delta = (choice.get("delta") or {}).get("content")
-                    if delta:
-                        ttft = ttft if ttft is not None else time.perf_counter() - started
-                        text.append(delta)
+                delta = chunk_content(chunk)
+                if delta:
+                    ttft = ttft if ttft is not None else time.perf_counter() - started
+                    text.append(delta)
                 if chunk.get("usage"):
                     completion_tokens = int(chunk["usage"]["completion_tokens"])
                 if chunk.get("kv_transfer_params"):
@@ -154,6 +153,18 @@ class PDClient:
             "temperature": 0.0,
             **extra,
         }
+
+
+def chunk_content(chunk: Mapping[str, object]) -> str:
+    """The generated text of one streamed chat chunk (``choices[*].delta.content``)."""
+    out: list[str] = []
+    choices = chunk.get("choices")
+    for choice in choices if isinstance(choices, list) else []:
+        delta = choice.get("delta") if isinstance(choice, dict) else None
+        content = delta.get("content") if isinstance(delta, dict) else None
+        if isinstance(content, str):
+            out.append(content)
+    return "".join(out)
 
 
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
