@@ -25,6 +25,10 @@ import pytest
 from tests.ports import free_port_block
 
 STARTUP_TIMEOUT_S = 900
+TTL_S = 60
+"""D's ``decoder_kv_blocks_ttl`` in the session cluster: short enough for a test to wait it
+out (tests/e2e/test_contract.py), long enough for the router's pull window (TTL minus its
+safety margins) to cover several turns."""
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,7 @@ class RealCluster:
     router_url: str
     model: str
     run_dir: Path
+    ttl_s: float
 
 
 def _reader(stream: object, lines: queue.Queue[str]) -> None:
@@ -50,7 +55,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--prefill", "1", "--decode", "1",
            "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
            "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
-           "--router-port", str(router_port)]
+           "--router-port", str(router_port), "--ttl-s", str(TTL_S)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -72,7 +77,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
             urls[m.group(1)] = m.group(2)
         if m := re.match(r"model (\S+); Ctrl-C to stop", line):
             model = m.group(1)
-    yield RealCluster(urls["prefill-0"], urls["decode-0"], urls["router"], model, run_dir)
+    yield RealCluster(urls["prefill-0"], urls["decode-0"], urls["router"], model, run_dir,
+                      TTL_S)
 
     proc.send_signal(signal.SIGINT)
     try:

@@ -4,7 +4,9 @@ One multi-turn scenario runs through a router in front of the real local cluster
 a router in front of fake engines (``cpu`` latency preset, so the router's cost model sees
 realistic prefill times). Observed and compared: the fields of P's and D's
 ``kv_transfer_params``, D's retained token count, that a second read of consumed params is
-not refused, prompt tokenization, and the sequence of router decisions.
+not refused, prompt tokenization, and the sequence of router decisions. A second scenario
+waits past D's ``decoder_kv_blocks_ttl`` (real time on the cluster, the shared manual clock on
+the fakes) and compares what a late read and the router's next turn do.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import random
 import secrets
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -109,6 +112,74 @@ async def observe_fake() -> Observed:
                              model)
 
 
+@dataclass(frozen=True)
+class ObservedExpiry:
+    late_read_status: int
+    late_read_pulled_tokens: float
+    late_read_output_equals_recompute: bool
+    router_decision_after_ttl: tuple[str, str]
+    router_turn_after_expiry: tuple[str, str]
+
+
+async def observe_expiry(router: str, prefill: str, decode: str, model: str,
+                         wait_past_ttl: Callable[[], Awaitable[None]]) -> ObservedExpiry:
+    """Turn 1 on the engines and through the router, one wait past the TTL, then: P reads
+    D's (now expired) params, and the conversation's next turn goes through the router."""
+    async with httpx.AsyncClient(timeout=300, trust_env=False) as http:
+        async def chat(url: str, msgs: list[dict[str, Any]], params: dict[str, Any],
+                       max_tokens: int) -> httpx.Response:
+            body = {"model": model, "messages": msgs, "max_tokens": max_tokens,
+                    "temperature": 0, "kv_transfer_params": params}
+            return await http.post(f"{url}/v1/chat/completions", json=body)
+
+        async def decode_text(msgs: list[dict[str, Any]], p_resp: httpx.Response) -> str:
+            resp = await chat(decode, msgs, p_resp.json()["kv_transfer_params"], 12)
+            assert resp.status_code == 200, resp.text
+            return str(resp.json()["choices"][0]["message"]["content"])
+
+        async def router_turn(msgs: list[dict[str, Any]], conversation: str) -> httpx.Response:
+            resp = await http.post(f"{router}/v1/chat/completions", json={
+                "model": model, "messages": msgs, "max_tokens": 12, "temperature": 0,
+                "conversation_id": conversation})
+            assert resp.status_code == 200, resp.text
+            return resp
+
+        msgs = scenario_messages(3)
+        p1 = await chat(prefill, msgs, {"do_remote_decode": True}, 1)
+        d1 = await chat(decode, msgs, p1.json()["kv_transfer_params"], 12)
+        assert d1.status_code == 200, d1.text
+        msgs2 = [*msgs, {"role": "assistant", "content": d1.json()["choices"][0]["message"][
+            "content"]}, {"role": "user", "content": "go on"}]
+        conversation = f"contract-ttl-{secrets.token_hex(4)}"
+        conv = scenario_messages(4)
+        first = await router_turn(conv, conversation)
+        conv = [*conv, {"role": "assistant", "content": first.json()["choices"][0]["message"][
+            "content"]}, {"role": "user", "content": "later"}]
+
+        await wait_past_ttl()
+
+        before = external_kv_tokens(parse_prometheus((await http.get(f"{prefill}/metrics")).text))
+        late = await chat(prefill, msgs2, d1.json()["kv_transfer_params"], 1)
+        pulled = external_kv_tokens(
+            parse_prometheus((await http.get(f"{prefill}/metrics")).text)) - before
+        late_text = await decode_text(msgs2, late) if late.status_code == 200 else None
+        fresh = await chat(prefill, msgs2, {"do_remote_decode": True}, 1)
+        fresh_text = await decode_text(msgs2, fresh)
+        second = await router_turn(conv, conversation)
+        conv = [*conv, {"role": "assistant", "content": second.json()["choices"][0]["message"][
+            "content"]}, {"role": "user", "content": "and now"}]
+        third = await router_turn(conv, conversation)
+    return ObservedExpiry(
+        late_read_status=late.status_code,
+        late_read_pulled_tokens=pulled,
+        late_read_output_equals_recompute=late_text == fresh_text,
+        router_decision_after_ttl=(second.headers["x-kvrelay-action"],
+                                   second.headers["x-kvrelay-reason"]),
+        router_turn_after_expiry=(third.headers["x-kvrelay-action"],
+                                  third.headers["x-kvrelay-reason"]),
+    )
+
+
 def test_fake_engine_matches_real_vllm(real_cluster: RealCluster):
     real = asyncio.run(observe(real_cluster.router_url, real_cluster.prefill_url,
                                real_cluster.decode_url, real_cluster.model))
@@ -116,3 +187,36 @@ def test_fake_engine_matches_real_vllm(real_cluster: RealCluster):
     assert real.decisions == (("recompute", "no_entry"), ("pull", "pull"), ("pull", "pull"),
                               ("recompute", "prefix_mismatch"))
     assert fake == real
+
+
+def test_fake_engine_matches_real_vllm_after_ttl(real_cluster: RealCluster):
+    """A read of D's params after ``decoder_kv_blocks_ttl``: vLLM's P declines it and, under
+    ``kv_load_failure_policy=recompute``, computes the prompt (with kvrelay's connector fix;
+    stock vLLM 0.32 hangs here, see ``kvrelay.cluster.connector``). The router never sends
+    such a read: it recomputes with reason ``expired``, and pulls again on the next turn."""
+    ttl_s = real_cluster.ttl_s
+
+    async def sleep_past_ttl() -> None:
+        await asyncio.sleep(ttl_s + 2)
+
+    real = asyncio.run(observe_expiry(real_cluster.router_url, real_cluster.prefill_url,
+                                      real_cluster.decode_url, real_cluster.model,
+                                      sleep_past_ttl))
+
+    async def fake() -> ObservedExpiry:
+        config = FakeEngineConfig(latency=latency_preset("cpu"), report_delay_s=0.1,
+                                  default_max_tokens=None, decoder_kv_blocks_ttl=ttl_s)
+        async with routed(1, 1, config, ttl_s=ttl_s) as rig:
+            async def advance_past_ttl() -> None:
+                rig.clock.advance(ttl_s + 2)
+
+            model = rig.cluster.prefill[0].config.served_model_name
+            return await observe_expiry(rig.url, rig.cluster.prefill_urls[0],
+                                        rig.cluster.decode_urls[0], model, advance_past_ttl)
+
+    assert real == ObservedExpiry(
+        late_read_status=200, late_read_pulled_tokens=0.0,
+        late_read_output_equals_recompute=True,
+        router_decision_after_ttl=("recompute", "expired"),
+        router_turn_after_expiry=("pull", "pull"))
+    assert asyncio.run(fake()) == real

@@ -24,7 +24,19 @@ Fix 2: UCX progress-thread delay (``kvrelay_nixl_progress_delay_us``, default 0 
     whole core even when idle. On a 2-core host that core is a prefill core. A positive
     value is passed to the agent as its progress-thread delay in microseconds.
 
-Both are proposals for upstream; docs/cpu-notes.md has the measurements.
+Fix 3: a failed D->P read is retried as a recompute, not as a read nobody performs
+    With ``bidirectional_kv_xfer`` a P request carrying D's params loads D's blocks once
+    (``update_state_after_alloc`` marks the params ``_remote_blocks_processed``). When that
+    read fails (D declined it because its TTL passed, D restarted, the side channel is
+    unreachable) and ``kv_load_failure_policy`` is ``recompute``, vLLM 0.32's scheduler frees
+    the request's blocks and schedules it again; ``get_num_new_matched_tokens`` does not look
+    at ``_remote_blocks_processed`` and asks for the same async load again, which
+    ``update_state_after_alloc`` then never queues. The request waits in
+    ``WAITING_FOR_REMOTE_KVS`` forever: a client hangs and P holds its blocks.
+    (``scripts/repro_ttl_expired_read.py`` reproduces it.) We answer "nothing to load" for
+    params already processed, so the retry computes the prompt on P.
+
+Fixes 1-3 are proposals for upstream; docs/cpu-notes.md has the measurements.
 
 Report: D's retained params to the router (``kvrelay_report_url`` in a request's params)
     vLLM <= 0.32 does not put ``kv_transfer_params`` on the final chunk of a streamed
@@ -83,6 +95,17 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             os.sched_setaffinity(0, saved)
         hosts = transfer_config.get_from_extra_config(REPORT_HOSTS_KEY, DEFAULT_REPORT_HOSTS)
         self._reporter = _Reporter(frozenset(hosts)) if not is_worker else None
+
+    def get_num_new_matched_tokens(
+        self, request: Any, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        params = request.kv_transfer_params
+        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+            return 0, False
+        result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
+            request, num_computed_tokens
+        )
+        return result
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished(request, block_ids)
