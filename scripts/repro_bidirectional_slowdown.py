@@ -1,11 +1,13 @@
 #!/usr/bin/env python3
-"""Reproduce an open problem: with bidirectional_kv_xfer on, P's prefill slows down once D
-holds retained blocks.
+"""With bidirectional_kv_xfer on, P's prefill slowed down once D held retained blocks.
 
-Observed here (bench model, 8k-token prompts, 1 P + 1 D on 2 cores, 2026-11-30):
-bidirectional on: P prefill 5.3 s, then 15.6 s, then 18.4 s for the next conversations;
-bidirectional off: 6-9 s throughout. Not yet diagnosed (candidates: D's retained-block
-bookkeeping or NIXL notification polling competing for P's core).
+Cause: while D retains a finished turn's blocks (up to ``decoder_kv_blocks_ttl``), its engine
+core has unfinished requests and steps about every millisecond (an empty batch, to poll for
+NIXL notifications), and its worker spin-waits for those steps. ``VLLM_CPU_OMP_THREADS_BIND``
+binds only the worker's compute threads, so D's engine core and API server float onto P's
+core. Fix: ``kvrelay up`` pins every process of a CPU server to the server's cores
+(``ClusterConfig.pin_processes``). This script runs a few conversations with pinning off,
+then on, and prints P's prefill time for each (each one adds a retained turn on D).
 
     .venv/bin/python scripts/repro_bidirectional_slowdown.py [--model bench] [--tokens 8192]
 """
@@ -31,8 +33,8 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=8192)
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
-    for bidirectional in (True, False):
-        config = ClusterConfig(model=args.model, bidirectional=bidirectional,
+    for pin in (False, True):
+        config = ClusterConfig(model=args.model, pin_processes=pin,
                                base_port=free_port_block(2, 8300),
                                side_channel_base_port=free_port_block(2, 5800))
         cluster = LocalCluster(config).start()
@@ -40,8 +42,8 @@ def main() -> int:
             with PDClient(cluster.prefill[0].url, cluster.decode[0].url,
                           cluster.served_model_name) as pd:
                 for run in range(args.runs):
-                    turn = pd.turn(history(args.tokens, seed=run + 100 * bidirectional), 16)
-                    print(f"bidirectional={bidirectional} conversation={run} "
+                    turn = pd.turn(history(args.tokens, seed=run + 100 * pin), 16)
+                    print(f"pin_processes={pin} conversation={run} "
                           f"P prefill {turn.prefill.seconds:.2f} s, turn {turn.e2e_s:.2f} s",
                           flush=True)
         finally:

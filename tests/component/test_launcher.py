@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cluster.config import ClusterConfig, NodeSpec
-from kvrelay.cluster.launcher import ClusterStartError, LocalCluster
+from kvrelay.cluster.config import ClusterConfig, NodeSpec, process_cores
+from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, spawn_supervised
 from tests.ports import free_port_block
 
 STUB = Path(__file__).with_name("stub_server.py")
@@ -125,3 +125,26 @@ def test_servers_die_when_the_launcher_is_killed(tmp_path):
     parent.send_signal(signal.SIGKILL)
     parent.wait()
     assert wait_dead(servers) == []
+
+
+def test_spawned_server_and_its_children_are_pinned_to_the_given_cores(tmp_path):
+    cores = sorted(os.sched_getaffinity(0))[:1]
+    probe = ("import os, subprocess, sys; print(sorted(os.sched_getaffinity(0))); "
+             "subprocess.run([sys.executable, '-c', "
+             "'import os; print(sorted(os.sched_getaffinity(0)))'])")
+    log_path = tmp_path / "probe.log"
+    process, log = spawn_supervised([sys.executable, "-c", probe], log_path, dict(os.environ),
+                                    cores)
+    try:
+        assert process.wait(timeout=60) == 0
+    finally:
+        log.close()
+    assert log_path.read_text().splitlines()[1:] == [str(cores), str(cores)]
+
+
+def test_cpu_nodes_are_pinned_unless_disabled():
+    node = NodeSpec(role="prefill", index=0, http_port=1, side_channel_port=2, cores=(1,),
+                    gpu=None, prefix_caching=False)
+    assert process_cores(ClusterConfig(), node) == (1,)
+    assert process_cores(ClusterConfig(pin_processes=False), node) is None
+    assert process_cores(ClusterConfig(device="cuda"), node) is None

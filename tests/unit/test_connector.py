@@ -59,3 +59,30 @@ def test_progress_delay_is_applied_to_agents_created_inside_the_block(monkeypatc
     bindings.nixlAgent("b", Config())
     assert created == [("a", 1000), ("b", 0)]
     assert bindings.nixlAgent is real_agent
+
+
+class _Request:
+    def __init__(self, params):
+        self.kv_transfer_params = params
+
+
+def test_a_processed_pull_is_not_requested_again(monkeypatch):
+    """After a failed D->P read, vLLM schedules the request again; answering the same async
+    load again would park it in WAITING_FOR_REMOTE_KVS forever (docs/cpu-notes.md #6)."""
+    asked: list[dict] = []
+
+    def parent(self, request, num_computed_tokens):
+        asked.append(request.kv_transfer_params)
+        return 512, True
+
+    monkeypatch.setattr(connector.NixlPullConnector, "get_num_new_matched_tokens", parent)
+    conn = object.__new__(connector.NixlConnector)
+    d_params = {"do_remote_decode": True, "remote_block_ids": [[1, 2, 3, 4]],
+                "remote_num_tokens": 512}
+    assert conn.get_num_new_matched_tokens(_Request(dict(d_params)), 0) == (512, True)
+    processed = {**d_params, "do_remote_prefill": False, "_remote_blocks_processed": True}
+    assert conn.get_num_new_matched_tokens(_Request(processed), 0) == (0, False)
+    p_params = {"do_remote_prefill": True, "_remote_blocks_processed": True}
+    assert conn.get_num_new_matched_tokens(_Request(p_params), 0) == (512, True)
+    assert conn.get_num_new_matched_tokens(_Request(None), 0) == (512, True)
+    assert len(asked) == 3

@@ -58,6 +58,9 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_NIXL_PROGRESS_DELAY_US)
     parser.add_argument("--no-restore-affinity", action="store_true",
                         help="keep vLLM's CPU main-thread re-pinning (reproduces the stall)")
+    parser.add_argument("--no-pin-processes", action="store_true",
+                        help="let each CPU server's API server and engine core float over all "
+                             "cores (reproduces P's slowdown while D retains blocks)")
     parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
     parser.add_argument("--run-dir", type=Path, default=None, help="where node logs go")
     parser.add_argument("--router-port", type=int, default=8000,
@@ -88,6 +91,7 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         decode_prefix_caching=not args.no_decode_prefix_caching,
         nixl_progress_delay_us=args.nixl_progress_delay_us,
         restore_affinity=not args.no_restore_affinity,
+        pin_processes=not args.no_pin_processes,
         startup_timeout_s=args.startup_timeout_s,
     )
 

@@ -21,8 +21,9 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import IO
 
@@ -30,6 +31,7 @@ from kvrelay.cluster.config import (
     ClusterConfig,
     NodeSpec,
     plan_nodes,
+    process_cores,
     served_model_name,
     server_command,
     server_env,
@@ -162,7 +164,7 @@ class LocalCluster:
         log_path = self.run_dir / f"{spec.name}.log"
         cmd = self._command(self.config, spec, model_path)
         env = server_env(self.config, spec, dict(os.environ))
-        process, log = spawn_supervised(cmd, log_path, env)
+        process, log = spawn_supervised(cmd, log_path, env, process_cores(self.config, spec))
         self._log_files.append(log)
         url = f"http://{self.config.host}:{spec.http_port}"
         return RunningNode(spec=spec, process=process, log_path=log_path, url=url)
@@ -265,11 +267,13 @@ class ServiceProcess:
 
 
 def spawn_supervised(
-    cmd: list[str], log_path: Path, env: dict[str, str]
+    cmd: list[str], log_path: Path, env: dict[str, str], cores: Sequence[int] | None = None
 ) -> tuple[subprocess.Popen[bytes], IO[bytes]]:
     """Start ``cmd`` in its own process group, logging to ``log_path``, dying with us.
 
-    The caller owns the returned log file and stops the group with ``stop_group``.
+    ``cores``: CPU affinity of the process and everything it starts (inherited), e.g. a vLLM
+    CPU server's API server, engine core and worker. The caller owns the returned log file
+    and stops the group with ``stop_group``.
     """
     log = open(log_path, "ab")  # noqa: SIM115 - returned to the caller, who closes it
     log.write(("$ " + " ".join(cmd) + "\n").encode())
@@ -281,7 +285,7 @@ def spawn_supervised(
         stdin=subprocess.DEVNULL,
         env=env,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=_die_with_parent if cores is None else partial(_prepare_child, tuple(cores)),
     )
     return process, log
 
@@ -330,6 +334,11 @@ def _get_ok(url: str) -> bool:
 def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(process.pid, sig)
+
+
+def _prepare_child(cores: tuple[int, ...]) -> None:
+    _die_with_parent()
+    os.sched_setaffinity(0, cores)
 
 
 def _die_with_parent() -> None:
