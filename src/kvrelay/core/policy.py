@@ -27,6 +27,9 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
    D's block size is unknown: cutting the block list needs it (``RemoteBlocks.capped``),
    and vLLM would otherwise pair P's blocks with the wrong remote blocks. Else ``pull``.
 
+``state_unavailable`` is never returned here: the router uses it for a turn whose entry could
+not be looked up (shared store down or slow), which it recomputes.
+
 Contracts: ``blocks_to_send`` is set only for ``pull``, never claims more tokens than the
 verified prefix (nor the whole prompt), and holds exactly the blocks of the tokens it
 claims; ``reused_tokens`` is zero for ``recompute``. The predictions compare the two ways to
@@ -62,6 +65,7 @@ TurnReason = Literal[
     "partial_reuse_unsafe",
     "pull",
     "direct",
+    "state_unavailable",
 ]
 
 DEFAULT_KV_RECOMPUTE_THRESHOLD = 64

@@ -3,7 +3,8 @@
 Routes: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not),
 ``GET /v1/models`` (from an up P), ``GET /health`` (router and every node, checked live),
 ``GET /metrics`` (Prometheus), ``GET /stats`` (JSON), ``POST /internal/kv-report`` (D's
-retained params, posted by kvrelay's connector).
+retained params, posted by kvrelay's connector), ``/admin/*`` with an admin key (``admin``).
+API keys and tenants: ``auth``; body limits, in-flight cap, draining: ``limits``.
 
 All state lives in the ``RouterContext`` on ``app.state.router``; nothing is module-global,
 so any number of apps can run in one process (tests do). The health loop runs while the app's
@@ -23,14 +24,19 @@ from typing import Any
 
 import httpx
 from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
 from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvrelay.router.admin import admin_routes, http_error, stats_handler
+from kvrelay.router.auth import Authenticator
 from kvrelay.router.bodies import Endpoint
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.errors import ClientError, RouterError, error_response, json_response
 from kvrelay.router.forward import Forwarder
+from kvrelay.router.limits import Guard, GuardState, read_body
 from kvrelay.router.metrics import CONTENT_TYPE, RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.reports import ReportBook
@@ -53,9 +59,12 @@ def create_app(
     store: ConversationStore | None = None,
 ) -> Starlette:
     """A router app for ``config``. ``transport`` replaces the network to the nodes (tests),
-    ``clock`` is the router clock for entry expiry, ``store`` defaults to an
+    ``clock`` is the router clock for entry expiry, ``store`` defaults to a ``RedisStore`` on
+    ``config.state`` when set (shared by router replicas), else to an
     ``InMemoryStore`` capped at ``config.max_entries``."""
     metrics = RouterMetrics()
+    if store is None and config.state is not None:
+        store = _redis_store(config, clock, metrics)
     if store is None:
         store = InMemoryStore(
             config.max_entries,
@@ -67,7 +76,7 @@ def create_app(
             ),
         )
     upstream = Upstream(config, transport)
-    nodes = NodeRegistry(config, upstream, store, metrics)
+    nodes = NodeRegistry(config, upstream, store, metrics, clock=clock)
     reports = ReportBook(
         store,
         clock,
@@ -90,6 +99,11 @@ def create_app(
     metrics.track_pending_reports(lambda: len(ctx.reports))
     planner = TurnPlanner(ctx)
     forwarder = Forwarder(ctx)
+    auth = Authenticator(config.api_keys, config.admin_key, config.tenant)
+    guard = GuardState(config.max_in_flight)
+
+    async def body_of(request: Request) -> bytes:
+        return await read_body(request, config.max_body_bytes, config.body_timeout_s)
 
     def counted(endpoint: str, handler: Handler) -> Handler:
         async def handle(request: Request) -> Response:
@@ -111,7 +125,9 @@ def create_app(
         async def handle(request: Request) -> Response:
             turn: Turn | None = None
             try:
-                turn = await planner.decide(endpoint, await request.body(), request.headers)
+                tenant = auth.tenant(request.headers)
+                raw = await body_of(request)
+                turn = await planner.decide(endpoint, raw, request.headers, tenant)
                 return await forwarder.run(turn)
             except RouterError as exc:
                 if turn is not None and turn.record.get("outcome") is None:
@@ -121,6 +137,7 @@ def create_app(
         return handle
 
     async def models(request: Request) -> Response:
+        auth.tenant(request.headers)
         last: UpstreamError | None = None
         for node in config.prefill:
             state = nodes.state(node.node_id)
@@ -150,18 +167,10 @@ def create_app(
     async def prometheus(request: Request) -> Response:
         return Response(metrics.render(), media_type=CONTENT_TYPE)
 
-    async def stats(request: Request) -> Response:
-        return json_response({
-            "nodes": nodes.describe(),
-            "conversations": {"live": len(store)},
-            "pending_reports": len(reports),
-            "decisions": ctx.stats.snapshot(),
-        })
-
     async def kv_report(request: Request) -> Response:
         try:
-            payload = json.loads(await request.body())
-        except (ValueError, UnicodeDecodeError):
+            payload = json.loads(await body_of(request))
+        except (ValueError, UnicodeDecodeError, RecursionError):
             raise ClientError("report body is not JSON") from None
         if not isinstance(payload, dict) or not isinstance(payload.get("turn_id"), str):
             raise ClientError("report needs a string turn_id", "turn_id")
@@ -178,6 +187,9 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await loop_task
             await upstream.aclose()
+            closer = getattr(store, "aclose", None)
+            if closer is not None:
+                await closer()
 
     routes = [
         Route("/v1/chat/completions", counted("/v1/chat/completions", generation("chat")),
@@ -187,31 +199,42 @@ def create_app(
         Route("/v1/models", counted("/v1/models", models), methods=["GET"]),
         Route("/health", counted("/health", health), methods=["GET"]),
         Route("/metrics", prometheus, methods=["GET"]),
-        Route("/stats", counted("/stats", stats), methods=["GET"]),
+        Route("/stats", counted("/stats", stats_handler(ctx, auth)), methods=["GET"]),
         Route("/internal/kv-report", counted("/internal/kv-report", kv_report),
               methods=["POST"]),
+        *admin_routes(ctx, auth, counted),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(
+        routes=routes,
+        lifespan=lifespan,
+        middleware=[Middleware(Guard, state=guard, metrics=metrics)],
+        exception_handlers={HTTPException: http_error},
+    )
     app.state.router = ctx
+    app.state.guard = guard
     return app
 
 
-def serve(config: RouterConfig, **uvicorn_options: Any) -> None:
-    """Run the router with uvicorn on ``config.host:config.port`` until interrupted
-    (blocking). ``kvrelay route`` and ``python -m kvrelay.cli route`` call this."""
-    import uvicorn
+def _redis_store(
+    config: RouterConfig, clock: Callable[[], float], metrics: RouterMetrics
+) -> ConversationStore:
+    from kvrelay.router.store_redis import RedisStore
 
-    logging.basicConfig(
-        level=config.log_level.upper(),
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    assert config.state is not None
+    return RedisStore.from_url(
+        config.state,
+        timeout_s=config.state_timeout_ms / 1000.0,
+        deployment=config.deployment,
+        clock=clock,
+        expired_retention_s=config.expired_retention_s,
+        on_error=lambda op: metrics.state_errors.labels(op).inc(),
     )
-    options: dict[str, Any] = {
-        "host": config.host,
-        "port": config.port,
-        "log_level": config.log_level,
-        "access_log": False,
-        "timeout_keep_alive": 30,
-        "backlog": 4096,
-    }
-    options.update(uvicorn_options)
-    uvicorn.run(create_app(config), **options)
+
+
+def serve(config: RouterConfig, **uvicorn_options: Any) -> None:
+    """Run the router with uvicorn on ``config.host:config.port`` until SIGTERM/SIGINT,
+    then drain and return (blocking; see ``router.server``). ``kvrelay route`` and
+    ``python -m kvrelay.cli route`` call this."""
+    from kvrelay.router.server import serve as serve_router
+
+    serve_router(config, **uvicorn_options)

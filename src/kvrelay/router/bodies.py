@@ -13,6 +13,7 @@ from a client is refused: it would let a client make P read arbitrary blocks.
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -25,7 +26,7 @@ PATHS: Mapping[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": 
 
 REPORT_URL_KEY = "kvrelay_report_url"
 REPORT_TURN_KEY = "kvrelay_turn_id"
-MAX_CONVERSATION_ID_CHARS = 1024
+MAX_CONVERSATION_ID_BYTES = 256
 ID_HEADERS = ("x-conversation-id", "x-session-id")
 
 #: Chat fields that change what the chat template renders, copied to ``/tokenize``.
@@ -64,10 +65,7 @@ def parse_turn(
     endpoint: Endpoint, raw: bytes, headers: Mapping[str, str], tenant: str
 ) -> TurnRequest:
     """Validate a client request (see the module docstring); ``ClientError`` if invalid."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ClientError(f"Invalid JSON body: {exc}") from None
+    body = load_json(raw)
     if not isinstance(body, dict):
         raise ClientError("The request body must be a JSON object")
     if "kv_transfer_params" in body:
@@ -82,8 +80,8 @@ def parse_turn(
     if conversation_id is None:
         lowered = {k.lower(): v for k, v in headers.items()}
         conversation_id = next((lowered[h] for h in ID_HEADERS if lowered.get(h)), None)
-    if conversation_id is not None and len(conversation_id) > MAX_CONVERSATION_ID_CHARS:
-        raise ClientError("conversation_id is too long", "conversation_id")
+    if conversation_id is not None:
+        _check_id(conversation_id)
     _optional(body, "model", str)
     _optional(body, "stream", bool)
     _optional(body, "stream_options", dict)
@@ -162,6 +160,48 @@ def decode_body(
         body["return_token_ids"] = True
     body["kv_transfer_params"] = params
     return body
+
+
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+
+def load_json(raw: bytes) -> Any:
+    """Strict JSON: UTF-8, no ``NaN``/``Infinity``, no lone surrogates (all of which would
+    fail later, when the body is forwarded), bounded nesting; ``ClientError`` 400 if not."""
+    try:
+        body = json.loads(raw, parse_constant=_no_constant)
+    except RecursionError:
+        raise ClientError("Invalid JSON body: nested too deeply") from None
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ClientError(f"Invalid JSON body: {exc}") from None
+    if _SURROGATE_ESCAPE.search(raw):
+        try:
+            json.dumps(body, ensure_ascii=False).encode("utf-8")
+        except UnicodeEncodeError:
+            raise ClientError("Invalid JSON body: unpaired UTF-16 surrogate") from None
+        except RecursionError:
+            raise ClientError("Invalid JSON body: nested too deeply") from None
+    return body
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not valid JSON")
+
+
+def _check_id(conversation_id: str) -> None:
+    """Ids are scoped, hashed and never echoed, but bounded and free of control characters
+    (they may come from a header and must stay safe to put in one)."""
+    try:
+        size = len(conversation_id.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ClientError("conversation_id is not valid UTF-8", "conversation_id") from None
+    if size > MAX_CONVERSATION_ID_BYTES:
+        raise ClientError(
+            f"conversation_id is longer than {MAX_CONVERSATION_ID_BYTES} bytes", "conversation_id"
+        )
+    if _CONTROL.search(conversation_id):
+        raise ClientError("conversation_id contains control characters", "conversation_id")
 
 
 def _optional(body: Mapping[str, Any], name: str, kind: type) -> Any:

@@ -49,8 +49,43 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="enable the direct action (whole turn to the holding D)")
     parser.add_argument("--report-wait-s", type=float, default=None)
     parser.add_argument("--health-interval-s", type=float, default=None)
+    parser.add_argument("--max-entries", type=int, default=None,
+                        help="conversation entries kept, least recently used evicted "
+                             "first (default 100000; env KVRELAY_MAX_ENTRIES)")
+    parser.add_argument("--state", default=None, metavar="redis://HOST:PORT/DB",
+                        help="share conversation state with other router replicas in Redis "
+                             "(default: in this process)")
+    parser.add_argument("--state-timeout-ms", type=float, default=None,
+                        help="bound on each Redis call; on timeout the turn recomputes "
+                             "(default 50)")
+    parser.add_argument("--deployment", default=None,
+                        help="namespace of this deployment's Redis keys (default 'default')")
     parser.add_argument("--log-level", default=None,
                         choices=["critical", "error", "warning", "info", "debug"])
+    add_security_arguments(parser)
+
+
+def add_security_arguments(parser: argparse.ArgumentParser) -> None:
+    """Auth and limits (docs/router.md, "Security and limits")."""
+    parser.add_argument("--api-key", action="append", metavar="[TENANT:]KEY", default=None,
+                        help="require 'Authorization: Bearer KEY'; the key's tenant scopes "
+                             "conversation ids (bare KEY: tenant 'default'); repeat for "
+                             "several (prefer env KVRELAY_API_KEYS: flags show in ps)")
+    parser.add_argument("--admin-key", default=None, metavar="KEY",
+                        help="enables /admin/* and unfiltered /stats for this bearer key "
+                             "(env KVRELAY_ADMIN_KEY)")
+    parser.add_argument("--max-body-bytes", type=int, default=None,
+                        help="largest request body, else 413 (default 8 MiB)")
+    parser.add_argument("--max-in-flight", type=int, default=None,
+                        help="generation requests in flight, else 429 (default 1024)")
+    parser.add_argument("--header-timeout-s", type=float, default=None,
+                        help="a connection must send a request's headers within this "
+                             "(default 30)")
+    parser.add_argument("--body-timeout-s", type=float, default=None,
+                        help="a request's whole body must arrive within this, else 408 "
+                             "(default 60)")
+    parser.add_argument("--drain-timeout-s", type=float, default=None,
+                        help="on SIGTERM, how long in-flight requests may finish (default 30)")
 
 
 def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
@@ -77,7 +112,18 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "direct_enabled": args.direct,
         "report_wait_s": args.report_wait_s,
         "health_interval_s": args.health_interval_s,
+        "max_entries": getattr(args, "max_entries", None),
         "log_level": args.log_level,
+        "api_keys": getattr(args, "api_key", None),
+        "admin_key": getattr(args, "admin_key", None),
+        "max_body_bytes": getattr(args, "max_body_bytes", None),
+        "max_in_flight": getattr(args, "max_in_flight", None),
+        "header_timeout_s": getattr(args, "header_timeout_s", None),
+        "body_timeout_s": getattr(args, "body_timeout_s", None),
+        "drain_timeout_s": getattr(args, "drain_timeout_s", None),
+        "state": args.state,
+        "state_timeout_ms": args.state_timeout_ms,
+        "deployment": args.deployment,
     }
     if side:
         out["side_channels"] = side

@@ -27,6 +27,7 @@ from kvrelay.core.conversation import (
 )
 from kvrelay.core.policy import PolicyConfig
 from kvrelay.core.selection import AffinityConfig
+from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
 
 Role = Literal["prefill", "decode"]
 
@@ -102,6 +103,9 @@ class RouterConfig:
     ``ttl_s`` to get an entry's expiry on the router clock. ``report_wait_s`` bounds how long a
     turn waits for the previous turn's pending D report; ``report_timeout_s`` how long after a
     response ends the router keeps waiting for that report before giving up on the entry.
+    ``state`` is the shared conversation store (``redis://host:port/db``; ``None``: in this
+    process), each of its calls bounded by ``state_timeout_ms``; ``deployment`` namespaces its
+    keys (see ``router.store_redis``).
     """
 
     prefill: tuple[NodeConfig, ...]
@@ -125,6 +129,16 @@ class RouterConfig:
     expired_retention_s: float = 300.0
     recent_decisions: int = 100
     log_level: str = "info"
+    state: str | None = None
+    state_timeout_ms: float = 50.0
+    deployment: str = "default"
+    api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
+    admin_key: str | None = field(default=None, repr=False)
+    max_body_bytes: int = 8 * 1024 * 1024
+    max_in_flight: int = 1024
+    header_timeout_s: float = 30.0
+    body_timeout_s: float = 60.0
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -154,6 +168,15 @@ class RouterConfig:
                 raise ConfigError(f"ttl_safety_margin_s must be in [0, {node.node_id}'s ttl_s)")
         if not self.tenant:
             raise ConfigError("tenant must be non-empty")
+        check_security(self)  # keys and limits (ValueError)
+        if self.state is not None and urlsplit(self.state).scheme not in (
+            "redis", "rediss", "unix"
+        ):
+            raise ConfigError(f"state must be redis://host:port/db, got {self.state!r}")
+        if self.state_timeout_ms <= 0:
+            raise ConfigError("state_timeout_ms must be positive")
+        if not self.deployment or any(c.isspace() for c in self.deployment):
+            raise ConfigError("deployment must be non-empty, without whitespace")
 
     @property
     def nodes(self) -> tuple[NodeConfig, ...]:
@@ -205,15 +228,18 @@ def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
     ``{"url", "id", "side_channel", "ttl_s", "block_size"}`` tables), ``ttl_s`` (default D
     TTL), ``block_size`` (default block size, unset: inferred),
     ``side_channels`` (``{url_or_id: "host[:port]"}``), ``policy`` and ``affinity`` tables
-    (or their fields at top level, e.g. ``kv_recompute_threshold``).
+    (or their fields at top level, e.g. ``kv_recompute_threshold``), ``api_keys``/``tenants``.
     """
     merged: dict[str, Any] = {}
     policy: dict[str, Any] = {}
     affinity: dict[str, Any] = {}
     side: dict[str, str] = {}
+    keys: list[tuple[str, Any]] = []  # api_keys / tenants of the last layer that has any
     for layer in layers:
+        if layer.get("api_keys") is not None or layer.get("tenants") is not None:
+            keys = [(k, layer[k]) for k in ("tenants", "api_keys") if layer.get(k) is not None]
         for key, value in layer.items():
-            if value is None:
+            if value is None or key in ("api_keys", "tenants"):
                 continue
             if key == "policy" or key == "affinity":
                 if not isinstance(value, Mapping):
@@ -240,6 +266,7 @@ def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
         raise ConfigError(f"side channel given for unknown node(s): {unknown}")
     try:
         scalars = {k: _coerce(k, v) for k, v in merged.items()}
+        scalars["api_keys"] = parse_api_keys(keys)
         return RouterConfig(
             prefill=prefill,
             decode=decode,
@@ -323,6 +350,14 @@ ENV_KEYS = {
     "PULL_COST_FACTOR": "pull_cost_factor",
     "DIRECT": "direct_enabled",
     "LOG_LEVEL": "log_level",
+    "API_KEYS": "api_keys",
+    "ADMIN_KEY": "admin_key",
+    "MAX_BODY_BYTES": "max_body_bytes",
+    "MAX_IN_FLIGHT": "max_in_flight",
+    "DRAIN_TIMEOUT_S": "drain_timeout_s",
+    "STATE": "state",
+    "STATE_TIMEOUT_MS": "state_timeout_ms",
+    "DEPLOYMENT": "deployment",
 }
 
 

@@ -17,9 +17,12 @@ from starlette.responses import Response
 
 _TYPES = {
     400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
     404: "NotFoundError",
     413: "RequestEntityTooLargeError",
     422: "UnprocessableEntityError",
+    429: "RateLimitError",
     500: "InternalServerError",
     502: "BadGatewayError",
     503: "ServiceUnavailableError",
@@ -81,14 +84,23 @@ def passthrough_error_body(status: int, upstream: object) -> dict[str, object]:
 class ClientError(Exception):
     """Bad client input: answered with ``status`` (4xx) and an OpenAI error body."""
 
-    def __init__(self, message: str, param: str | None = None, status: int = 400) -> None:
+    def __init__(
+        self,
+        message: str,
+        param: str | None = None,
+        status: int = 400,
+        headers: Mapping[str, str] | None = None,
+    ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
+        self.headers = dict(headers or {})
 
     def response(self) -> Response:
-        return error_response(self.status, self.message, self.param)
+        response = error_response(self.status, self.message, self.param)
+        response.headers.update(self.headers)
+        return response
 
 
 class RouterError(Exception):

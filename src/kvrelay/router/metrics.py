@@ -18,6 +18,11 @@ Names (all prefixed ``kvrelay_router_``):
 * ``reports_total{outcome}`` – D reports (``matched`` or ``unknown_turn``);
   ``turn_entries_total{outcome}`` – how each D turn settled (``committed``, ``no_kv``,
   ``report_timeout``, ``failed``, ...).
+* ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out
+  (``get``, ``put``, ``claim``, ``drop``, ``drop_node``, ``drop_engine``, ``decode``).
+* ``in_flight`` – generation requests in flight (streams until their end);
+  ``rejected_requests_total{reason}`` – requests refused before routing: ``overload`` (429,
+  over ``max_in_flight``) or ``draining`` (503, shutting down).
 """
 
 from __future__ import annotations
@@ -90,6 +95,17 @@ class RouterMetrics:
         self.turn_entries = Counter(
             _P + "turn_entries_total", "How D turns settled: committed or why not",
             ["outcome"], registry=r,
+        )
+        self.in_flight = Gauge(
+            _P + "in_flight", "Generation requests in flight", registry=r
+        )
+        self.rejected = Counter(
+            _P + "rejected_requests_total", "Requests refused before routing, by reason",
+            ["reason"], registry=r,
+        )
+        self.state_errors = Counter(
+            _P + "state_errors_total", "Shared conversation state calls that failed, by op",
+            ["op"], registry=r,
         )
 
     def track_live_entries(self, count: Callable[[], int]) -> None:

@@ -8,6 +8,10 @@ its blocks. A successful health check brings it back.
 Engine ids are learned from ``remote_engine_id`` in the params a node returns. A new id for a
 node means the engine restarted; entries retained by the old engine are not dropped here but
 rejected by the policy (``engine_restarted``) when their conversation's next turn arrives.
+With a shared store (several router replicas) an entry written by another replica is evidence
+too: ``observe_entry`` adopts its engine id when the entry was created after this router last
+saw the node's engine (router clock; the store converts times through the wall clock), so a
+restart one replica noticed is not mistaken by another for a stale entry, nor the reverse.
 
 Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight,
 via ``busy()``. ``CostEstimates`` are kept per P node: its prefill rate and the rate at which
@@ -19,7 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvrelay.core.costs import CostEstimates
@@ -37,6 +42,7 @@ class _Node:
     config: NodeConfig
     up: bool = True
     engine_id: str | None = None
+    engine_seen_s: float = float("-inf")
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     failures: int = 0
@@ -65,13 +71,17 @@ class NodeRegistry:
         upstream: Upstream,
         store: ConversationStore,
         metrics: RouterMetrics,
+        *,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._config = config
+        self._clock = clock
         self._upstream = upstream
         self._store = store
         self._metrics = metrics
         self._nodes = {n.node_id: _Node(n) for n in config.nodes}
         self._order = [n.node_id for n in config.nodes]
+        self._drained: set[str] = set()  # admin: no new turns, entries stay usable
         for node in self._nodes.values():
             self._publish(node)
 
@@ -90,6 +100,7 @@ class NodeRegistry:
 
     def choose_prefill(self, exclude: frozenset[str] = frozenset()) -> NodeConfig | None:
         """Least outstanding prefill work among up P nodes not in ``exclude``."""
+        exclude = exclude | self._drained
         choice = choose_prefill([s for s in self.states() if s.node_id not in exclude])
         return self._nodes[choice.node_id].config if choice else None
 
@@ -97,9 +108,15 @@ class NodeRegistry:
         self, affinity: str | None = None, exclude: frozenset[str] = frozenset()
     ) -> NodeConfig | None:
         """The affinity D unless down/overloaded/excluded, else the least loaded up D."""
+        exclude = exclude | self._drained
         states = [s for s in self.states() if s.node_id not in exclude]
         choice = choose_decode(states, affinity, self._config.affinity)
         return self._nodes[choice.node_id].config if choice else None
+
+    def set_drained(self, node_id: str, drained: bool) -> None:
+        """Stop (or resume) choosing the node for new turns (``/admin/nodes/.../drain``)."""
+        (self._drained.add if drained else self._drained.discard)(node_id)
+        log.info("node %s %s", node_id, "drained" if drained else "undrained")
 
     def costs(self, node_id: str) -> CostEstimates:
         return self._nodes[node_id].costs
@@ -126,13 +143,25 @@ class NodeRegistry:
     def observe_engine(self, node_id: str, engine_id: str) -> bool:
         """Record the node's current engine id; True if it changed from a known one."""
         node = self._nodes.get(node_id)
-        if node is None or not engine_id or node.engine_id == engine_id:
+        if node is None or not engine_id:
+            return False
+        node.engine_seen_s = self._clock()
+        if node.engine_id == engine_id:
             return False
         old, node.engine_id = node.engine_id, engine_id
         if old is not None:
             log.warning("node %s restarted: engine %s -> %s", node_id, old, engine_id)
             return True
         return False
+
+    def observe_entry(self, node_id: str, engine_id: str, created_at_s: float) -> bool:
+        """An entry (maybe from another replica) says ``node_id`` ran ``engine_id`` at
+        ``created_at_s``: adopt that id if it is newer than what this router saw last.
+        True if the node's engine id changed from a known one."""
+        node = self._nodes.get(node_id)
+        if node is None or node.engine_id == engine_id or created_at_s <= node.engine_seen_s:
+            return False
+        return self.observe_engine(node_id, engine_id)
 
     async def request_failed(self, error: UpstreamError) -> None:
         """Count a failed call; a node that cannot be connected to is marked down at once."""
@@ -210,6 +239,7 @@ class NodeRegistry:
                 "role": n.config.role,
                 "url": n.config.url,
                 "up": n.up,
+                "drained": node_id in self._drained,
                 "engine_id": n.engine_id,
                 "outstanding_requests": n.outstanding_requests,
                 "outstanding_prefill_tokens": n.outstanding_prefill_tokens,

@@ -1,7 +1,7 @@
 """Where the router keeps one ``ConversationEntry`` per conversation between turns.
 
-``ConversationStore`` is the contract (an in-process dict today, Redis later); every method
-is async so a networked store fits. Contracts:
+``ConversationStore`` is the contract (``InMemoryStore`` here, ``store_redis.RedisStore``
+shared by router replicas); every method is async so a networked store fits. Contracts:
 
 * ``get`` returns the entry even after it expired (the policy reports ``expired``) until the
   store purges it, at most ``expired_retention_s`` after expiry.
@@ -13,6 +13,12 @@ is async so a networked store fits. Contracts:
 * ``drop(key, entry=None)`` removes the entry (only if it is still ``entry``, when given).
 * ``drop_node`` / ``drop_engine`` remove every entry held by a node / by one engine
   incarnation of a node, returning how many were removed.
+* A networked store that cannot answer in time raises ``StoreUnavailable`` from ``get``
+  only (the turn then recomputes with reason ``state_unavailable``); every other method
+  degrades safely instead of raising: ``put`` loses the entry, ``claim`` and ``drop``
+  return False, ``drop_node`` / ``drop_engine`` return 0.
+* ``len(store)`` is the number of live entries, exact in memory, last known for a
+  networked store.
 
 Entries hold block locations and a token fingerprint only, never conversation content.
 """
@@ -27,6 +33,10 @@ from typing import Literal, Protocol, runtime_checkable
 from kvrelay.core.conversation import ConversationEntry, ConversationKey
 
 EvictReason = Literal["expired", "capacity"]
+
+
+class StoreUnavailable(RuntimeError):
+    """The conversation store could not answer (down, slow): treat the lookup as a miss."""
 
 
 @runtime_checkable

@@ -9,6 +9,9 @@ Steps (``decide``):
 3. If the conversation's previous turn is still waiting for its D report, wait for it, at
    most ``report_wait_s``.
 4. ``core.policy.decide_turn`` on the stored entry, the holding D's state and P's costs.
+   A store that cannot answer (``StoreUnavailable``, e.g. Redis down) makes the turn a
+   recompute with reason ``state_unavailable``. An entry's engine id is shown to the node
+   registry (``observe_entry``): with replicas it may be news of a D restart.
 5. A ``pull`` atomically claims (consumes) the entry before P is ever called; losing the claim
    to a concurrent turn of the same conversation turns the decision into ``no_entry``.
    Entries the decision proves useless (``expired``, ``near_expiry``, ``node_down``,
@@ -32,6 +35,7 @@ from kvrelay.router.bodies import Endpoint, TurnRequest, parse_turn, tokenize_bo
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
 from kvrelay.router.state import RouterContext
+from kvrelay.router.store import StoreUnavailable
 from kvrelay.router.upstream import UpstreamError
 
 log = logging.getLogger("kvrelay.router")
@@ -76,24 +80,42 @@ class TurnPlanner:
         self._ctx = ctx
 
     async def decide(
-        self, endpoint: Endpoint, raw: bytes, headers: Mapping[str, str]
+        self,
+        endpoint: Endpoint,
+        raw: bytes,
+        headers: Mapping[str, str],
+        tenant: str | None = None,
     ) -> Turn:
+        """``tenant`` (from the request's API key; default ``config.tenant``) scopes the
+        conversation id."""
         started = time.perf_counter()
         ctx = self._ctx
-        req = parse_turn(endpoint, raw, headers, ctx.config.tenant)
+        tenant = tenant or ctx.config.tenant
+        req = parse_turn(endpoint, raw, headers, tenant)
         p = ctx.nodes.choose_prefill()
         if p is None:
             raise RouterError(503, "no prefill node is up")
         prompt_ids: list[int] | None = None
         entry: ConversationEntry | None = None
+        state_down = False
         if req.key is not None:
             prompt_ids, p = await self._tokenize(req, p)
             if ctx.reports.is_pending(req.key):
                 settled = await ctx.reports.wait_for(req.key, ctx.config.report_wait_s)
                 if not settled:
                     log.info("turn of %s: previous report still pending", req.key.hashed())
-            entry = await ctx.store.get(req.key)
-        decision = self._decide(req, entry, prompt_ids or (), p)
+            try:
+                entry = await ctx.store.get(req.key)
+            except StoreUnavailable:
+                state_down = True
+            if entry is not None:
+                ctx.nodes.observe_entry(
+                    entry.decode_node_id, entry.decode_engine_id, entry.created_at_s
+                )
+        if state_down:
+            decision = TurnDecision("recompute", "state_unavailable")
+        else:
+            decision = self._decide(req, entry, prompt_ids or (), p)
         if decision.action == "pull":
             assert req.key is not None and entry is not None
             if not await ctx.store.claim(req.key, entry):
@@ -124,6 +146,7 @@ class TurnPlanner:
             stream=req.stream,
             prompt_tokens=len(prompt_ids) if prompt_ids is not None else req.approx_prompt_tokens,
         )
+        record["tenant"] = tenant  # /stats shows a tenant only its own decisions
         if req.key is not None:
             log.debug(
                 "turn %s: %s (%s), verified %d tokens",

@@ -1,0 +1,178 @@
+"""API keys, tenants and the admin key.
+
+With no API key configured the router is open and every request belongs to
+``config.tenant`` ("default"). With keys configured, every client request (generation,
+``/v1/models``, ``/stats``) needs ``Authorization: Bearer <key>``; the key's tenant scopes the
+conversation ids of that request (``ConversationKey(tenant, id)``), so one tenant can never
+address, probe or consume another tenant's entries.
+
+Keys are given as ``TENANT:SECRET`` (split at the first ``:``) or a bare ``SECRET``, which
+belongs to ``config.tenant``; in TOML also as a ``[tenants]`` table (``name = "secret"`` or
+``name = ["secret", ...]``). Secrets are compared in constant time (``hmac.compare_digest`` on
+SHA-256 digests, every configured key checked), never logged and hidden from ``repr``.
+
+The admin key (``admin_key``) unlocks the ``/admin/*`` endpoints and an unfiltered ``/stats``;
+without one the admin endpoints do not exist (404).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from kvrelay.router.errors import ClientError
+
+_CHALLENGE = {"WWW-Authenticate": "Bearer"}
+
+
+@dataclass(frozen=True)
+class ApiKey:
+    """One client key; ``tenant=None`` means the router's default tenant."""
+
+    tenant: str | None
+    secret: str = field(repr=False)
+
+
+def parse_api_keys(settings: Iterable[tuple[str, object]]) -> tuple[ApiKey, ...]:
+    """Keys from ``("api_keys", value)`` / ``("tenants", value)`` settings; ``ValueError``
+    if invalid (``config.build_config`` makes it a ``ConfigError``)."""
+    return tuple(k for name, value in settings for k in _parse(value, name == "tenants"))
+
+
+def _parse(value: object, tenants_table: bool) -> list[ApiKey]:
+    """A ``[tenant:]secret`` string (comma-separated for env vars), a list of them, or
+    (``tenants_table``) a ``{tenant: secret | [secrets]}`` table."""
+    out: list[ApiKey] = []
+    if tenants_table:
+        if not isinstance(value, Mapping):
+            raise ValueError("tenants must be a table of tenant = key or [keys]")
+        for tenant, secrets in value.items():
+            items = [secrets] if isinstance(secrets, str) else secrets
+            if not isinstance(items, list) or not all(isinstance(s, str) for s in items):
+                raise ValueError("tenants: each tenant needs a key or a list of keys")
+            out.extend(_key(str(tenant), s) for s in items)
+        return out
+    items = value.split(",") if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(s, str) for s in items):
+        raise ValueError("api_keys must be a list of 'TENANT:KEY' or 'KEY' strings")
+    for item in items:
+        item = item.strip()
+        if not item:
+            continue
+        tenant, sep, secret = item.partition(":")
+        out.append(_key(tenant, secret) if sep else _key(None, item))
+    return out
+
+
+def _key(tenant: str | None, secret: str) -> ApiKey:
+    secret = secret.strip()
+    if tenant is not None and not tenant.strip():
+        raise ValueError("an API key's tenant must be non-empty")
+    if not secret:
+        raise ValueError("API keys must be non-empty")
+    if any(ord(c) < 0x21 or ord(c) == 0x7F for c in secret):
+        raise ValueError("API keys cannot contain spaces or control characters")
+    return ApiKey(tenant.strip() if tenant is not None else None, secret)
+
+
+def check_security(config: Any) -> None:
+    """``ValueError`` for invalid security or limit settings of a ``RouterConfig``: a key
+    configured twice or equal to the admin key, non-positive limits or timeouts."""
+    if config.max_body_bytes < 1 or config.max_in_flight < 1:
+        raise ValueError("max_body_bytes and max_in_flight must be >= 1")
+    for name in ("header_timeout_s", "body_timeout_s", "drain_timeout_s"):
+        if getattr(config, name) <= 0:
+            raise ValueError(f"{name} must be positive")
+    admin_key: str | None = config.admin_key
+    secrets = [k.secret for k in config.api_keys]
+    if len(set(secrets)) != len(secrets):
+        raise ValueError("an API key is configured more than once")
+    if admin_key is not None:
+        if not admin_key or any(ord(c) < 0x21 or ord(c) == 0x7F for c in admin_key):
+            raise ValueError("admin_key must be non-empty, without spaces or control chars")
+        if admin_key in secrets:
+            raise ValueError("admin_key must differ from every API key")
+
+
+def _digest(secret: str) -> bytes:
+    return hashlib.sha256(secret.encode("utf-8", "surrogatepass")).digest()
+
+
+def bearer(headers: Mapping[str, str]) -> str | None:
+    """The token of an ``Authorization: Bearer <token>`` header, if any."""
+    value = headers.get("authorization")
+    if value is None:
+        return None
+    scheme, _, token = value.strip().partition(" ")
+    if scheme.lower() != "bearer" or not token.strip():
+        return None
+    return token.strip()
+
+
+class Authenticator:
+    """Maps a request's bearer token to its tenant (see the module docstring)."""
+
+    def __init__(
+        self, keys: tuple[ApiKey, ...], admin_key: str | None, default_tenant: str
+    ) -> None:
+        self._keys = [(_digest(k.secret), k.tenant or default_tenant) for k in keys]
+        self._admin = _digest(admin_key) if admin_key is not None else None
+        self.default_tenant = default_tenant
+
+    @property
+    def enabled(self) -> bool:
+        """Whether client requests need an API key."""
+        return bool(self._keys)
+
+    @property
+    def admin_enabled(self) -> bool:
+        return self._admin is not None
+
+    def _match(self, token: str | None) -> str | None:
+        """The tenant of ``token`` (every key compared, in constant time), else ``None``."""
+        given = _digest(token or "")
+        found: str | None = None
+        for digest, tenant in self._keys:
+            if hmac.compare_digest(given, digest) and token is not None:
+                found = tenant
+        return found
+
+    def is_admin(self, headers: Mapping[str, str]) -> bool:
+        token = bearer(headers)
+        if self._admin is None:
+            return False
+        return hmac.compare_digest(_digest(token or ""), self._admin) and token is not None
+
+    def tenant(self, headers: Mapping[str, str]) -> str:
+        """The request's tenant; ``ClientError`` 401 if keys are configured and the request
+        carries none of them."""
+        if not self._keys:
+            return self.default_tenant
+        tenant = self._match(bearer(headers))
+        if tenant is None:
+            raise ClientError(
+                "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                status=401, headers=_CHALLENGE,
+            )
+        return tenant
+
+    def viewer(self, headers: Mapping[str, str]) -> str | None:
+        """Who may read diagnostics: ``None`` for everything (admin, or no keys configured),
+        else the caller's tenant; ``ClientError`` 401 for a caller without a valid key."""
+        if self.is_admin(headers) or not self._keys:
+            return None
+        return self.tenant(headers)
+
+    def require_admin(self, headers: Mapping[str, str]) -> None:
+        """``ClientError`` 401 without a valid key, 403 for a tenant's key."""
+        if self.is_admin(headers):
+            return
+        if self._match(bearer(headers)) is not None:
+            raise ClientError("This endpoint needs the admin key", status=403)
+        raise ClientError(
+            "Missing or invalid admin key: send 'Authorization: Bearer <admin key>'",
+            status=401, headers=_CHALLENGE,
+        )

@@ -1,0 +1,234 @@
+"""API keys, tenant isolation, admin endpoints and what logs and ``/stats`` reveal."""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import httpx
+import pytest
+
+from kvrelay.core.conversation import ConversationKey
+from kvrelay.router.config import ConfigError, build_config
+from tests.component.router_fake import Routed, routed
+from tests.component.router_mock import MockCluster
+from tests.component.router_rig import Chat, Rig, sse_events, stream_text
+
+FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
+KEYS = ["tenant-a:key-a-123", "tenant-b:key-b-456", "bare-key-789"]
+A = {"Authorization": "Bearer key-a-123"}
+B = {"Authorization": "Bearer key-b-456"}
+ADMIN = {"Authorization": "Bearer admin-key-0"}
+LONG = "a question that is long enough to pull " + "y" * 60
+
+
+def assert_error(resp: httpx.Response, status: int) -> dict[str, Any]:
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"}
+    assert err["code"] == status and isinstance(err["message"], str) and err["message"]
+    return dict(err)
+
+
+async def chat(r: Routed, headers: dict[str, str], messages: list[dict[str, Any]],
+               conversation_id: str = "shared") -> httpx.Response:
+    async with r.client() as c:
+        resp = await c.post("/v1/chat/completions", headers=headers, json={
+            "model": "tiny", "messages": messages, "max_tokens": 8, "stream": True,
+            "conversation_id": conversation_id})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+async def test_tenants_cannot_address_each_others_conversations() -> None:
+    async with routed(api_keys=KEYS) as r:
+        a_msgs: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
+        resp = await chat(r, A, a_msgs)
+        a_msgs.append({"role": "assistant", "content": stream_text(sse_events(resp.text))})
+        await r.settle()
+        key_a = ConversationKey("tenant-a", "shared")
+        entry_a = await r.ctx.store.get(key_a)
+        assert entry_a is not None
+
+        # B sends A's conversation id with A's exact history: nothing of A's is used
+        b_msgs = [*a_msgs, {"role": "user", "content": "And then?"}]
+        resp = await chat(r, B, b_msgs)
+        assert resp.headers["x-kvrelay-reason"] == "no_entry"
+        assert resp.headers["x-kvrelay-reused-tokens"] == "0"
+        await r.settle()
+        assert await r.ctx.store.get(key_a) == entry_a  # A's entry untouched
+        assert await r.ctx.store.get(ConversationKey("tenant-b", "shared")) is not None
+
+        # A's next turn still pulls its own entry
+        resp = await chat(r, A, [*a_msgs, {"role": "user", "content": "Tell me more."}])
+        assert (resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"]) == (
+            "pull", "pull")
+        assert int(resp.headers["x-kvrelay-reused-tokens"]) > 0
+
+        # /stats: each tenant sees only its own decisions, the admin-less router none to B
+        async with r.client() as c:
+            stats_a = (await c.get("/stats", headers=A)).json()
+            stats_b = (await c.get("/stats", headers=B)).json()
+            assert_error(await c.get("/stats"), 401)
+        assert {d["tenant"] for d in stats_a["decisions"]["recent"]} == {"tenant-a"}
+        assert len(stats_a["decisions"]["recent"]) == 2
+        assert [d["reason"] for d in stats_b["decisions"]["recent"]] == ["no_entry"]
+        for stats in (stats_a, stats_b):
+            assert "shared" not in str(stats)
+
+
+@pytest.mark.parametrize("headers", [
+    {}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-a-123"},
+    {"Authorization": "Basic key-a-123"}, {"Authorization": "Bearer "},
+    {"Authorization": "Bearer key-a-1234"}, {"Authorization": "Bearer admin-key-0"},
+])
+async def test_requests_without_a_valid_key_get_401(headers: dict[str, str]) -> None:
+    rig = Rig(MockCluster(), {"api_keys": KEYS, "admin_key": "admin-key-0"})
+    try:
+        for path in ("/v1/chat/completions", "/v1/completions"):
+            resp = await rig.post(path, {"prompt": "x", "messages": []}, headers=headers)
+            err = assert_error(resp, 401)
+            assert err["type"] == "AuthenticationError"
+            assert resp.headers["www-authenticate"] == "Bearer"
+            assert "key-a-123" not in resp.text
+        assert_error(await rig.client.get("/v1/models", headers=headers), 401)
+        assert not rig.cluster.node("prefill-0").requests  # nothing reached a node
+        # the health check and metrics stay open
+        assert (await rig.client.get("/health")).status_code == 200
+        assert (await rig.client.get("/metrics")).status_code == 200
+    finally:
+        await rig.close()
+
+
+async def test_bare_key_maps_to_the_default_tenant() -> None:
+    rig = Rig(MockCluster(), {"api_keys": KEYS})
+    try:
+        chat_ = Chat(rig, "c")
+        resp, _ = await chat_.turn(LONG, )
+        assert_error(resp, 401)
+        rig.client.headers["Authorization"] = "Bearer bare-key-789"
+        chat_.messages.clear()
+        resp, _ = await chat_.turn(LONG)
+        assert resp.status_code == 200
+        await rig.settle()
+        assert await rig.ctx.store.get(ConversationKey("default", "c")) is not None
+        assert (await rig.client.get("/v1/models")).status_code == 200
+    finally:
+        await rig.close()
+
+
+async def test_admin_endpoints_need_the_admin_key() -> None:
+    rig = Rig(MockCluster(1, 2), {"api_keys": KEYS, "admin_key": "admin-key-0"})
+    try:
+        path = "/admin/nodes/decode-0/drain"
+        assert_error(await rig.post(path, b""), 401)
+        assert_error(await rig.post(path, b"", headers=A), 403)
+        assert_error(await rig.post("/admin/nodes/nope/drain", b"", headers=ADMIN), 404)
+        assert_error(await rig.client.get(path, headers=ADMIN), 405)
+        resp = await rig.post(path, b"", headers=ADMIN)
+        assert resp.json() == {"node": "decode-0", "drained": True}
+        rig.client.headers.update(A)
+        for i in range(3):  # no new turn goes to the drained node
+            resp, _ = await Chat(rig, f"d{i}").turn(LONG)
+            assert resp.status_code == 200
+            assert (await rig.last_decision())["decode_node"] == "decode-1"
+        stats = (await rig.client.get("/stats", headers=ADMIN)).json()
+        assert [n["drained"] for n in stats["nodes"]] == [False, True, False]
+        assert (await rig.post("/admin/nodes/decode-0/undrain", b"", headers=ADMIN)).json()[
+            "drained"] is False
+
+        # drop one conversation of one tenant
+        chat_a = Chat(rig, "to-drop")
+        assert (await chat_a.turn(LONG))[0].status_code == 200
+        await rig.settle()
+        body = {"tenant": "tenant-a", "conversation_id": "to-drop"}
+        assert_error(await rig.post("/admin/conversations/drop", body, headers=B), 403)
+        assert_error(await rig.post("/admin/conversations/drop", {"tenant": "x"},
+                                    headers=ADMIN), 400)
+        resp = await rig.post("/admin/conversations/drop", body, headers=ADMIN)
+        assert resp.json() == {"dropped": True}
+        await chat_a.turn("next")
+        assert (await rig.last_decision())["reason"] == "no_entry"
+        # the admin sees every tenant's decisions
+        recent = (await rig.client.get("/stats", headers=ADMIN)).json()["decisions"]["recent"]
+        assert {d["tenant"] for d in recent} == {"tenant-a"}
+    finally:
+        await rig.close()
+
+
+async def test_admin_endpoints_do_not_exist_without_an_admin_key() -> None:
+    rig = Rig(MockCluster(), {"api_keys": KEYS})
+    try:
+        for path in ("/admin/nodes/decode-0/drain", "/admin/conversations/drop"):
+            for headers in ({}, A, {"Authorization": "Bearer admin-key-0"}):
+                err = assert_error(await rig.post(path, b"{}", headers=headers), 404)
+                assert err["type"] == "NotFoundError"
+    finally:
+        await rig.close()
+
+
+async def test_without_keys_the_router_is_open() -> None:
+    rig = Rig(MockCluster())
+    try:
+        resp, _ = await Chat(rig, "c").turn(LONG)
+        assert resp.status_code == 200
+        assert (await rig.client.get("/stats")).status_code == 200
+    finally:
+        await rig.close()
+
+
+async def test_logs_never_show_raw_conversation_ids_or_keys(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    caplog.set_level(logging.DEBUG)
+    raw_id = "RAW-conversation-ID-7f3a"
+    cluster = MockCluster(1, 2, report_mode="manual")
+    rig = Rig(cluster, {"api_keys": KEYS, "admin_key": "admin-key-0", "report_wait_s": 0.01})
+    try:
+        rig.client.headers.update(A)
+        chat_ = Chat(rig, raw_id, stream=True)
+        assert (await chat_.turn(LONG))[0].status_code == 200
+        await chat_.turn("report still pending")  # logs that the report is pending
+        await cluster.deliver_reports()
+        cluster.node("decode-0").faults.append("connect")  # a D failure, retried elsewhere
+        cluster.node("decode-1").faults.append("connect")
+        await chat_.turn("and a failure")
+        rig.client.headers.update(B)
+        await Chat(rig, raw_id).turn(LONG, stream=True)
+        await rig.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                "conversation_id": raw_id, "n": 3})
+        await rig.post("/admin/conversations/drop", {"conversation_id": raw_id}, headers=ADMIN)
+        await cluster.deliver_reports()
+    finally:
+        await rig.close()
+    messages = [r.getMessage() for r in caplog.records]
+    assert any("pending" in m for m in messages)  # the id-bearing paths did log
+    assert any("down" in m for m in messages)
+    for record in caplog.records:
+        text = record.getMessage() + repr(record.args) + str(record.exc_info)
+        assert raw_id not in text
+        for secret in ("key-a-123", "key-b-456", "admin-key-0"):
+            assert secret not in text
+
+
+@pytest.mark.parametrize("layer", [
+    {"api_keys": ["a:"]}, {"api_keys": [":k"]}, {"api_keys": ["k", "k"]},
+    {"api_keys": ["a:k k"]}, {"tenants": {"a": 3}}, {"tenants": ["a"]},
+    {"api_keys": ["k"], "admin_key": "k"}, {"api_keys": 5},
+    {"max_body_bytes": 0}, {"max_in_flight": 0}, {"drain_timeout_s": 0},
+])
+def test_invalid_security_settings(layer: dict[str, Any]) -> None:
+    with pytest.raises(ConfigError):
+        build_config({"prefill": ["http://p:1"], "decode": ["http://d:2"]}, layer)
+
+
+def test_key_settings_layers_and_formats() -> None:
+    base = {"prefill": ["http://p:1"], "decode": ["http://d:2"],
+            "tenants": {"t1": ["s1", "s2"], "t2": "s3"}, "api_keys": ["s4", "t3:s:5"]}
+    config = build_config(base)
+    assert [(k.tenant, k.secret) for k in config.api_keys] == [
+        ("t1", "s1"), ("t1", "s2"), ("t2", "s3"), (None, "s4"), ("t3", "s:5")]
+    assert "s1" not in repr(config)
+    env = build_config(base, {"api_keys": "t9:e1, e2", "admin_key": "adm"})  # env replaces
+    assert [(k.tenant, k.secret) for k in env.api_keys] == [("t9", "e1"), (None, "e2")]
+    assert "adm" not in repr(env)

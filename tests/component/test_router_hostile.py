@@ -1,0 +1,218 @@
+"""Hostile input: oversized and malformed bodies, unknown paths, long or odd conversation
+ids, header injection, slow clients. Always a 4xx with an OpenAI error body, never a 5xx."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+
+from kvrelay.router.app import create_app
+from kvrelay.router.server import make_server
+from kvrelay.router.state import RouterContext
+from tests.component.asgi_direct import call, is_openai_error
+from tests.component.router_fake import free_port
+from tests.component.router_mock import MockCluster
+from tests.component.router_rig import Rig
+
+CHAT = "/v1/chat/completions"
+MSG = [{"role": "user", "content": "hello there"}]
+JSON = (b"content-type", b"application/json")
+
+
+def body(**extra: Any) -> bytes:
+    return json.dumps({"model": "mock", "messages": MSG, "max_tokens": 4, **extra}).encode()
+
+
+@pytest.fixture
+async def rig() -> AsyncIterator[Rig]:
+    r = Rig(MockCluster(), {"max_body_bytes": 1000})
+    yield r
+    await r.close()
+
+
+async def test_unknown_paths_and_methods_get_openai_errors(rig: Rig) -> None:
+    for method, path, status in [("GET", "/nope", 404), ("POST", "/v1/embeddings", 404),
+                                 ("GET", CHAT, 405), ("DELETE", "/stats", 405),
+                                 ("POST", "/v1/chat/completions/x", 404)]:
+        answer = await call(rig.app, method, path)
+        assert answer.status == status
+        assert is_openai_error(answer) and answer.json()["error"]["code"] == status
+
+
+async def test_declared_oversized_body_is_refused_before_reading(rig: Rig) -> None:
+    answer = await call(rig.app, "POST", CHAT, [JSON, (b"content-length", b"1000000000")],
+                        chunks=[b"x" * 100] * 50)
+    assert answer.status == 413 and is_openai_error(answer)
+    assert answer.json()["error"]["type"] == "RequestEntityTooLargeError"
+    assert answer.header("connection") == "close"
+    assert answer.chunks_read == 0
+
+
+async def test_streamed_oversized_body_is_cut_off_while_reading(rig: Rig) -> None:
+    answer = await call(rig.app, "POST", CHAT, [JSON], chunks=[b"x" * 100] * 50)
+    assert answer.status == 413 and is_openai_error(answer)
+    assert answer.chunks_read == 11  # stopped at the first chunk over 1000 bytes, of 50
+    resp = await rig.post(CHAT, body(pad="y" * 2000), headers={"content-type": "x"})
+    assert resp.status_code == 413  # through an HTTP client too
+    assert not rig.cluster.node("prefill-0").requests
+
+
+async def test_body_just_under_the_limit_is_served(rig: Rig) -> None:
+    raw = body()
+    raw = raw[:-1] + b', "pad": "' + b"z" * (1000 - len(raw) - 11) + b'"}'
+    assert len(raw) == 1000
+    resp = await rig.post(CHAT, raw)
+    assert resp.status_code == 200, resp.text
+
+
+@pytest.mark.parametrize("raw", [
+    b"\xff\xfe{}", b'{"messages": "\xc3\x28"}', b'{"messages": [{"role": "user", '
+    b'"content": "\\ud800"}]}', b'{"messages": [], "max_tokens": NaN}',
+    b'{"max_tokens": Infinity}', b"[" * 100_000 + b"]" * 100_000, b"", b"null",
+    b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1' + b"0" * 5000 + b"}",
+])
+async def test_malformed_bodies_are_400(raw: bytes) -> None:
+    rig = Rig(MockCluster())  # default 8 MiB limit: the deep nesting fits
+    try:
+        resp = await rig.post(CHAT, raw)
+        assert resp.status_code == 400, resp.text
+        assert is_openai_error(await call(rig.app, "POST", CHAT, [JSON], [raw]))
+        assert not rig.cluster.node("prefill-0").requests
+    finally:
+        await rig.close()
+
+
+async def test_invalid_content_length_is_400(rig: Rig) -> None:
+    answer = await call(rig.app, "POST", CHAT, [(b"content-length", b"12abc")], [body()])
+    assert answer.status == 400 and is_openai_error(answer)
+
+
+@pytest.mark.parametrize(("conversation_id", "status"), [
+    ("x" * 256, 200), ("x" * 257, 400), ("\u00e9" * 128, 200), ("\u00e9" * 129, 400),
+    ("a\r\nX-Injected: yes", 400), ("tab\there", 400), ("nul\x00", 400),
+    ("\ud800", 400), ("emoji \U0001F600 ok", 200),
+])
+async def test_conversation_id_limits(rig: Rig, conversation_id: str, status: int) -> None:
+    raw = json.dumps({"model": "mock", "messages": MSG, "max_tokens": 4,
+                      "conversation_id": conversation_id}).encode()
+    resp = await rig.post(CHAT, raw)
+    assert resp.status_code == status, resp.text
+    if status == 400:
+        assert resp.json()["error"]["param"] in ("conversation_id", None)
+    assert "x-injected" not in resp.headers
+
+
+async def test_long_conversation_id_header_is_400(rig: Rig) -> None:
+    resp = await rig.post(CHAT, body(), headers={"X-Conversation-ID": "h" * 257})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "conversation_id"
+    resp = await rig.post(CHAT, body(), headers={"X-Session-ID": "h" * 256})
+    assert resp.status_code == 200
+
+
+async def test_nothing_from_the_request_is_reflected_in_headers(rig: Rig) -> None:
+    evil = "m\r\nX-Injected: 1"
+    for extra in ({"model": evil}, {"conversation_id": "ok", "user": evil}):
+        answer = await call(rig.app, "POST", CHAT,
+                            [JSON, (b"x-conversation-id", b"v\rX-Injected: 2")], [body(**extra)])
+        assert answer.status < 500
+        for name, value in answer.headers:
+            assert b"\r" not in value and b"\n" not in value
+            assert name.lower() != b"x-injected"
+            assert b"Injected" not in value
+
+
+async def test_huge_max_tokens_is_left_to_the_engine(rig: Rig) -> None:
+    resp = await rig.post(CHAT, body(max_tokens=10**30))
+    assert resp.status_code == 400  # the engine's answer (vLLM: exceeds max_model_len)
+    assert "maximum context length" in resp.json()["error"]["message"]
+    assert resp.json()["error"]["code"] == 400
+
+
+# -- slow clients against the real server -------------------------------------------------
+
+
+@contextlib.asynccontextmanager
+async def served(**settings: Any) -> AsyncIterator[tuple[str, RouterContext]]:
+    cluster = MockCluster()
+    port = free_port()
+    config = cluster.config(port=port, health_interval_s=3600.0, drain_timeout_s=1, **settings)
+    app = create_app(config, transport=cluster.transport)
+    cluster.router_app = app
+    server = make_server(config, app, install_signals=False, log_config=None)
+    task = asyncio.create_task(server.serve())
+    try:
+        for _ in range(500):
+            if server.started:
+                break
+            await asyncio.sleep(0.01)
+        assert server.started
+        yield f"127.0.0.1:{port}", app.state.router
+    finally:
+        server.should_exit = True
+        await asyncio.wait_for(task, 30)
+        await cluster.drain()
+
+
+async def read_all(reader: asyncio.StreamReader) -> bytes:
+    """Everything until the router closes the connection (a reset ends it too)."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := await asyncio.wait_for(reader.read(65536), 30):
+            out += chunk
+    return out
+
+
+async def trickle(writer: asyncio.StreamWriter, data: bytes, pause_s: float) -> None:
+    with contextlib.suppress(ConnectionError, OSError):
+        for i in range(len(data)):
+            writer.write(data[i:i + 1])
+            await writer.drain()
+            await asyncio.sleep(pause_s)
+
+
+async def test_slow_clients_are_cut_off_without_blocking_others() -> None:
+    async with served(header_timeout_s=0.5, body_timeout_s=0.5) as (addr, ctx):
+        host, port = addr.split(":")
+        raw = body()
+        # a body sent byte by byte (far slower than the body deadline allows)
+        r1, w1 = await asyncio.open_connection(host, int(port))
+        w1.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\n"
+                 b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(raw))
+        slow_body = asyncio.create_task(trickle(w1, raw, 0.05))
+        # headers sent byte by byte
+        r2, w2 = await asyncio.open_connection(host, int(port))
+        slow_head = asyncio.create_task(
+            trickle(w2, b"POST /v1/chat/completions HTTP/1.1\r\nX-Slow: " + b"z" * 200, 0.05))
+        # a connection that sends nothing
+        r3, w3 = await asyncio.open_connection(host, int(port))
+
+        async with httpx.AsyncClient(base_url=f"http://{addr}", trust_env=False,
+                                     timeout=30) as c:
+            for _ in range(3):  # others are served meanwhile
+                resp = await c.post(CHAT, content=raw, headers={"content-type": "application/json"})
+                assert resp.status_code == 200
+
+        # the router answers 408 and closes; the client, still sending, may see a reset
+        # instead of the answer (the kernel drops unread data on RST)
+        answer = await read_all(r1)
+        if answer:
+            head, _, rest = answer.partition(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 408 ")
+            err = json.loads(rest)["error"]
+            assert err["code"] == 408 and err["type"] == "RequestTimeoutError"
+        assert ctx.metrics.requests.labels(CHAT, "408")._value.get() == 1
+        assert ctx.metrics.requests.labels(CHAT, "200")._value.get() == 3
+        assert await read_all(r2) == b""  # closed without an answer
+        assert await read_all(r3) == b""
+        for task in (slow_body, slow_head):
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for w in (w1, w2, w3):
+            w.close()

@@ -1,0 +1,80 @@
+"""``max_in_flight``: beyond it the router answers 429 at once (``Retry-After``, OpenAI error
+body) instead of queueing; streams hold their slot until they end."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tests.component.router_fake import PermitSleep, Routed, routed, until
+from tests.component.router_rig import sse_events
+
+MESSAGES = [{"role": "user", "content": "Explain tides to a sailor in three sentences."}]
+
+
+def body(stream: bool = False, **extra: Any) -> dict[str, Any]:
+    return {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "stream": stream, **extra}
+
+
+def rejected(r: Routed) -> float:
+    value: float = r.ctx.metrics.rejected.labels("overload")._value.get()
+    return value
+
+
+async def test_requests_beyond_the_limit_get_429_until_others_finish() -> None:
+    async with routed(max_in_flight=2) as r:
+        d = r.cluster.decode[0]
+        d.faults.hang = True
+        async with r.client() as c:
+            held = [asyncio.create_task(c.post("/v1/chat/completions", json=body(
+                conversation_id=f"c{i}"))) for i in range(2)]
+            await until(lambda: d.faults.num_hung == 2, "two requests held by D")
+            for path in ("/v1/chat/completions", "/v1/completions"):
+                resp = await c.post(path, json=body())
+                assert resp.status_code == 429
+                assert resp.headers["retry-after"] == "1"
+                err = resp.json()["error"]
+                assert (err["code"], err["type"]) == (429, "RateLimitError")
+            assert rejected(r) == 2
+            # other endpoints are not limited
+            assert (await c.get("/stats")).status_code == 200
+            assert (await c.get("/health")).status_code == 200
+            metrics = (await c.get("/metrics")).text
+            assert "kvrelay_router_in_flight 2.0" in metrics
+            assert 'kvrelay_router_rejected_requests_total{reason="overload"} 2.0' in metrics
+
+            d.faults.hang = False
+            assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
+            assert r.ctx.metrics.in_flight._value.get() == 0
+            results = await asyncio.gather(*(c.post("/v1/chat/completions", json=body())
+                                             for _ in range(2)))
+            assert [x.status_code for x in results] == [200, 200]
+            assert rejected(r) == 2
+
+
+async def test_a_stream_holds_its_slot_until_it_ends() -> None:
+    gate = PermitSleep()
+    async with routed(max_in_flight=1, sleep=gate) as r:
+        r.cluster.decode[0].faults.slow_stream_s = 0.01  # every token waits for a permit
+        async with r.client() as c, c.stream(
+            "POST", "/v1/chat/completions", json=body(stream=True)
+        ) as stream:
+            assert stream.status_code == 200  # headers are out, tokens are not
+            await until(lambda: gate.waiting > 0, "the stream is waiting for a token")
+            resp = await c.post("/v1/chat/completions", json=body())
+            assert resp.status_code == 429
+            gate.grant(100)
+            text = (await stream.aread()).decode()
+            assert sse_events(text)[-1] == "[DONE]"
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body())
+        assert resp.status_code == 200
+        assert rejected(r) == 1
+
+
+async def test_default_limit_is_1024() -> None:
+    async with routed() as r:
+        assert r.ctx.config.max_in_flight == 1024
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body())
+        assert resp.status_code == 200

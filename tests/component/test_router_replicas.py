@@ -1,0 +1,159 @@
+"""Two router replicas sharing conversation state in a real Redis, in front of the same fake
+P/D engines: turns alternating between replicas still pull, concurrent follow-ups pull once,
+and a Redis outage turns pulls into recomputes (never errors) until Redis is back."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from kvrelay.cluster.pd_client import parse_prometheus
+from kvrelay.router.app import create_app
+from kvrelay.router.config import RouterConfig
+from kvrelay.router.state import RouterContext
+from kvrelay.testing import FakeCluster, ManualClock
+from kvrelay.testing.fake_server import HttpServer
+from tests.component.redis_server import RedisServer
+from tests.component.router_fake import ENGINE_CONFIG, free_port
+
+FIRST = "Tell me everything about the rivers of Europe, in order of length. " * 6
+
+
+@dataclass
+class Replicas:
+    cluster: FakeCluster
+    ctxs: list[RouterContext]
+    urls: list[str]
+
+    async def settle(self) -> None:
+        await self.cluster.drain_reports()
+        for _ in range(2000):
+            if all(len(c.reports) == 0 for c in self.ctxs):
+                return
+            await asyncio.sleep(0.005)
+        raise AssertionError("reports still pending")
+
+    async def turn(self, replica: int, messages: list[dict[str, Any]],
+                   conversation: str) -> tuple[str, str, str]:
+        """One chat turn through ``replica``: (action, reason, reply text)."""
+        body = {"model": "tiny", "messages": messages, "max_tokens": 16,
+                "conversation_id": conversation}
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            resp = await c.post(self.urls[replica] + "/v1/chat/completions", json=body)
+        assert resp.status_code == 200, resp.text
+        text = resp.json()["choices"][0]["message"]["content"]
+        return resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"], text
+
+    async def state_errors(self) -> float:
+        total = 0.0
+        for url in self.urls:
+            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+                metrics = parse_prometheus((await c.get(url + "/metrics")).text)
+            total += sum(v for name, v in metrics.items()
+                         if name.startswith("kvrelay_router_state_errors_total{"))
+        return total
+
+
+@contextlib.asynccontextmanager
+async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIterator[Replicas]:
+    clock = ManualClock()
+    async with FakeCluster(1, 1, ENGINE_CONFIG, clock=clock) as cluster:
+        servers, ctxs, urls = [], [], []
+        try:
+            for _ in range(n):
+                port = free_port()
+                defaults: dict[str, Any] = {
+                    "port": port, "health_interval_s": 3600.0, "report_wait_s": 5.0,
+                    "state": redis.url, "state_timeout_ms": 2000.0,
+                }
+                config = RouterConfig.from_urls(
+                    cluster.prefill_urls, cluster.decode_urls,
+                    block_size=ENGINE_CONFIG.block_size, **{**defaults, **settings},
+                )
+                app = create_app(config, clock=clock)
+                server = HttpServer(app, "127.0.0.1", port)
+                await server.start()
+                servers.append(server)
+                ctxs.append(app.state.router)
+                urls.append(f"http://127.0.0.1:{port}")
+            yield Replicas(cluster, ctxs, urls)
+        finally:
+            for server in servers:
+                await server.stop()
+            for ctx in ctxs:
+                await ctx.upstream.aclose()
+                await ctx.store.aclose()  # type: ignore[attr-defined]
+
+
+async def conversation(r: Replicas, name: str, turns: int, first_replica: int = 0
+                       ) -> list[tuple[str, str]]:
+    """``turns`` turns alternating between the replicas; their (action, reason)."""
+    messages: list[dict[str, Any]] = []
+    out: list[tuple[str, str]] = []
+    for i in range(turns):
+        messages.append({"role": "user", "content": FIRST if i == 0 else f"And then {i}?"})
+        action, reason, text = await r.turn((first_replica + i) % 2, list(messages), name)
+        messages.append({"role": "assistant", "content": text})
+        out.append((action, reason))
+        await r.settle()
+    return out
+
+
+async def test_alternating_replicas_pull_every_follow_up(redis_server: RedisServer) -> None:
+    async with replicas(redis_server) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        got = await conversation(r, "conv-alt", 5)
+        assert got == [("recompute", "no_entry")] + [("pull", "pull")] * 4
+        pulls = [rec for rec in p.records if rec.plan == "pull"]
+        assert len(pulls) == 4
+        for rec in pulls:
+            assert rec.pulled_from_engine == d.engine_id and rec.pulled_tokens > 0
+            assert rec.pulled_matches_prompt and not rec.wrong_reuse
+            assert not rec.read_freed_blocks
+        assert not d.freed_reads
+
+
+async def test_concurrent_follow_ups_on_two_replicas_pull_once(
+    redis_server: RedisServer,
+) -> None:
+    async with replicas(redis_server) as r:
+        p = r.cluster.prefill[0]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
+        _, _, text = await r.turn(0, list(messages), "conv-race")
+        await r.settle()
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": "And Asia?"}]
+        results = await asyncio.gather(r.turn(0, list(messages), "conv-race"),
+                                       r.turn(1, list(messages), "conv-race"))
+        actions = sorted((a, why) for a, why, _ in results)
+        assert actions == [("pull", "pull"), ("recompute", "no_entry")]
+        assert len([rec for rec in p.records if rec.plan == "pull"]) == 1
+        assert not any(rec.read_freed_blocks for rec in p.records)
+
+
+async def test_redis_outage_recomputes_then_pulls_resume(redis_server: RedisServer) -> None:
+    async with replicas(redis_server, state_timeout_ms=500.0) as r:
+        assert await conversation(r, "before", 2) == [("recompute", "no_entry"),
+                                                       ("pull", "pull")]
+        assert await r.state_errors() == 0
+        redis_server.stop()
+        during: list[tuple[str, str]] = []
+        for i in range(3):  # every request still succeeds (turn() asserts 200)
+            during += await conversation(r, f"during-{i}", 3, first_replica=i)
+        assert all(action == "recompute" for action, _ in during)
+        assert ("recompute", "state_unavailable") in during
+        assert await r.state_errors() > 0
+        redis_server.start()  # same port, empty
+        for attempt in range(200):
+            got = await conversation(r, f"after-{attempt}", 2, first_replica=attempt)
+            if got[1] == ("pull", "pull"):
+                break
+        else:
+            raise AssertionError("pulls never resumed after Redis came back")
+        assert await conversation(r, "after-final", 3) == [("recompute", "no_entry")] + [
+            ("pull", "pull")] * 2
