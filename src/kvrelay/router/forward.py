@@ -10,10 +10,11 @@ Failures (before the client has seen a byte; afterwards see ``relay``):
 
 * P fails (not a 4xx): retried once, as a recompute, on another P (the same one if it is the
   only P). A pull's entry stays consumed: D's blocks may already have been read.
-* D fails: retried once on another D. If D provably never started (connection refused, or an
-  HTTP error status) P's params are reused; if D may have read P's blocks (timeout, broken
-  connection) P's params are spent, so P computes the turn again first (vLLM does not refuse
-  a second read of freed blocks: it would silently read reused memory).
+* D fails: retried once on another D. If D provably never started (connection refused, or
+  HTTP 503) P's params are reused; if D may have read P's blocks (timeout, broken connection,
+  another error status: vLLM answers 500 after a failed KV read) P's params are spent, so P
+  computes the turn again first (vLLM does not refuse a second read of freed blocks: it would
+  silently read reused memory).
 * 4xx from a node: passed through to the client with its status.
 * A direct turn whose D fails falls back to P -> another D.
 """
@@ -196,7 +197,7 @@ class Forwarder:
                 if other is None:
                     raise exc.to_router_error("decode") from failed
                 self._retried(turn, "decode")
-                if exc.sent and exc.kind != "status":
+                if _params_spent(exc):
                     pre = await self._prefill(turn, pull=False)
                 node = other
         raise AssertionError("unreachable")
@@ -273,6 +274,14 @@ class Forwarder:
     def _retried(self, turn: Turn, role: str) -> None:
         self._ctx.metrics.retries.labels(role).inc()
         turn.record["retries"] += 1
+
+def _params_spent(exc: UpstreamError) -> bool:
+    """Whether D may have read P's blocks, or tried and failed, so P's params must not be
+    sent again: anything D received, except a 503 (an engine that is overloaded or not
+    ready schedules nothing). vLLM answers 500 after a failed KV read
+    (``kv_load_failure_policy=fail``), e.g. when P died after its answer."""
+    return exc.sent and not (exc.kind == "status" and exc.status == 503)
+
 
 def _up(ctx: RouterContext, node: NodeConfig) -> bool:
     state = ctx.nodes.state(node.node_id)
