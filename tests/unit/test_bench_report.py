@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from matplotlib import image as mpimg
 
+from kvrelay.bench.charts import wide_span
 from kvrelay.bench.metrics import TurnRecord
 from kvrelay.bench.report import (
     SEED_REFERENCE,
@@ -85,6 +86,12 @@ def test_charts_are_valid_pngs(results, tmp_path):
         pixels = mpimg.imread(path)
         assert pixels.shape[0] > 200 and pixels.shape[1] > 300
         assert float(np.std(pixels)) > 0.01  # something was drawn
+
+
+def test_context_chart_goes_log_scale_only_for_a_wide_span():
+    assert wide_span([0.1, 2.5]) is True  # recompute 25x above pull
+    assert wide_span([0.1, 1.9]) is False
+    assert wide_span([]) is False and wide_span([0.0, 1.0]) is False
 
 
 def test_no_context_no_context_chart_and_no_charts_flag(tmp_path):

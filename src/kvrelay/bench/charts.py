@@ -2,7 +2,9 @@
 
 * ``W_ttft_vs_context.png``: p50 TTFT of the measured turns against context length, one line
   per mode (the seed's chart: reuse vs no reuse as the context grows), points labelled in ms
-  when at most two modes ran; drawn when some measured turn has a context length.
+  when at most two modes ran; drawn when some measured turn has a context length. The y axis
+  is logarithmic when the values span more than ``LOG_SCALE_SPAN`` (e.g. recompute 50x above
+  pull: on a linear axis the reuse modes would sit on the x axis).
 * ``W_ttft_by_turn.png``: mean TTFT by turn number, one line per mode; drawn when some turn
   succeeded.
 
@@ -21,6 +23,8 @@ from kvrelay.bench.metrics import ModeSummary
 
 if TYPE_CHECKING:
     from kvrelay.bench.report import BenchResults
+
+LOG_SCALE_SPAN = 20.0
 
 _STYLES: Mapping[str, str] = MappingProxyType(
     {"pull": "o-", "recompute": "s--", "local": "^:", "direct": "d-."}
@@ -45,6 +49,7 @@ def write_charts(results: BenchResults, out_dir: Path) -> list[Path]:
 def ttft_vs_context(summaries: dict[str, ModeSummary], path: Path, title: str) -> None:
     fig, ax = _figure()
     label_points = len(summaries) <= 2  # more labels than that overlap; the table has them
+    log_y = wide_span([d.p50 for s in summaries.values() for d in s.ttft_by_context.values()])
     for i, (mode, s) in enumerate(summaries.items()):
         xs = sorted(s.ttft_by_context)
         if not xs:
@@ -56,8 +61,13 @@ def ttft_vs_context(summaries: dict[str, ModeSummary], path: Path, title: str) -
                 ax.annotate(f"{y:.0f}", (x, y), textcoords="offset points",
                             xytext=(0, 6 if i == 0 else -12), ha="center", fontsize=7)
     ax.set_xlabel("context length (tokens)")
-    ax.set_ylabel("TTFT p50 (ms)")
-    _finish(fig, ax, path, title)
+    ax.set_ylabel("TTFT p50 (ms, log scale)" if log_y else "TTFT p50 (ms)")
+    _finish(fig, ax, path, title, log_y=log_y)
+
+
+def wide_span(values: list[float]) -> bool:
+    """Whether positive ``values`` span more than ``LOG_SCALE_SPAN`` (then: log y axis)."""
+    return bool(values) and min(values) > 0 and max(values) / min(values) > LOG_SCALE_SPAN
 
 
 def ttft_by_turn(summaries: dict[str, ModeSummary], path: Path, title: str) -> None:
@@ -84,9 +94,12 @@ def _figure() -> tuple[Any, Any]:
     return fig, fig.add_subplot(1, 1, 1)
 
 
-def _finish(fig: Any, ax: Any, path: Path, title: str) -> None:
+def _finish(fig: Any, ax: Any, path: Path, title: str, *, log_y: bool = False) -> None:
     ax.set_title(title)
-    ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.12)  # room for the point labels
+    if log_y:
+        ax.set_yscale("log")
+    else:
+        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.12)  # room for the point labels
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend()
