@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import os
 import re
 import subprocess
@@ -36,6 +35,7 @@ from typing import Any
 
 import httpx
 
+from kvrelay.bench.rawhttp import Conn
 from kvrelay.cluster.launcher import free_port_block
 
 USER = "Please describe, in detail, how a river carves a canyon over a long time. " * 4
@@ -77,77 +77,6 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120
     raise SystemExit(f"{url} did not become healthy")
 
 
-class Conn:
-    """A minimal keep-alive HTTP/1.1 client connection (cheap on CPU, unlike a full client:
-    on a small machine the load generator must not be what is measured)."""
-
-    def __init__(self, port: int) -> None:
-        self.port = port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def _send(self, path: str, body: dict[str, Any]) -> asyncio.StreamReader:
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection("127.0.0.1", self.port)
-        data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        self.writer.write(head.encode() + data)
-        assert self.reader is not None
-        return self.reader
-
-    @staticmethod
-    async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-        raw = await reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
-        return int(lines[0].split()[1]), headers
-
-    async def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        reader = await self._send(path, body)
-        status, headers = await self._head(reader)
-        data = await reader.readexactly(int(headers.get("content-length", "0")))
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
-        return json.loads(data)
-
-    async def stream(self, path: str, body: dict[str, Any], started: float) -> tuple[str, float]:
-        """POST and read a chunked SSE response; the reply text and the first token's time."""
-        reader = await self._send(path, body)
-        status, headers = await self._head(reader)
-        if status != 200 or headers.get("transfer-encoding") != "chunked":
-            raise RuntimeError(f"HTTP {status} {headers}")
-        parts: list[str] = []
-        ttft = 0.0
-        buf = b""
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            buf += chunk[:-2]
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if not event.startswith(b"data: {"):
-                    continue
-                obj = json.loads(event[6:])
-                for choice in obj.get("choices") or ():
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if not ttft:
-                            ttft = time.perf_counter() - started
-                        parts.append(content)
-        return "".join(parts), ttft
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-
-
 @dataclass
 class Client:
     """One conversation's connections (one per server, as a pooled client would keep)."""
@@ -157,7 +86,7 @@ class Client:
 
     def conn(self, name: str) -> Conn:
         if name not in self.conns:
-            self.conns[name] = Conn(self.ports[name])
+            self.conns[name] = Conn("127.0.0.1", self.ports[name])
         return self.conns[name]
 
     def close(self) -> None:
@@ -176,11 +105,11 @@ async def turn(client: Client, mode: str, messages: list[dict[str, str]], conv_i
                   "kv_transfer_params": {"do_remote_decode": True}}
         p = await client.conn("p").post_json(path, p_body)
         d_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
-        text, ttft = await client.conn("d").stream(path, d_body, started)
+        text, ttft, _ = await client.conn("d").stream(path, d_body, started)
     else:
         if mode == "router+conv":
             body["conversation_id"] = conv_id
-        text, ttft = await client.conn("router").stream(path, body, started)
+        text, ttft, _ = await client.conn("router").stream(path, body, started)
     return text, Sample(ttft, time.perf_counter() - started)
 
 

@@ -21,7 +21,7 @@ Exit status 1 if there was an error or the entry count ever exceeded the cap.
     .venv/bin/python scripts/soak.py                    # 64 conversations, 600 s
     .venv/bin/python scripts/soak.py --duration-s 60    # a quick validation run
 
-``run_load`` (the client side) is also used by ``tests/component/test_router_soak.py``.
+The client side is ``kvrelay.bench.soak`` (also used by ``tests/component/test_router_soak.py``).
 """
 
 from __future__ import annotations
@@ -30,248 +30,16 @@ import argparse
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-from urllib.parse import urlsplit
 
-USER = "Describe, step by step, how a river delta forms and changes over the centuries. " * 3
-FOLLOW_UPS = ["Go on.", "Be more specific about the sediments.", "What about floods?",
-              "Compare it with an estuary.", "Summarize in two lines."]
-
-
-# -- a minimal keep-alive HTTP/1.1 client (cheap on CPU; the load must not be the bottleneck)
-
-
-class Conn:
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def _send(self, path: str, body: dict[str, Any]) -> asyncio.StreamReader:
-        if self.writer is None or self.writer.is_closing():
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        data = json.dumps(body).encode()
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(data)}\r\n\r\n")
-        self.writer.write(head.encode() + data)
-        assert self.reader is not None
-        return self.reader
-
-    @staticmethod
-    async def _head(reader: asyncio.StreamReader) -> tuple[int, dict[str, str]]:
-        raw = await reader.readuntil(b"\r\n\r\n")
-        lines = raw.decode("latin-1").split("\r\n")
-        headers = {}
-        for line in lines[1:]:
-            if ":" in line:
-                k, v = line.split(":", 1)
-                headers[k.strip().lower()] = v.strip()
-        return int(lines[0].split()[1]), headers
-
-    async def _body(self, reader: asyncio.StreamReader, headers: dict[str, str]) -> bytes:
-        if headers.get("transfer-encoding") == "chunked":
-            out = b""
-            while True:
-                size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-                chunk = await reader.readexactly(size + 2)
-                if size == 0:
-                    return out
-                out += chunk[:-2]
-        return await reader.readexactly(int(headers.get("content-length", "0")))
-
-    async def post_json(self, path: str, body: dict[str, Any]) -> Any:
-        reader = await self._send(path, body)
-        status, headers = await self._head(reader)
-        data = await self._body(reader, headers)
-        if status != 200:
-            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
-        return json.loads(data)
-
-    async def stream(
-        self, path: str, body: dict[str, Any], started: float
-    ) -> tuple[str, float, dict[str, str]]:
-        """POST and read an SSE response: the reply text, the first token's time, the
-        headers. ``RuntimeError`` on a non-200 status, an error event or no ``[DONE]``."""
-        reader = await self._send(path, body)
-        status, headers = await self._head(reader)
-        if status != 200:
-            data = await self._body(reader, headers)
-            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
-        if headers.get("transfer-encoding") != "chunked":
-            raise RuntimeError(f"not a chunked stream: {headers}")
-        parts: list[str] = []
-        ttft = 0.0
-        buf = b""
-        done = False
-        error: str | None = None
-        while True:
-            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
-            chunk = await reader.readexactly(size + 2)
-            if size == 0:
-                break
-            buf += chunk[:-2]
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if event == b"data: [DONE]":
-                    done = True
-                    continue
-                if not event.startswith(b"data: {"):
-                    continue
-                obj = json.loads(event[6:])
-                if obj.get("error") is not None:
-                    error = json.dumps(obj["error"])[:200]
-                for choice in obj.get("choices") or ():
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if not ttft:
-                            ttft = time.perf_counter() - started
-                        parts.append(content)
-        if error is not None:
-            raise RuntimeError(f"error event: {error}")
-        if not done:
-            raise RuntimeError("stream ended without [DONE]")
-        return "".join(parts), ttft, headers
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
-            self.writer = None
-
-
-def _host_port(url: str) -> tuple[str, int]:
-    parts = urlsplit(url)
-    return parts.hostname or "127.0.0.1", parts.port or 80
-
-
-# -- the load ------------------------------------------------------------------------------
-
-
-@dataclass
-class Sample:
-    ttft_s: float
-    e2e_s: float
-    action: str = ""
-
-
-@dataclass
-class LoadResult:
-    samples: list[Sample] = field(default_factory=list)
-    errors: list[str] = field(default_factory=list)
-    conversations: int = 0
-    wall_s: float = 0.0
-
-    @property
-    def requests(self) -> int:
-        return len(self.samples) + len(self.errors)
-
-    def pct(self, q: float, attr: str = "ttft_s") -> float:
-        values = sorted(getattr(s, attr) for s in self.samples)
-        if not values:
-            return float("nan")
-        return float(values[min(len(values) - 1, int(q * len(values)))])
-
-
-@dataclass
-class Target:
-    """Where the load goes: ``router`` (URL) or, in ``direct`` mode, P and D URLs."""
-
-    router: str | None = None
-    prefill: list[str] = field(default_factory=list)
-    decode: list[str] = field(default_factory=list)
-
-
-async def _turn(conns: dict[str, Conn], mode: str, messages: list[dict[str, str]],
-                conv_id: str, max_tokens: int) -> tuple[str, Sample]:
-    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-                            "stream": True}
-    path = "/v1/chat/completions"
-    started = time.perf_counter()
-    if mode == "direct":
-        p_body = {**body, "stream": False, "max_tokens": 1,
-                  "kv_transfer_params": {"do_remote_decode": True}}
-        p = await conns["p"].post_json(path, p_body)
-        d_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
-        text, ttft, headers = await conns["d"].stream(path, d_body, started)
-    else:
-        body["conversation_id"] = conv_id
-        text, ttft, headers = await conns["router"].stream(path, body, started)
-    action = headers.get("x-kvrelay-action", "")
-    return text, Sample(ttft, time.perf_counter() - started, action)
-
-
-async def _client(idx: int, target: Target, mode: str, result: LoadResult, *,
-                  stop: Callable[[int], bool], turns: tuple[int, int], max_tokens: int,
-                  seed: int, tag: str) -> None:
-    rng = random.Random(f"{seed}:{idx}")
-    conns: dict[str, Conn] = {}
-    if mode == "direct":
-        conns["p"] = Conn(*_host_port(target.prefill[idx % len(target.prefill)]))
-        conns["d"] = Conn(*_host_port(target.decode[idx % len(target.decode)]))
-    else:
-        assert target.router is not None
-        conns["router"] = Conn(*_host_port(target.router))
-    n = 0
-    try:
-        while not stop(n):
-            conv_id = f"{tag}-{idx}-{n}"
-            n += 1
-            result.conversations += 1
-            messages = [{"role": "user", "content": f"[{conv_id}] {USER}"}]
-            for _ in range(rng.randint(*turns)):
-                try:
-                    text, sample = await _turn(conns, mode, messages, conv_id, max_tokens)
-                except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
-                        RuntimeError, ValueError, KeyError) as exc:
-                    result.errors.append(f"{mode} client {idx} {conv_id}: {exc!r}")
-                    for c in conns.values():
-                        c.close()
-                    break
-                result.samples.append(sample)
-                messages += [{"role": "assistant", "content": text},
-                             {"role": "user", "content": rng.choice(FOLLOW_UPS)}]
-    finally:
-        for c in conns.values():
-            c.close()
-
-
-async def run_load(target: Target, *, mode: str = "router", clients: int,
-                   duration_s: float | None = None, conversations_per_client: int | None = None,
-                   turns: tuple[int, int] = (2, 6), max_tokens: int = 16, seed: int = 0,
-                   tag: str = "soak", result: LoadResult | None = None) -> LoadResult:
-    """``clients`` concurrent clients, each running conversation after conversation (a new
-    conversation id each) until ``duration_s`` is over or it ran
-    ``conversations_per_client`` of them."""
-    result = result if result is not None else LoadResult()
-    started = time.perf_counter()
-    deadline = started + duration_s if duration_s is not None else None
-
-    def stop(done: int) -> bool:
-        if conversations_per_client is not None and done >= conversations_per_client:
-            return True
-        return deadline is not None and time.perf_counter() >= deadline
-
-    await asyncio.gather(*(
-        _client(i, target, mode, result, stop=stop, turns=turns, max_tokens=max_tokens,
-                seed=seed, tag=tag)
-        for i in range(clients)))
-    result.wall_s = time.perf_counter() - started
-    return result
-
-
-def parse_metric(text: str, name: str) -> float | None:
-    """The value of an unlabelled sample ``name`` in Prometheus exposition text."""
-    for line in text.splitlines():
-        if line.startswith(name + " "):
-            return float(line.split()[1])
-    return None
-
+from kvrelay.bench.rawhttp import get_text
+from kvrelay.bench.soak import LoadResult, Target, run_load
+from kvrelay.cluster.pd_client import parse_prometheus
 
 # -- the processes and the report -------------------------------------------------------------
 
@@ -299,39 +67,16 @@ def cpu_s(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
-async def _get(url: str) -> str:
-    parts = urlsplit(url)
-    host, port, path = parts.hostname or "127.0.0.1", parts.port or 80, parts.path or "/"
-    reader, writer = await asyncio.open_connection(host, port)
-    try:
-        writer.write(f"GET {path} HTTP/1.1\r\nHost: {host}:{port}\r\n"
-                     "Connection: close\r\n\r\n".encode())
-        raw = await reader.read()
-    finally:
-        writer.close()
-    head, _, body = raw.partition(b"\r\n\r\n")
-    if b"transfer-encoding: chunked" in head.lower():
-        out, rest = b"", body
-        while rest:
-            size_line, _, rest = rest.partition(b"\r\n")
-            size = int(size_line.strip() or b"0", 16)
-            if size == 0:
-                break
-            out, rest = out + rest[:size], rest[size + 2:]
-        body = out
-    return body.decode()
-
-
 async def sample_loop(router: str, pid: int, points: list[Point], result: LoadResult,
                       interval_s: float, stop: asyncio.Event) -> None:
     started = time.perf_counter()
     while True:
         try:
-            text = await _get(router + "/metrics")
+            metrics = parse_prometheus(await get_text(router + "/metrics"))
             points.append(Point(
                 time.perf_counter() - started, rss_mib(pid),
-                parse_metric(text, "kvrelay_router_live_entries") or 0.0,
-                parse_metric(text, "kvrelay_router_pending_reports") or 0.0,
+                metrics.get("kvrelay_router_live_entries") or 0.0,
+                metrics.get("kvrelay_router_pending_reports") or 0.0,
                 result.requests))
         except OSError as exc:
             print(f"  sample failed: {exc!r}", file=sys.stderr)
@@ -384,12 +129,13 @@ async def soak(args: argparse.Namespace, target: Target, router_pid: int) -> int
     stop.set()
     await sampler
     await asyncio.sleep(1.0)  # the last reports
-    text = await _get(target.router + "/metrics")
+    text = await get_text(target.router + "/metrics")
+    metrics = parse_prometheus(text)
     final = Point(result.wall_s + 1.0, rss_mib(router_pid),
-                  parse_metric(text, "kvrelay_router_live_entries") or 0.0,
-                  parse_metric(text, "kvrelay_router_pending_reports") or 0.0, result.requests)
+                  metrics.get("kvrelay_router_live_entries") or 0.0,
+                  metrics.get("kvrelay_router_pending_reports") or 0.0, result.requests)
     points.append(final)
-    stats = json.loads(await _get(target.router + "/stats"))
+    stats = json.loads(await get_text(target.router + "/stats"))
     print(report(args, baseline, result, points, stats, router_cpu))
     for err in result.errors[:20]:
         print("  " + err, file=sys.stderr)

@@ -1,39 +1,28 @@
-"""A short soak (``scripts/soak.py``'s load, in-process): concurrent streaming multi-turn
-conversations that churn through new conversation ids, with a small entry cap and entries
-expiring on the shared ManualClock. No errors, and the entry count never exceeds the cap.
-No wall-clock assertions; the router process's RSS is printed, not asserted."""
+"""A short soak (``kvrelay.bench.soak``, the load of ``scripts/soak.py``, in-process):
+concurrent streaming multi-turn conversations that churn through new conversation ids, with
+a small entry cap and entries expiring on the shared ManualClock. No errors, and the entry
+count never exceeds the cap. No wall-clock assertions; the router process's RSS is printed,
+not asserted."""
 
 from __future__ import annotations
 
-import importlib.util
 import resource
-import sys
-from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from kvrelay.bench.rawhttp import get_text
+from kvrelay.bench.soak import Target, run_load
+from kvrelay.cluster.pd_client import parse_prometheus
 from kvrelay.core.conversation import ConversationEntry, ConversationKey
 from tests.component.router_fake import routed
 
 CAP = 4
 
 
-def _soak_module() -> ModuleType:
-    path = Path(__file__).resolve().parents[2] / "scripts" / "soak.py"
-    spec = importlib.util.spec_from_file_location("kvrelay_soak_script", path)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses resolve their module
-    spec.loader.exec_module(module)
-    return module
-
-
 async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    soak = _soak_module()
     async with routed(num_prefill=2, num_decode=2, max_entries=CAP,
                       expired_retention_s=5.0, report_wait_s=2.0) as r:
         store = r.ctx.store
@@ -45,12 +34,12 @@ async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
             peak[0] = max(peak[0], len(store))
 
         monkeypatch.setattr(store, "put", counting_put)
-        target = soak.Target(router=r.url, prefill=r.cluster.prefill_urls,
+        target = Target(router=r.url, prefill=r.cluster.prefill_urls,
                              decode=r.cluster.decode_urls)
         results: list[Any] = []
         for phase in range(2):
             # 8 conversations at a time, 2 after another per client, 3 turns each
-            results.append(await soak.run_load(
+            results.append(await run_load(
                 target, clients=8, conversations_per_client=2, turns=(3, 3), max_tokens=8,
                 tag=f"phase{phase}"))
             await r.settle()
@@ -63,8 +52,8 @@ async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
             assert result.errors == []
             assert len(result.samples) == 8 * 2 * 3 and result.conversations == 16
         assert 0 < peak[0] <= CAP
-        metrics = await _text(r.url + "/metrics")
-        assert soak.parse_metric(metrics, "kvrelay_router_live_entries") == 0.0
+        metrics = await get_text(r.url + "/metrics")
+        assert parse_prometheus(metrics).get("kvrelay_router_live_entries") == 0.0
         stats = await r.stats()
         by_reason = stats["decisions"]["by_reason"]
         # churn past the cap: some conversations lost their entry (LRU) and recomputed,
@@ -75,9 +64,3 @@ async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
         print(f"short soak: {sum(x.requests for x in results)} requests, peak entries "
               f"{peak[0]} (cap {CAP}), test process max RSS {rss_mib:.0f} MiB")
 
-
-async def _text(url: str) -> str:
-    import httpx
-
-    async with httpx.AsyncClient(timeout=30.0, trust_env=False) as c:
-        return (await c.get(url)).text
