@@ -22,9 +22,12 @@ from pathlib import Path
 import psutil
 import pytest
 
+from kvrelay.cluster.config import ClusterConfig, block_size_of, router_command
+from kvrelay.cluster.launcher import ServiceProcess
 from tests.ports import free_port_block
 
 STARTUP_TIMEOUT_S = 900
+CPU_BLOCK_SIZE = block_size_of(ClusterConfig())
 TTL_S = 60
 """D's ``decoder_kv_blocks_ttl`` in the session cluster: short enough for a test to wait it
 out (tests/e2e/test_contract.py), long enough for the router's pull window (TTL minus its
@@ -94,3 +97,14 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     tail = "".join(seen[-40:])
     assert rc == 0, f"kvrelay up exited with {rc}:\n{tail}"
     assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"
+
+
+def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
+                       extra: list[str]) -> ServiceProcess:
+    """Another ``kvrelay route`` in front of the session cluster's engines (as ``kvrelay up``
+    starts its own, plus ``extra`` flags); the caller stops it."""
+    cmd = router_command([cluster.prefill_url], [cluster.decode_url], host="127.0.0.1",
+                         port=port, ttl_s=cluster.ttl_s, block_size=CPU_BLOCK_SIZE,
+                         extra=extra)
+    url = f"http://127.0.0.1:{port}"
+    return ServiceProcess(log_path.stem, cmd, [f"{url}/health"], log_path, url=url).start()

@@ -12,11 +12,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrelay.cluster.config import router_command
 from kvrelay.cluster.launcher import ServiceProcess
 from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
 from tests.component.redis_server import RedisServer, redis_binary
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import RealCluster, start_extra_router
 from tests.ports import free_port_block
 
 pytestmark = pytest.mark.e2e
@@ -32,13 +31,9 @@ def replicas(real_cluster: RealCluster, tmp_path: Path) -> Iterator[list[str]]:
     try:
         port = free_port_block(2, start=18300)
         for i in range(2):
-            cmd = router_command([real_cluster.prefill_url], [real_cluster.decode_url],
-                                 host="127.0.0.1", port=port + i, ttl_s=real_cluster.ttl_s,
-                                 block_size=128,
-                                 extra=["--state", redis.url, "--state-timeout-ms", "1000"])
-            url = f"http://127.0.0.1:{port + i}"
-            routers.append(ServiceProcess(f"replica-{i}", cmd, [f"{url}/health"],
-                                          tmp_path / f"replica-{i}.log", url=url).start())
+            routers.append(start_extra_router(
+                real_cluster, port + i, tmp_path / f"replica-{i}.log",
+                ["--state", redis.url, "--state-timeout-ms", "1000"]))
         yield [r.url or "" for r in routers]
     finally:
         for r in routers:
