@@ -117,6 +117,19 @@ def test_transfer_learns_rate_and_overhead() -> None:
     assert est.overhead_s.value == pytest.approx(overhead, rel=0.05)
 
 
+def test_small_pulls_teach_the_overhead_not_the_rate() -> None:
+    """A few small pulls with a large fixed cost must not make big pulls look expensive
+    (the cost-model bias the fake engine's ``cpu`` preset exposed)."""
+    est = TransferEstimate()
+    overhead, rate = 0.040, 5e-6
+    for _ in range(3):
+        est = est.observe(num_tokens=160, seconds=overhead + rate * 160)
+    assert est.seconds_per_token.value == TransferEstimate().seconds_per_token.value
+    assert est.overhead_s.value > TransferEstimate().overhead_s.value
+    prefill = PrefillEstimate().observe(num_tokens=1900, context_tokens=0, seconds=0.12)
+    assert est.seconds(1900) < prefill.seconds(1900)  # a 2k pull still beats recomputing
+
+
 def test_transfer_ignores_nonsense() -> None:
     est = TransferEstimate()
     assert est.observe(num_tokens=0, seconds=1.0) is est
