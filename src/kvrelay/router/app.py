@@ -187,9 +187,7 @@ def create_app(
             with contextlib.suppress(asyncio.CancelledError):
                 await loop_task
             await upstream.aclose()
-            closer = getattr(store, "aclose", None)
-            if closer is not None:
-                await closer()
+            await store.aclose()
 
     routes = [
         Route("/v1/chat/completions", counted("/v1/chat/completions", generation("chat")),

@@ -19,6 +19,7 @@ shared by router replicas); every method is async so a networked store fits. Con
   return False, ``drop_node`` / ``drop_engine`` return 0.
 * ``len(store)`` is the number of live entries, exact in memory, last known for a
   networked store.
+* ``aclose()`` releases connections when the app shuts down.
 
 Entries hold block locations and a token fingerprint only, never conversation content.
 """
@@ -55,6 +56,8 @@ class ConversationStore(Protocol):
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int: ...
 
+    async def aclose(self) -> None: ...
+
     def __len__(self) -> int: ...
 
 
@@ -88,6 +91,9 @@ class InMemoryStore:
 
     def __len__(self) -> int:
         return len(self._entries)
+
+    async def aclose(self) -> None:
+        """Nothing to release: the entries live in this process."""
 
     async def get(self, key: ConversationKey) -> ConversationEntry | None:
         self._maybe_sweep()
