@@ -22,11 +22,7 @@ import sys
 import time
 from pathlib import Path
 
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+from kvrelay.cluster.launcher import free_port
 
 
 def request_bytes(port: int, kind: str, i: int) -> bytes:

@@ -14,13 +14,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.ports import free_port
+
 READY_DEADLINE_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class RedisServer:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from typing import Any
@@ -18,14 +17,9 @@ from kvrelay.router.state import RouterContext
 from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.testing.fake_config import RequestRecord
 from kvrelay.testing.fake_server import HttpServer
+from tests.ports import free_port
 
 ENGINE_CONFIG = FakeEngineConfig(report_delay_s=0.0, default_max_tokens=16)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 class PermitSleep:

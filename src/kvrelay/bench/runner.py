@@ -9,7 +9,6 @@ router under one user-given label instead.
 from __future__ import annotations
 
 import asyncio
-import socket
 import sys
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
@@ -24,7 +23,7 @@ from kvrelay.bench.report import ModeRun
 from kvrelay.bench.workloads import Workload
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.config import router_command as cluster_router_command
-from kvrelay.cluster.launcher import ServiceProcess
+from kvrelay.cluster.launcher import ServiceProcess, free_port
 
 
 def router_command(
@@ -180,9 +179,3 @@ def run_external(
 ) -> list[ModeRun]:
     """Run ``workload`` against an already-running router, as mode ``label``."""
     return [asyncio.run(bench_router(workload, label, router_url, model, options))]
-
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])

@@ -300,6 +300,13 @@ def stop_group(process: subprocess.Popen[bytes], timeout_s: float = 20.0) -> Non
         process.wait(timeout=5)
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port the OS says is free on ``host`` right now (bind to port 0)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
 def free_port_block(size: int, start: int = 20000, stop: int = 60000) -> int:
     """First port ``p`` in [start, stop) such that p..p+size-1 can all be bound right now."""
     port = start
