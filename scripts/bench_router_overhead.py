@@ -31,21 +31,15 @@ import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Any
 
 import httpx
 
 from kvrelay.bench.rawhttp import Conn
+from kvrelay.bench.soak import Sample, stream_turn
 from kvrelay.cluster.launcher import free_port_block
 
 USER = "Please describe, in detail, how a river carves a canyon over a long time. " * 4
 FOLLOW_UP = "Go on, and be specific about the rocks involved."
-
-
-@dataclass
-class Sample:
-    ttft_s: float
-    e2e_s: float
 
 
 @dataclass
@@ -77,50 +71,17 @@ def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120
     raise SystemExit(f"{url} did not become healthy")
 
 
-@dataclass
-class Client:
-    """One conversation's connections (one per server, as a pooled client would keep)."""
-
-    ports: dict[str, int]
-    conns: dict[str, Conn] = field(default_factory=dict)
-
-    def conn(self, name: str) -> Conn:
-        if name not in self.conns:
-            self.conns[name] = Conn("127.0.0.1", self.ports[name])
-        return self.conns[name]
-
-    def close(self) -> None:
-        for c in self.conns.values():
-            c.close()
-
-
-async def turn(client: Client, mode: str, messages: list[dict[str, str]], conv_id: str,
-               max_tokens: int) -> tuple[str, Sample]:
-    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
-                            "stream": True}
-    path = "/v1/chat/completions"
-    started = time.perf_counter()
-    if mode == "direct":
-        p_body = {**body, "stream": False, "max_tokens": 1,
-                  "kv_transfer_params": {"do_remote_decode": True}}
-        p = await client.conn("p").post_json(path, p_body)
-        d_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
-        text, ttft, _ = await client.conn("d").stream(path, d_body, started)
-    else:
-        if mode == "router+conv":
-            body["conversation_id"] = conv_id
-        text, ttft, _ = await client.conn("router").stream(path, body, started)
-    return text, Sample(ttft, time.perf_counter() - started)
-
-
 async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, turns: int,
                        max_tokens: int, out: ModeResult) -> None:
-    client = Client(ports)
+    names = ("p", "d") if mode == "direct" else ("router",)
+    conns = {name: Conn("127.0.0.1", ports[name]) for name in names}
+    conversation_id = f"c{rnd}-{idx}" if mode == "router+conv" else None
     messages = [{"role": "user", "content": f"[{idx}] " + USER}]
     try:
         for _ in range(turns):
             try:
-                text, sample = await turn(client, mode, messages, f"c{rnd}-{idx}", max_tokens)
+                text, sample = await stream_turn(conns, mode, messages, conversation_id,
+                                                 max_tokens)
             except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError) as exc:
                 out.errors += 1
                 print(f"  {mode} client {idx}: {exc!r}", file=sys.stderr)
@@ -129,7 +90,8 @@ async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, tur
             messages += [{"role": "assistant", "content": text},
                          {"role": "user", "content": FOLLOW_UP}]
     finally:
-        client.close()
+        for conn in conns.values():
+            conn.close()
 
 
 def cpu_s(pid: int) -> float:

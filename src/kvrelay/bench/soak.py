@@ -10,7 +10,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,8 +55,12 @@ class Target:
     decode: list[str] = field(default_factory=list)
 
 
-async def _turn(conns: dict[str, Conn], mode: str, messages: list[dict[str, str]],
-                conv_id: str, max_tokens: int) -> tuple[str, Sample]:
+async def stream_turn(conns: Mapping[str, Conn], mode: str, messages: list[dict[str, str]],
+                      conversation_id: str | None, max_tokens: int) -> tuple[str, Sample]:
+    """One streamed turn: ``mode`` ``direct`` speaks the P/D protocol itself (P with
+    ``max_tokens=1``, then a stream from D; ``conns["p"]``, ``conns["d"]``), any other mode
+    streams through ``conns["router"]`` (with ``conversation_id`` when given). Returns the
+    reply text and its timings; raises like ``Conn.stream``."""
     body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": max_tokens,
                             "stream": True}
     path = "/v1/chat/completions"
@@ -68,7 +72,8 @@ async def _turn(conns: dict[str, Conn], mode: str, messages: list[dict[str, str]
         d_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
         text, ttft, headers = await conns["d"].stream(path, d_body, started)
     else:
-        body["conversation_id"] = conv_id
+        if conversation_id is not None:
+            body["conversation_id"] = conversation_id
         text, ttft, headers = await conns["router"].stream(path, body, started)
     action = headers.get("x-kvrelay-action", "")
     return text, Sample(ttft, time.perf_counter() - started, action)
@@ -94,7 +99,7 @@ async def _client(idx: int, target: Target, mode: str, result: LoadResult, *,
             messages = [{"role": "user", "content": f"[{conv_id}] {USER}"}]
             for _ in range(rng.randint(*turns)):
                 try:
-                    text, sample = await _turn(conns, mode, messages, conv_id, max_tokens)
+                    text, sample = await stream_turn(conns, mode, messages, conv_id, max_tokens)
                 except (OSError, asyncio.IncompleteReadError, asyncio.LimitOverrunError,
                         RuntimeError, ValueError, KeyError) as exc:
                     result.errors.append(f"{mode} client {idx} {conv_id}: {exc!r}")
