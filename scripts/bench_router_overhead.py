@@ -27,16 +27,17 @@ import argparse
 import asyncio
 import os
 import re
-import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import httpx
 
 from kvrelay.bench.rawhttp import Conn
 from kvrelay.bench.soak import Sample, stream_turn
-from kvrelay.cluster.launcher import free_port_block
+from kvrelay.cluster.launcher import ServiceProcess, free_port_block
 
 USER = "Please describe, in detail, how a river carves a canyon over a long time. " * 4
 FOLLOW_UP = "Go on, and be specific about the rocks involved."
@@ -55,20 +56,6 @@ class ModeResult:
         if not values:
             return float("nan")
         return float(values[min(len(values) - 1, int(q * len(values)))])
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not become healthy")
 
 
 async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, turns: int,
@@ -162,41 +149,35 @@ def main() -> int:
 
     base = free_port_block(3, start=21000)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    engines = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
-         "--base-port", str(base), "--report-delay-s", "0", "--latency-preset", "fast"],
-        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, env=env)
     urls = {"p": f"http://127.0.0.1:{base}", "d": f"http://127.0.0.1:{base + 1}",
             "router": f"http://127.0.0.1:{base + 2}"}
-    router = None
-    try:
-        wait_healthy(urls["p"], engines)
-        wait_healthy(urls["d"], engines)
-        router = subprocess.Popen(
+    with tempfile.TemporaryDirectory(prefix="kvrelay-overhead-") as tmp:
+        engines = ServiceProcess(
+            "fake-engines",
+            [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode",
+             "1", "--base-port", str(base), "--report-delay-s", "0", "--latency-preset", "fast"],
+            [urls["p"] + "/health", urls["d"] + "/health"], Path(tmp) / "engines.log",
+            ready_timeout_s=120, env=env)
+        router = ServiceProcess(
+            "router",
             [sys.executable, "-m", "kvrelay.cli", "route", "--prefill", urls["p"], "--decode",
              urls["d"], "--port", str(base + 2), "--block-size", "128",
              # zero-latency engines make every recompute look free: keep the pull path on
-             "--pull-cost-factor", "0.001", "--log-level", "warning"], env=env)
-        wait_healthy(urls["router"], router)
-        print(f"clients {args.clients}, turns {args.turns}, rounds {args.rounds}, "
-              f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
-        ports = {"p": base, "d": base + 1, "router": base + 2}
-        pids = {"router": router.pid, "engines": engines.pid}
-        results = asyncio.run(bench(ports, args, pids))
-        print(report(results))
-        stats = httpx.get(urls["router"] + "/stats").json()["decisions"]
-        by_reason = re.sub(r"[{}']", "", str(stats["by_reason"]))
-        print(f"\nrouter decisions: {by_reason}")
-        return 0 if all(r.errors == 0 for r in results) else 1
-    finally:
-        for proc in (router, engines):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-
+             "--pull-cost-factor", "0.001", "--log-level", "warning"],
+            [urls["router"] + "/health"], Path(tmp) / "router.log", ready_timeout_s=120,
+            env=env)
+        with engines, router:
+            assert engines.process is not None and router.process is not None
+            print(f"clients {args.clients}, turns {args.turns}, rounds {args.rounds}, "
+                  f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
+            ports = {"p": base, "d": base + 1, "router": base + 2}
+            pids = {"router": router.process.pid, "engines": engines.process.pid}
+            results = asyncio.run(bench(ports, args, pids))
+            print(report(results))
+            stats = httpx.get(urls["router"] + "/stats").json()["decisions"]
+            by_reason = re.sub(r"[{}']", "", str(stats["by_reason"]))
+            print(f"\nrouter decisions: {by_reason}")
+            return 0 if all(r.errors == 0 for r in results) else 1
 
 if __name__ == "__main__":
     sys.exit(main())

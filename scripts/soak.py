@@ -30,11 +30,11 @@ import argparse
 import asyncio
 import json
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from kvrelay.bench.rawhttp import get_text
@@ -85,22 +85,6 @@ async def sample_loop(router: str, pid: int, points: list[Point], result: LoadRe
             return
         except TimeoutError:
             pass
-
-
-def wait_healthy(url: str, proc: subprocess.Popen[bytes], timeout_s: float = 120) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"{url}: process exited with {proc.returncode}")
-        try:
-            if httpx.get(url + "/health", timeout=1.0, trust_env=False).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    raise SystemExit(f"{url} did not become healthy")
 
 
 async def soak(args: argparse.Namespace, target: Target, router_pid: int) -> int:
@@ -211,26 +195,19 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=0)
     args = ap.parse_args()
 
-    from kvrelay.cluster.launcher import free_port_block
+    from kvrelay.cluster.launcher import ServiceProcess, free_port_block
 
     n_engines = args.prefill + args.decode
     base = free_port_block(n_engines + 1, start=22000)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    engines = subprocess.Popen(
-        [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", str(args.prefill),
-         "--decode", str(args.decode), "--base-port", str(base), "--report-delay-s", "0.05",
-         "--latency-preset", args.latency_preset, "--ttl-s", str(args.ttl_s)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env=env)
     urls = [f"http://127.0.0.1:{base + i}" for i in range(n_engines)]
     target = Target(router=f"http://127.0.0.1:{base + n_engines}",
                     prefill=urls[:args.prefill], decode=urls[args.prefill:])
-    router = None
-    with tempfile.NamedTemporaryFile("w", suffix=".toml", delete=False) as toml:
-        toml.write(f"expired_retention_s = {args.expired_retention_s}\n")
-    try:
-        for url in urls:
-            wait_healthy(url, engines)
-        cmd = [sys.executable, "-m", "kvrelay.cli", "route", "--config", toml.name,
+    with tempfile.TemporaryDirectory(prefix="kvrelay-soak-") as tmp:
+        logs = Path(tmp)
+        toml = logs / "router.toml"
+        toml.write_text(f"expired_retention_s = {args.expired_retention_s}\n")
+        cmd = [sys.executable, "-m", "kvrelay.cli", "route", "--config", str(toml),
                "--port", str(base + n_engines), "--block-size", "128",
                "--ttl-s", str(args.ttl_s), "--max-entries", str(args.max_entries),
                # zero-latency engines make every recompute look free: keep pulls going
@@ -239,20 +216,18 @@ def main() -> int:
             cmd += ["--prefill", url]
         for url in target.decode:
             cmd += ["--decode", url]
-        router = subprocess.Popen(cmd, env=env)
-        assert target.router is not None
-        wait_healthy(target.router, router)
-        return asyncio.run(soak(args, target, router.pid))
-    finally:
-        for proc in (router, engines):
-            if proc is not None:
-                proc.terminate()
-                try:
-                    proc.wait(timeout=30)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-        os.unlink(toml.name)
-
+        engines = ServiceProcess(
+            "fake-engines",
+            [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill",
+             str(args.prefill), "--decode", str(args.decode), "--base-port", str(base),
+             "--report-delay-s", "0.05", "--latency-preset", args.latency_preset,
+             "--ttl-s", str(args.ttl_s)],
+            [f"{u}/health" for u in urls], logs / "engines.log", ready_timeout_s=120, env=env)
+        router = ServiceProcess("router", cmd, [f"{target.router}/health"], logs / "router.log",
+                                ready_timeout_s=120, env=env)
+        with engines, router:
+            assert router.process is not None
+            return asyncio.run(soak(args, target, router.process.pid))
 
 if __name__ == "__main__":
     sys.exit(main())
