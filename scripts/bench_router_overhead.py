@@ -1,17 +1,22 @@
 """What the kvrelay router adds on top of calling P then D directly (a benchmark, not a test).
 
 Starts ``kvrelay fake-engine --prefill 1 --decode 1`` (zero simulated latency, reports sent at
-once) and ``kvrelay route`` in front of it, each in its own process, then runs ``--clients``
-concurrent streaming conversations of ``--turns`` turns in three modes:
+once, kvrelay's connector emulated on P and D), ``kvrelay route`` and the bare relay
+(``kvrelay.bench.bare_relay``) in front of it, each in its own process, then runs
+``--clients`` concurrent streaming conversations of ``--turns`` turns in four modes,
+interleaved round by round:
 
 * ``direct``: the client itself POSTs P (``max_tokens=1``, ``do_remote_decode``) and then
   streams from D with P's params: the P/D protocol with no router.
-* ``router``: the same turns through the router, without a conversation id (no tokenize, no
-  report, no entry).
-* ``router+conv``: the same turns with a conversation id: ``/tokenize`` on P, the policy, a pull
-  on turns 2..N, ``return_token_ids`` stripping and the D report. (The router runs with
-  ``--pull-cost-factor 0.001``: with zero-latency engines its learned costs would otherwise
-  find recomputing free and stop pulling.)
+* ``bare``: the same turns through the leanest pass-through on the router's own HTTP stack
+  (no state, no checks): the floor for a Python router.
+* ``router``: the same turns through kvrelay with no conversation id and no session
+  header: id-free lookup by message digests, the policy, a pull on turns 2..N (P's
+  connector verifies it), byte pass-through streaming, and D's report.
+* ``router+id``: the same with a conversation id (the lookup's scope is narrowed).
+
+(The router runs with ``--pull-cost-factor 0.001``: with zero-latency engines its learned
+costs would otherwise find recomputing free and stop pulling.)
 
 For each mode: requests/s, and p50/p99 of the time to the first content token (TTFT) and to
 ``[DONE]``; then the router's added latency (mode minus ``direct``) at p50 and p99. With zero
@@ -60,15 +65,17 @@ class ModeResult:
 
 async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, turns: int,
                        max_tokens: int, out: ModeResult) -> None:
-    names = ("p", "d") if mode == "direct" else ("router",)
-    conns = {name: Conn("127.0.0.1", ports[name]) for name in names}
-    conversation_id = f"c{rnd}-{idx}" if mode == "router+conv" else None
+    if mode == "direct":
+        conns = {name: Conn("127.0.0.1", ports[name]) for name in ("p", "d")}
+    else:
+        conns = {"router": Conn("127.0.0.1", ports[mode])}
+    conversation_id = f"c{rnd}-{idx}" if mode == "router+id" else None
     messages = [{"role": "user", "content": f"[{idx}] " + USER}]
     try:
         for _ in range(turns):
             try:
-                text, sample = await stream_turn(conns, mode, messages, conversation_id,
-                                                 max_tokens)
+                text, sample = await stream_turn(conns, "direct" if mode == "direct" else "router",
+                                                 messages, conversation_id, max_tokens)
             except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError) as exc:
                 out.errors += 1
                 print(f"  {mode} client {idx}: {exc!r}", file=sys.stderr)
@@ -102,7 +109,7 @@ async def run_mode(mode: str, ports: dict[str, int], args: argparse.Namespace, r
 
 async def bench(ports: dict[str, int], args: argparse.Namespace,
                 pids: dict[str, int]) -> list[ModeResult]:
-    modes = ["direct", "router", "router+conv"]
+    modes = ["direct", "bare", "router", "router+id"]
     results = {m: ModeResult(m) for m in modes}
     warm = ModeResult("warmup")
     small = argparse.Namespace(**{**vars(args), "clients": 4})
@@ -117,7 +124,7 @@ async def bench(ports: dict[str, int], args: argparse.Namespace,
 def report(results: list[ModeResult]) -> str:
     ms = 1000.0
     lines = ["| mode | requests | errors | req/s | TTFT p50 ms | TTFT p99 ms | "
-             "e2e p50 ms | e2e p99 ms | router CPU ms/req | engines CPU ms/req |",
+             "e2e p50 ms | e2e p99 ms | relay CPU ms/req | engines CPU ms/req |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         n = max(1, len(r.samples))
@@ -126,7 +133,7 @@ def report(results: list[ModeResult]) -> str:
             f"| {r.mode} | {len(r.samples)} | {r.errors} | {rps:.0f} | "
             f"{r.pct('ttft_s', 0.5) * ms:.1f} | {r.pct('ttft_s', 0.99) * ms:.1f} | "
             f"{r.pct('e2e_s', 0.5) * ms:.1f} | {r.pct('e2e_s', 0.99) * ms:.1f} | "
-            f"{r.cpu_s.get('router', 0.0) * ms / n:.2f} | "
+            f"{r.cpu_s.get('bare' if r.mode == 'bare' else 'router', 0.0) * ms / n:.2f} | "
             f"{r.cpu_s.get('engines', 0.0) * ms / n:.2f} |")
     base = results[0]
     lines += ["", "| added vs direct | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
@@ -147,10 +154,10 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     args = ap.parse_args()
 
-    base = free_port_block(3, start=21000)
+    base = free_port_block(5, start=21000)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     urls = {"p": f"http://127.0.0.1:{base}", "d": f"http://127.0.0.1:{base + 1}",
-            "router": f"http://127.0.0.1:{base + 2}"}
+            "router": f"http://127.0.0.1:{base + 2}", "bare": f"http://127.0.0.1:{base + 4}"}
     with tempfile.TemporaryDirectory(prefix="kvrelay-overhead-") as tmp:
         engines = ServiceProcess(
             "fake-engines",
@@ -166,12 +173,19 @@ def main() -> int:
              "--pull-cost-factor", "0.001", "--log-level", "warning"],
             [urls["router"] + "/health"], Path(tmp) / "router.log", ready_timeout_s=120,
             env=env)
-        with engines, router:
-            assert engines.process is not None and router.process is not None
+        bare = ServiceProcess(
+            "bare",
+            [sys.executable, "-m", "kvrelay.bench.bare_relay", "--prefill", urls["p"],
+             "--decode", urls["d"], "--port", str(base + 4)],
+            [urls["bare"] + "/health"], Path(tmp) / "bare.log", ready_timeout_s=120, env=env)
+        with engines, router, bare:
+            assert engines.process and router.process and bare.process
             print(f"clients {args.clients}, turns {args.turns}, rounds {args.rounds}, "
                   f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
-            ports = {"p": base, "d": base + 1, "router": base + 2}
-            pids = {"router": router.process.pid, "engines": engines.process.pid}
+            ports = {"p": base, "d": base + 1, "router": base + 2, "router+id": base + 2,
+                     "bare": base + 4}
+            pids = {"router": router.process.pid, "engines": engines.process.pid,
+                    "bare": bare.process.pid}
             results = asyncio.run(bench(ports, args, pids))
             print(report(results))
             stats = httpx.get(urls["router"] + "/stats").json()["decisions"]

@@ -38,15 +38,25 @@ Fix 3: a failed D->P read is retried as a recompute, not as a read nobody perfor
 
 Fixes 1-3 are proposals for upstream; docs/cpu-notes.md has the measurements.
 
+The exact prefix guard, where the tokens are (``kvrelay.core.guard``)
+    On D, ``request_finished`` adds to the retained params the fingerprint of the tokens D
+    holds (``kvrelay_fingerprint``, from the engine's own prompt and output ids), D's block
+    size and ``kvrelay_guard``. On P, before the scheduler asks how many tokens to load, a
+    request carrying D's params with a fingerprint is checked against the engine's own
+    ``prompt_token_ids``: only the verified prefix is loaded (the block list cut to match),
+    below ``kv_recompute_threshold`` nothing (D is still notified and frees its blocks). P's
+    answer carries ``kvrelay_verified_tokens`` and ``kvrelay_guard``. So the router never
+    tokenizes and never needs D's token ids.
+
 Report: D's retained params to the router (``kvrelay_report_url`` in a request's params)
     vLLM <= 0.32 does not put ``kv_transfer_params`` on the final chunk of a streamed
     response, so a router that streams from D never learns which blocks D retained. When a
     decode request's ``kv_transfer_params`` carry ``kvrelay_report_url`` and
     ``kvrelay_turn_id`` (the router adds them), this connector POSTs, from a background
-    thread of the scheduler process, ``{"turn_id", "kv_transfer_params", "num_prompt_tokens",
-    "num_output_tokens"}`` to that URL when the request finishes. Only hosts listed in
-    ``kvrelay_report_hosts`` (default: loopback) are contacted, so a client that talks to D
-    directly cannot make it call arbitrary addresses.
+    thread of the scheduler process, the report (``kvrelay.core.report``) to that URL when
+    the request finishes. Only hosts listed in ``kvrelay_report_hosts`` (default: loopback)
+    are contacted, so a client that talks to D directly cannot make it call arbitrary
+    addresses. Reports queued together are posted one per request, in order.
 """
 
 from __future__ import annotations
@@ -65,14 +75,24 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.logger import init_logger
 
+from kvrelay.core.fingerprint import held_fingerprint
+from kvrelay.core.guard import guard_params
+from kvrelay.core.params import (
+    BLOCK_SIZE_KEY,
+    FINGERPRINT_KEY,
+    GUARD_KEY,
+    GUARD_VERSION,
+    REPORT_TURN_KEY,
+    REPORT_URL_KEY,
+    VERIFIED_TOKENS_KEY,
+)
+from kvrelay.core.report import DEFAULT_REPORT_HOSTS, report_body
+
 logger = init_logger(__name__)
 
 RESTORE_AFFINITY_KEY = "kvrelay_restore_affinity"
 PROGRESS_DELAY_KEY = "kvrelay_nixl_progress_delay_us"
-REPORT_URL_KEY = "kvrelay_report_url"
-REPORT_TURN_KEY = "kvrelay_turn_id"
 REPORT_HOSTS_KEY = "kvrelay_report_hosts"
-DEFAULT_REPORT_HOSTS = ("127.0.0.1", "localhost", "::1")
 
 
 class NixlConnector(NixlPullConnector):  # type: ignore[misc]
@@ -95,6 +115,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             os.sched_setaffinity(0, saved)
         hosts = transfer_config.get_from_extra_config(REPORT_HOSTS_KEY, DEFAULT_REPORT_HOSTS)
         self._reporter = _Reporter(frozenset(hosts)) if not is_worker else None
+        self._block_size = int(vllm_config.cache_config.block_size)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -102,6 +123,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         params = request.kv_transfer_params
         if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
             return 0, False
+        if params and params.get(FINGERPRINT_KEY) is not None:
+            self._guard(request, params)
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
@@ -109,13 +132,46 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished(request, block_ids)
+        self._mark(request, params)
         self._report(request, params)
         return delay, params
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished_all_groups(request, block_ids)
+        self._mark(request, params)
         self._report(request, params)
         return delay, params
+
+    def _guard(self, request: Any, params: dict[str, Any]) -> None:
+        """Cut a pull of D's blocks to the prefix proven equal to this engine's prompt."""
+        scheduler = self.connector_scheduler
+        threshold = int(getattr(scheduler, "kv_recompute_threshold", 0) or 0)
+        guarded, check = guard_params(
+            params, list(request.prompt_token_ids or ()), threshold=threshold,
+            block_size=self._block_size,
+        )
+        params.clear()
+        params.update(guarded)
+        logger.debug("kvrelay guard %s: %s, verified %d, loading %d", request.request_id,
+                     check.reason, check.verified_tokens, check.usable_tokens)
+
+    def _mark(self, request: Any, params: dict[str, Any] | None) -> None:
+        """kvrelay's keys on the params this node returns (module docstring)."""
+        if not params:
+            return
+        params[GUARD_KEY] = GUARD_VERSION
+        if params.get("do_remote_decode"):
+            held = int(params.get("remote_num_tokens") or 0)
+            fingerprint = held_fingerprint(
+                request.prompt_token_ids or (), request.output_token_ids, held
+            )
+            params[FINGERPRINT_KEY] = fingerprint.to_str()
+            params[BLOCK_SIZE_KEY] = self._block_size
+            return
+        sent = request.kv_transfer_params or {}
+        verified = sent.get(VERIFIED_TOKENS_KEY)
+        if isinstance(verified, int):
+            params[VERIFIED_TOKENS_KEY] = verified
 
     def _report(self, request: Any, params: dict[str, Any] | None) -> None:
         sent = request.kv_transfer_params or {}
@@ -124,12 +180,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             return
         self._reporter.submit(
             str(url),
-            {
-                "turn_id": str(turn_id),
-                "kv_transfer_params": params if params and params.get("do_remote_decode") else None,
-                "num_prompt_tokens": int(request.num_prompt_tokens),
-                "num_output_tokens": int(request.num_output_tokens),
-            },
+            report_body(
+                str(turn_id), params, int(request.num_prompt_tokens),
+                int(request.num_output_tokens),
+            ),
         )
 
 

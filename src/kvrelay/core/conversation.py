@@ -2,8 +2,10 @@
 
 After D decodes turn N (bidirectional mode) it keeps the KV of prompt + generated tokens for
 ``decoder_kv_blocks_ttl`` seconds and answers with ``kv_transfer_params`` describing those
-blocks. A ``ConversationEntry`` records them with a fingerprint of the tokens they hold and a
-deadline on the router's own monotonic clock, so turn N+1 can decide whether P may pull them.
+blocks, including (kvrelay's connector on D) the ``TokenFingerprint`` of the tokens held. A
+``ConversationEntry`` records them with a deadline on the router's own monotonic clock, so
+turn N+1 can decide whether P may pull them. Where an entry is stored (its scope, anchor and
+continuation) is ``core.identity``'s business; the entry is only the value.
 
 Entries are single-use: D frees the blocks after one read (or at its TTL), so once a pull
 has been sent the entry must be dropped, whatever the outcome of that turn.
@@ -12,10 +14,9 @@ has been sent the entry must be dropped, whatever the outcome of that turn.
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
-from kvrelay.core.fingerprint import DEFAULT_CHUNK_TOKENS, TokenFingerprint, fingerprint_tokens
+from kvrelay.core.fingerprint import TokenFingerprint
 from kvrelay.core.params import RemoteBlocks
 
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
@@ -27,10 +28,8 @@ DEFAULT_EXPIRY_SAFETY_MARGIN_S = 10.0
 
 @dataclass(frozen=True)
 class ConversationKey:
-    """A conversation, scoped to a tenant so ids from different tenants never collide.
-
-    ``conversation_id`` comes from the client and may be sensitive: log ``hashed()`` instead.
-    """
+    """A client-given conversation id, scoped to a tenant so ids of different tenants never
+    collide. ``conversation_id`` may be sensitive: log ``hashed()`` instead."""
 
     tenant: str
     conversation_id: str
@@ -40,43 +39,58 @@ class ConversationKey:
             raise ValueError("conversation_id must be non-empty")
 
     def hashed(self) -> str:
-        """A short stable hex id for logs and metrics labels (not a secret: ids that are
+        """A short stable hex id for logs and ``/stats`` (not a secret: ids that are
         guessable stay guessable)."""
-        h = hashlib.blake2b(digest_size=8, person=b"kvrelay-convkey")
-        for part in (self.tenant, self.conversation_id):
-            raw = part.encode("utf-8")
-            h.update(len(raw).to_bytes(4, "little"))
-            h.update(raw)
-        return h.hexdigest()
+        return conversation_tag(self.tenant.encode("utf-8"), self.conversation_id.encode())
+
+
+def conversation_tag(*parts: bytes) -> str:
+    """A 16-hex-digit tag naming a conversation in logs, ``/stats`` and the turn log."""
+    h = hashlib.blake2b(digest_size=8, person=b"kvrelay-convkey")
+    for raw in parts:
+        h.update(len(raw).to_bytes(4, "little"))
+        h.update(raw)
+    return h.hexdigest()
 
 
 @dataclass(frozen=True)
 class ConversationEntry:
     """D's retained KV for the latest turn of one conversation.
 
-    ``blocks`` are D's ``kv_transfer_params`` exactly as returned (``decode_to_prefill``).
-    ``fingerprint`` covers the first ``num_tokens`` of prompt + generated tokens, which is
-    never more than ``blocks.num_tokens`` (see ``entry_from_decode``). ``expires_at_s`` and
-    ``created_at_s`` are on the router's monotonic clock; ``turn`` counts from 1.
-    ``block_size`` is D's KV block size when known and consistent with ``blocks``; ``None``
-    means the entry may only be reused whole.
+    ``blocks`` are D's ``kv_transfer_params`` (``decode_to_prefill``) with the fingerprint
+    of the tokens they hold (``blocks.fingerprint``, never covering more than
+    ``blocks.num_tokens``). ``expires_at_s`` and ``created_at_s`` are on the router's
+    monotonic clock; ``turn`` counts from 1. ``block_size`` is D's KV block size when known
+    and consistent with ``blocks``; ``None`` means the entry may only be reused whole.
+    ``num_bytes`` is the size of the request and answer the entry covers (the ratio to its
+    tokens turns request bytes into token estimates); ``conversation`` is the tag the
+    conversation's turns share (``conversation_tag``).
     """
 
     decode_node_id: str
     blocks: RemoteBlocks
-    fingerprint: TokenFingerprint
     expires_at_s: float
     created_at_s: float
     turn: int
+    conversation: str
+    num_bytes: int = 0
     block_size: int | None = None
 
     def __post_init__(self) -> None:
         if self.blocks.direction != "decode_to_prefill":
             raise ValueError("a conversation entry needs decode_to_prefill blocks (held on D)")
-        if self.fingerprint.num_tokens > self.blocks.num_tokens:
+        fingerprint = self.blocks.fingerprint
+        if fingerprint is None:
+            raise ValueError("a conversation entry needs the fingerprint of the held tokens")
+        if fingerprint.num_tokens > self.blocks.num_tokens:
             raise ValueError("fingerprint covers more tokens than D holds")
         if self.turn < 1:
             raise ValueError(f"turn counts from 1, got {self.turn}")
+
+    @property
+    def fingerprint(self) -> TokenFingerprint:
+        assert self.blocks.fingerprint is not None
+        return self.blocks.fingerprint
 
     @property
     def decode_engine_id(self) -> str:
@@ -89,6 +103,12 @@ class ConversationEntry:
         """Tokens whose KV D holds and which the fingerprint covers."""
         return self.fingerprint.num_tokens
 
+    def tokens_per_byte(self) -> float:
+        """Tokens per request byte in this conversation (1/4 until known)."""
+        if self.num_bytes <= 0 or self.num_tokens <= 0:
+            return 0.25
+        return self.num_tokens / self.num_bytes
+
     def seconds_left(self, now_s: float) -> float:
         return self.expires_at_s - now_s
 
@@ -96,53 +116,47 @@ class ConversationEntry:
         return now_s >= self.expires_at_s
 
 
-def entry_from_decode(
+def new_entry(
     *,
     decode_node_id: str,
     blocks: RemoteBlocks,
-    prompt_token_ids: Sequence[int],
-    generated_token_ids: Sequence[int],
     now_s: float,
-    turn: int = 1,
+    turn: int,
+    conversation: str,
+    num_bytes: int,
     ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S,
-    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
     block_size: int | None = None,
 ) -> ConversationEntry:
-    """Build the entry for a turn D just finished, at router time ``now_s``.
+    """The entry for a turn D just finished, at router time ``now_s``.
 
-    D's ``remote_num_tokens`` is prompt + generated - 1 (the last sampled token has no KV), so
-    exactly the first ``blocks.num_tokens`` ids of prompt + generated are fingerprinted. If
-    fewer ids are known (e.g. a stream whose token ids were partly lost), only the known ones
-    are fingerprinted and ``num_tokens`` shrinks to match: the router can then never ask P to
-    pull KV for tokens it cannot verify. ``blocks`` is kept unchanged for diagnostics; the
-    policy caps it before sending.
-
-    ``ttl_s`` must be D's ``decoder_kv_blocks_ttl``; ``safety_margin_s`` is subtracted because
-    D's clock started before the router saw the response. ``block_size`` is D's KV block size
-    in tokens; without it (``None``) the entry can only be reused whole (see
-    ``RemoteBlocks.capped``). A block size that does not match the number of blocks D
-    reported for its tokens is dropped to ``None``, for the same reason.
+    ``blocks`` must carry the fingerprint (from D's connector, or ``with_fingerprint``).
+    ``ttl_s`` must be D's ``decoder_kv_blocks_ttl``; ``safety_margin_s`` is subtracted
+    because D's clock started before the router saw the response. A ``block_size`` that does
+    not match the number of blocks D reported is dropped to ``None`` (whole reuse only).
     """
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
     if not 0 <= safety_margin_s < ttl_s:
-        raise ValueError(f"safety_margin_s must be in [0, ttl_s), got {safety_margin_s}")
-    if blocks.direction != "decode_to_prefill":
-        raise ValueError("entry_from_decode needs D's decode_to_prefill blocks")
-    held = max(0, blocks.num_tokens)
-    from_prompt = list(prompt_token_ids[:held])
-    from_generated = list(generated_token_ids[: held - len(from_prompt)])
-    fingerprint = fingerprint_tokens(from_prompt + from_generated, chunk_tokens=chunk_tokens)
+        raise ValueError(f"safety_margin_s must be in [0, {ttl_s}), got {safety_margin_s}")
     return ConversationEntry(
         decode_node_id=decode_node_id,
         blocks=blocks,
-        fingerprint=fingerprint,
         expires_at_s=now_s + ttl_s - safety_margin_s,
         created_at_s=now_s,
         turn=turn,
+        conversation=conversation,
+        num_bytes=num_bytes,
         block_size=block_size if blocks_match(blocks, block_size) else None,
     )
+
+
+def with_fingerprint(blocks: RemoteBlocks, fingerprint: TokenFingerprint) -> RemoteBlocks:
+    """D's blocks with a fingerprint the router computed itself (``/tokenize`` mode, from the
+    token ids D returned): it covers at most the tokens D holds."""
+    if fingerprint.num_tokens > blocks.num_tokens:
+        raise ValueError("fingerprint covers more tokens than D holds")
+    return replace(blocks, fingerprint=fingerprint)
 
 
 def blocks_match(blocks: RemoteBlocks, block_size: int | None) -> bool:

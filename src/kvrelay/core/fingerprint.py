@@ -64,10 +64,6 @@ class TokenFingerprint:
         if len(self.tail_digest) != (DIGEST_BYTES if tail_tokens else 0):
             raise ValueError("tail_digest length does not match num_tokens")
 
-    @property
-    def num_full_chunks(self) -> int:
-        return self.num_tokens // self.chunk_tokens
-
     def to_bytes(self) -> bytes:
         """Compact binary form (9-byte header + digests), e.g. for a Redis value."""
         header = _MAGIC + _HEADER.pack(self.chunk_tokens, self.num_tokens)
@@ -173,3 +169,20 @@ def _pack(token_ids: Sequence[int]) -> bytes:
 
 def _digest(prev: bytes, chunk: bytes) -> bytes:
     return hashlib.blake2b(prev + chunk, digest_size=DIGEST_BYTES, person=_PERSON).digest()
+
+
+def held_fingerprint(
+    prompt_token_ids: Sequence[int],
+    output_token_ids: Sequence[int],
+    num_tokens: int,
+    chunk_tokens: int = DEFAULT_CHUNK_TOKENS,
+) -> TokenFingerprint:
+    """The fingerprint of the tokens whose KV a node holds after a request: the first
+    ``num_tokens`` of prompt + output (D holds prompt + output - 1; the last sampled token
+    has no KV). Fewer known ids than ``num_tokens`` fingerprint only the known ones, so a
+    pull can never claim tokens nobody proved. Used by kvrelay's connector on D, the fake
+    engine and the router's ``/tokenize`` mode alike."""
+    n = max(0, num_tokens)
+    head = list(prompt_token_ids[:n])
+    head.extend(output_token_ids[: n - len(head)])
+    return fingerprint_tokens(head, chunk_tokens=chunk_tokens)

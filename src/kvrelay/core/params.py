@@ -13,13 +13,49 @@ examples from vLLM 0.32 on this machine are in ``tests/data/vllm-0.32.0``.
 
 ``remote_blocks_expiry_time`` is D's ``time.perf_counter()`` deadline: another process's
 clock, so it is kept for diagnostics only, never compared with the router's clock.
+
+kvrelay's own keys inside ``kv_transfer_params`` (this module is their only home; vLLM passes
+unknown keys through untouched):
+
+* ``kvrelay_guard`` (int, on any params kvrelay's connector returns): the node runs kvrelay's
+  connector at that version, so P verifies pulls and D fingerprints what it retains.
+* ``kvrelay_fingerprint`` (D's retained params, and a pull request to P): the
+  ``TokenFingerprint`` (``to_str``) of the tokens D retains, computed by D from its own ids.
+* ``kvrelay_block_size`` (D's retained params): D's KV block size, needed to cut the block
+  list of a partial pull.
+* ``kvrelay_verified_tokens`` (P's answer to a pull): how many prompt tokens P's connector
+  proved equal to D's held tokens before loading.
+* ``kvrelay_report_url`` / ``kvrelay_turn_id`` (a D request): where kvrelay's connector posts
+  D's report when the request finishes (see ``core.report``).
+
+vLLM keys this module does not model (e.g. 0.33's ``remote_registration_generation``) are
+kept verbatim in ``RemoteBlocks.vllm_extra`` and sent back unchanged.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
+
+from kvrelay.core.fingerprint import FingerprintError, TokenFingerprint
+
+GUARD_KEY = "kvrelay_guard"
+FINGERPRINT_KEY = "kvrelay_fingerprint"
+BLOCK_SIZE_KEY = "kvrelay_block_size"
+VERIFIED_TOKENS_KEY = "kvrelay_verified_tokens"
+REPORT_URL_KEY = "kvrelay_report_url"
+REPORT_TURN_KEY = "kvrelay_turn_id"
+GUARD_VERSION = 1
+"""Version of kvrelay's connector protocol (``kvrelay_guard``)."""
+
+_VLLM_KEYS = frozenset({
+    "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
+    "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
+    "remote_num_tokens", "remote_blocks_expiry_time", "transfer_mode",
+    "remote_prefill_cached_tokens",
+})
 
 Direction = Literal["prefill_to_decode", "decode_to_prefill"]
 
@@ -49,6 +85,11 @@ class RemoteBlocks:
     transfer_mode: str = "pull"
     remote_expiry_perf_counter_s: float | None = None
     prefill_cached_tokens: int | None = None
+    fingerprint: TokenFingerprint | None = None
+    block_size: int | None = None
+    guard_version: int | None = None
+    verified_tokens: int | None = None
+    vllm_extra: tuple[tuple[str, str], ...] = ()
 
     @property
     def num_blocks(self) -> int:
@@ -73,11 +114,28 @@ class RemoteBlocks:
         }
         if self.prefill_cached_tokens is not None:
             out["remote_prefill_cached_tokens"] = self.prefill_cached_tokens
+        for key, text in self.vllm_extra:
+            out[key] = json.loads(text)
+        if self.guard_version is not None:
+            out[GUARD_KEY] = self.guard_version
+        if self.fingerprint is not None:
+            out[FINGERPRINT_KEY] = self.fingerprint.to_str()
+        if self.block_size is not None:
+            out[BLOCK_SIZE_KEY] = self.block_size
+        if self.verified_tokens is not None:
+            out[VERIFIED_TOKENS_KEY] = self.verified_tokens
+        return out
+
+    def to_vllm_json(self) -> dict[str, object]:
+        """``to_json`` without kvrelay's keys: what a node that is not the reader needs."""
+        out = self.to_json()
+        for key in (GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY, VERIFIED_TOKENS_KEY):
+            out.pop(key, None)
         return out
 
     def with_host(self, host: str, port: int | None = None) -> RemoteBlocks:
         """Same blocks, reached through another address (router-side NAT/host rewrite)."""
-        return _replace(self, host=host, port=self.port if port is None else port)
+        return replace(self, host=host, port=self.port if port is None else port)
 
     def capped(self, num_tokens: int, block_size: int | None) -> RemoteBlocks:
         """Same blocks, limited to the first ``num_tokens`` tokens (never raised).
@@ -104,7 +162,7 @@ class RemoteBlocks:
         if any(len(group) < keep for group in self.block_ids):
             raise ValueError(f"{n} tokens need {keep} blocks of {block_size}; fewer are held")
         groups = tuple(group[:keep] for group in self.block_ids)
-        return _replace(self, num_tokens=n, block_ids=groups)
+        return replace(self, num_tokens=n, block_ids=groups)
 
 
 def request_remote_decode() -> dict[str, object]:
@@ -137,6 +195,11 @@ def parse_remote_blocks(raw: object) -> RemoteBlocks:
         transfer_mode=str(raw.get("transfer_mode") or "pull"),
         remote_expiry_perf_counter_s=_opt_float(raw, "remote_blocks_expiry_time"),
         prefill_cached_tokens=_opt_int(raw, "remote_prefill_cached_tokens"),
+        fingerprint=_fingerprint(raw.get(FINGERPRINT_KEY)),
+        block_size=_opt_positive(raw, BLOCK_SIZE_KEY),
+        guard_version=_opt_positive(raw, GUARD_KEY),
+        verified_tokens=_opt_int(raw, VERIFIED_TOKENS_KEY),
+        vllm_extra=_extra(raw),
     )
 
 
@@ -147,10 +210,38 @@ def parse_optional_remote_blocks(raw: object) -> RemoteBlocks | None:
     return parse_remote_blocks(raw)
 
 
-def _replace(blocks: RemoteBlocks, **changes: object) -> RemoteBlocks:
-    from dataclasses import replace
+def _fingerprint(raw: object) -> TokenFingerprint | None:
+    if raw is None:
+        return None
+    if not isinstance(raw, str):
+        raise KVParamsError(f"{FINGERPRINT_KEY} must be a string")
+    try:
+        return TokenFingerprint.from_str(raw)
+    except FingerprintError as exc:
+        raise KVParamsError(f"{FINGERPRINT_KEY}: {exc}") from None
 
-    return replace(blocks, **changes)  # type: ignore[arg-type]
+
+def _extra(raw: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
+    """vLLM keys this module does not model, kept as JSON text (``_``-prefixed keys are
+    vLLM's scheduler-internal marks and never travel)."""
+    out: list[tuple[str, str]] = []
+    for key, value in raw.items():
+        if key in _VLLM_KEYS or key.startswith(("kvrelay_", "_")):
+            continue
+        try:
+            out.append((key, json.dumps(value, allow_nan=False)))
+        except (TypeError, ValueError):
+            raise KVParamsError(f"{key} is not JSON") from None
+    return tuple(sorted(out))
+
+
+def _opt_positive(raw: Mapping[str, object], key: str) -> int | None:
+    value = raw.get(key)
+    if value is None:
+        return None
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise KVParamsError(f"{key} must be a positive integer")
+    return value
 
 
 def _block_ids(raw: object) -> tuple[tuple[int, ...], ...]:

@@ -3,57 +3,53 @@
 ``decide_turn`` is a pure function of what the router knows when a turn arrives. Checks run
 in this order; the first that fails decides, so ``reason`` names the most basic obstacle:
 
-1. ``no_conversation_id`` – the request carries no conversation key: recompute.
-2. ``no_entry`` – no retained KV is known for the conversation: recompute.
-3. ``expired`` – ``now_s >= entry.expires_at_s``: D has freed (or is about to free) the blocks.
-4. ``near_expiry`` – fewer than ``near_expiry_s`` seconds left: P would pull after queueing
-   and could race D's TTL, and a pull of freed blocks fails the turn.
-5. ``node_down`` – the D that holds the blocks is down or unknown to the router.
-6. ``engine_restarted`` – D's current engine id differs from the one that retained the
+1. ``no_entry`` – the request continues no retained entry (first turn, nothing retained,
+   lost a concurrent claim): recompute.
+2. ``expired`` – ``now_s >= entry.expires_at_s``: D has freed (or is about to free) the blocks.
+3. ``near_expiry`` – fewer than ``near_expiry_s`` seconds left: P would pull after queueing
+   and could race D's TTL.
+4. ``node_down`` – the D that holds the blocks is down or unknown to the router.
+5. ``engine_restarted`` – D's current engine id differs from the one that retained the
    blocks (an unknown current id, ``None``, is not treated as a restart).
-7. Prefix guard (hard requirement): only the prefix of the new prompt proven equal to the
-   held tokens by the fingerprint may be reused; ``remote_num_tokens`` is capped at it.
-   If it is below ``kv_recompute_threshold`` (or zero) the turn recomputes with
-   ``prefix_mismatch`` when a comparison failed (the prompt diverged, e.g. an edited earlier
-   message) or ``below_threshold`` when everything compared matched but there is too little
-   to reuse (short context, short prompt).
-8. ``direct`` – if enabled and the prompt's new suffix is at most ``direct_max_new_tokens``,
-   the whole turn goes to the holding D, which reuses its local prefix cache; nothing is sent
-   over NIXL.
-9. ``cost_model`` – recompute when ``pull_s(verified) * pull_cost_factor`` exceeds
-   ``prefill_s(verified)``.
-10. ``partial_reuse_unsafe`` – the reusable part (the verified prefix, at most the prompt
-   minus its last token, which P must compute to sample) is shorter than what D holds, and
-   D's block size is unknown: cutting the block list needs it (``RemoteBlocks.capped``),
-   and vLLM would otherwise pair P's blocks with the wrong remote blocks. Else ``pull``.
+6. The prefix guard. With the prompt's exact token ids (``Prompt.token_ids``: the fallback
+   for P nodes without kvrelay's connector, ids from P's ``/tokenize``) the router runs the
+   guard itself (``core.guard.check_pull``): ``prefix_mismatch`` / ``below_threshold`` when
+   too little is proven. Without them the router decides from estimates (the entry's held
+   tokens, the request's new bytes): ``below_threshold`` when even a full match would be too
+   small; P's connector proves every token before loading and cuts the pull itself.
+7. ``direct`` – if enabled and the new suffix is at most ``direct_max_new_tokens``, the
+   whole turn goes to the holding D, which reuses its local prefix cache.
+8. ``cost_model`` – recompute when ``pull_s(reused) * pull_cost_factor`` exceeds
+   ``prefill_s(reused)``.
+9. ``partial_reuse_unsafe`` – (exact mode) the verified part is shorter than what D holds and
+   D's block size is unknown, so the block list cannot be cut. Else ``pull``.
 
 ``state_unavailable`` is never returned here: the router uses it for a turn whose entry could
 not be looked up (shared store down or slow), which it recomputes.
 
-Contracts: ``blocks_to_send`` is set only for ``pull``, never claims more tokens than the
-verified prefix (nor the whole prompt), and holds exactly the blocks of the tokens it
-claims; ``reused_tokens`` is zero for ``recompute``. The predictions compare the two ways to
-obtain the reusable prefix's KV (the suffix costs the same either way) and are zero when
-the policy stopped before verifying. A ``pull`` consumes the entry (single-use); the
-caller must drop it once the request is sent.
+Contracts: ``blocks_to_send`` is set only for ``pull``; in exact mode it never claims more
+tokens than the verified prefix (nor the whole prompt) and holds exactly their blocks; in
+estimate mode it is D's whole retained params with the fingerprint, for P's connector to
+verify and cut. ``reused_tokens`` is what the decision expects to reuse (zero for
+``recompute``); the exact count comes back from P. A ``pull`` consumes the entry
+(single-use); the caller must claim it before sending.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
-from kvrelay.core.conversation import ConversationEntry, ConversationKey
+from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.costs import CostEstimates
-from kvrelay.core.fingerprint import verifiable_tokens, verified_prefix_tokens
+from kvrelay.core.guard import check_pull
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState
 
 TurnAction = Literal["pull", "recompute", "direct"]
 
 TurnReason = Literal[
-    "no_conversation_id",
     "no_entry",
     "expired",
     "near_expiry",
@@ -98,8 +94,27 @@ class PolicyConfig:
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """What the router knows of a turn's prompt when it decides.
+
+    ``token_ids``: the exact engine ids (fallback mode: P's ``/tokenize``, or a completions
+    prompt given as ids), else ``None``. ``est_tokens``: its length (exact when ids are
+    known); ``est_new_tokens``: tokens after what the found entry covers (estimated from
+    request bytes, see ``ConversationEntry.tokens_per_byte``).
+    """
+
+    est_tokens: int
+    est_new_tokens: int = 0
+    token_ids: Sequence[int] | None = None
+
+
+@dataclass(frozen=True)
 class TurnDecision:
-    """What to do with one turn, and why (see the module docstring for the contracts)."""
+    """What to do with one turn, and why (see the module docstring for the contracts).
+
+    ``exact`` says whether the guard ran in the router (``verified_tokens`` is then the
+    proven prefix); otherwise P's connector runs it and reports the count.
+    """
 
     action: TurnAction
     reason: TurnReason
@@ -108,6 +123,7 @@ class TurnDecision:
     blocks_to_send: RemoteBlocks | None = None
     predicted_transfer_s: float = 0.0
     predicted_prefill_s: float = 0.0
+    exact: bool = False
 
     @property
     def consumes_entry(self) -> bool:
@@ -117,22 +133,19 @@ class TurnDecision:
 
 def decide_turn(
     *,
-    key: ConversationKey | None,
     entry: ConversationEntry | None,
-    prompt_token_ids: Sequence[int],
+    prompt: Prompt,
     now_s: float,
     decode_node: NodeState | None,
     config: PolicyConfig,
     costs: CostEstimates,
 ) -> TurnDecision:
-    """Decide how to serve a turn whose full prompt is ``prompt_token_ids``.
+    """Decide how to serve a turn (module docstring).
 
     ``decode_node`` is the router's current state of ``entry.decode_node_id`` (``None`` if the
     router no longer knows that node). ``costs`` are the estimates for the P that would do the
     work and the D -> P link; the caller picks them.
     """
-    if key is None:
-        return TurnDecision("recompute", "no_conversation_id")
     if entry is None:
         return TurnDecision("recompute", "no_entry")
     if entry.is_expired(now_s):
@@ -148,8 +161,19 @@ def decide_turn(
     if decode_node.engine_id is not None and decode_node.engine_id != entry.decode_engine_id:
         return TurnDecision("recompute", "engine_restarted")
 
-    verified = verified_prefix_tokens(entry.fingerprint, prompt_token_ids)
-    usable = min(verified, len(prompt_token_ids) - 1)
+    exact = prompt.token_ids is not None
+    threshold = config.kv_recompute_threshold
+    if prompt.token_ids is not None:
+        check = check_pull(
+            entry.blocks, prompt.token_ids, threshold=threshold, block_size=entry.block_size
+        )
+        verified = check.verified_tokens
+        usable = min(verified, len(prompt.token_ids) - 1)
+        new_tokens = len(prompt.token_ids) - verified
+    else:
+        verified = 0
+        usable = min(entry.num_tokens, prompt.est_tokens - 1)
+        new_tokens = prompt.est_new_tokens
     transfer_s = costs.pull_s(max(0, usable))
     prefill_s = costs.prefill_s(max(0, usable))
 
@@ -160,12 +184,13 @@ def decide_turn(
             verified_tokens=verified,
             predicted_transfer_s=transfer_s,
             predicted_prefill_s=prefill_s,
+            exact=exact,
         )
 
-    if usable <= 0 or usable < config.kv_recompute_threshold:
-        diverged = verified < verifiable_tokens(entry.fingerprint, len(prompt_token_ids))
-        return recompute("prefix_mismatch" if diverged else "below_threshold")
-    new_tokens = len(prompt_token_ids) - verified
+    if prompt.token_ids is not None and check.reason in ("prefix_mismatch", "below_threshold"):
+        return recompute(check.reason)
+    if usable <= 0 or usable < threshold:
+        return recompute("below_threshold")
     if config.direct_enabled and new_tokens <= config.direct_max_new_tokens:
         return TurnDecision(
             "direct",
@@ -174,17 +199,23 @@ def decide_turn(
             reused_tokens=usable,
             predicted_transfer_s=transfer_s,
             predicted_prefill_s=prefill_s,
+            exact=exact,
         )
     if transfer_s * config.pull_cost_factor > prefill_s:
         return recompute("cost_model")
-    if usable < entry.blocks.num_tokens and entry.block_size is None:
-        return recompute("partial_reuse_unsafe")
+    if prompt.token_ids is not None:
+        if check.blocks is None:
+            return recompute("partial_reuse_unsafe")
+        blocks = check.blocks
+    else:
+        blocks = replace(entry.blocks, block_size=entry.blocks.block_size or entry.block_size)
     return TurnDecision(
         "pull",
         "pull",
         verified_tokens=verified,
         reused_tokens=usable,
-        blocks_to_send=entry.blocks.capped(usable, entry.block_size),
+        blocks_to_send=blocks,
         predicted_transfer_s=transfer_s,
         predicted_prefill_s=prefill_s,
+        exact=exact,
     )

@@ -1,78 +1,134 @@
-"""Diagnostics and admin endpoints, scoped by ``router.auth``.
+"""Every endpoint but generation: health, metrics, models, stats, admin, D's reports.
 
-* ``GET /stats``: open when no API key is configured; otherwise a tenant's key sees only its
-  own tenant's ``recent`` decisions (keys hashed, as always), the admin key sees all. Counts
-  (``by_action``, ``by_reason``, ``conversations.live``) are aggregates and reveal no ids.
-* ``POST /admin/nodes/{node_id}/drain`` and ``.../undrain``: stop / resume routing new turns
-  to a node (``NodeRegistry.set_drained``); entries it holds stay pullable until they expire.
-* ``POST /admin/conversations/drop`` with ``{"tenant"?, "conversation_id"}``: forget one
-  conversation's entry (its next turn recomputes, ``no_entry``).
+Who sees what (docs/security.md):
 
-The ``/admin/*`` routes exist only when an admin key is configured (else 404, like any
-unknown path) and answer 401 without a valid key, 403 for a tenant's key.
+* ``GET /health`` – anyone: liveness only, ``{"status": "ok" | "degraded" | "unavailable"}``
+  from the last known node states (200 while at least one P and one D are up, else 503).
+  It never calls a node: only the health loop and real request failures change states.
+* ``GET /metrics`` – anyone (Prometheus; node ids, no request content).
+* ``GET /v1/models`` – client key; answered by the first up P.
+* ``GET /stats`` – client key: decision counts, node load and learned costs, the guard
+  mode per node, and the caller's own tenant's recent turns (keys hashed). The admin key
+  sees every tenant's turns.
+* ``GET /admin/nodes`` – admin key: URLs, engine ids, side channels, capabilities and the
+  kind of each node's last error. ``POST /admin/nodes/{id}/drain``/``undrain``: stop or
+  resume routing new turns to a node. ``POST /admin/conversations/drop`` with
+  ``{"tenant"?, "conversation_id"}``: forget the entries of one explicit conversation id.
+  Without an admin key these routes do not exist (404); no/wrong key 401, a tenant's 403.
+* ``POST /internal/kv-report`` – only on the internal listener: D's reports, at most
+  ``core.report.MAX_REPORT_BYTES``, each checked against its turn (``commit``).
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Awaitable, Callable
 from typing import Any
 
-from starlette.exceptions import HTTPException
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
+import msgspec
 
-from kvrelay.core.conversation import ConversationKey
-from kvrelay.router.auth import Authenticator
-from kvrelay.router.errors import ClientError, error_response, json_response
-from kvrelay.router.limits import read_body
+from kvrelay.core.identity import scope_of
+from kvrelay.core.report import MAX_REPORT_BYTES
+from kvrelay.router.asgi import Request, Route, read_body, send_response
+from kvrelay.router.errors import ClientError, RouterError, dumps
+from kvrelay.router.metrics import CONTENT_TYPE
 from kvrelay.router.state import RouterContext
+from kvrelay.router.upstream import UpstreamError
 
-Handler = Callable[[Request], Awaitable[Response]]
+Endpoint = Callable[[Request], Awaitable[bytes]]
+Handler = Callable[[Request], Awaitable[None]]
 
 
-def stats_handler(ctx: RouterContext, auth: Authenticator) -> Handler:
-    async def stats(request: Request) -> Response:
+def _counted(ctx: RouterContext, name: str, handler: Endpoint) -> Handler:
+    """Run ``handler`` (which returns a JSON body), answering errors as OpenAI JSON."""
+
+    async def handle(request: Request) -> None:
+        status, headers = 200, {}
+        try:
+            body = await handler(request)
+        except (ClientError, RouterError) as exc:
+            status, body, headers = exc.status, exc.body(), exc.headers
+        await send_response(request.send, status, body, headers=headers)
+        ctx.metrics.request_done(name, status)
+
+    return handle
+
+
+def public_routes(ctx: RouterContext) -> list[Route]:
+    config, auth = ctx.config, ctx.auth
+
+    async def health(request: Request) -> bytes:
+        has_p, has_d = ctx.nodes.available()
+        everything = all(s.up for s in ctx.nodes.states())
+        if not (has_p and has_d):
+            raise RouterError(503, "unavailable", body={"status": "unavailable"})
+        return dumps({"status": "ok" if everything else "degraded"})
+
+    async def models(request: Request) -> bytes:
+        auth.tenant(request.headers)
+        last: UpstreamError | None = None
+        for node in config.prefill:
+            if not ctx.nodes.is_up(node.node_id):
+                continue
+            try:
+                answer = await ctx.upstream.get(node, "/v1/models")
+            except UpstreamError as exc:
+                await ctx.nodes.request_failed(exc)
+                last = exc
+                continue
+            if answer.status != 200:
+                continue
+            return answer.body
+        if last is not None:
+            raise last.to_router_error("prefill")
+        raise RouterError(503, "no prefill node is up")
+
+    async def stats(request: Request) -> bytes:
         viewer = auth.viewer(request.headers)
-        decisions = ctx.stats.snapshot()
-        if viewer is not None:
-            decisions["recent"] = [r for r in decisions["recent"] if r.get("tenant") == viewer]
-        return json_response({
-            "nodes": ctx.nodes.describe(),
-            "conversations": {"live": len(ctx.store)},
-            "pending_reports": len(ctx.reports),
-            "decisions": decisions,
+        return dumps({
+            "guard": {"mode": config.guard, "nodes": {
+                n.node_id: ctx.nodes.guard_mode(n.node_id) for n in config.nodes}},
+            "nodes": ctx.nodes.describe(admin=viewer is None and auth.is_admin(request.headers)),
+            "conversations": {"live": len(ctx.index)},
+            "pending_reports": len(ctx.desk),
+            "decisions": ctx.stats.snapshot(viewer),
         })
 
-    return stats
+    async def metrics(request: Request) -> None:
+        await send_response(request.send, 200, ctx.metrics.render(), CONTENT_TYPE.encode())
+
+    routes = [
+        Route("/health", frozenset({"GET"}), _counted(ctx, "/health", health)),
+        Route("/metrics", frozenset({"GET"}), metrics),
+        Route("/v1/models", frozenset({"GET"}), _counted(ctx, "/v1/models", models)),
+        Route("/stats", frozenset({"GET"}), _counted(ctx, "/stats", stats)),
+    ]
+    if auth.admin_enabled:
+        routes.extend(_admin_routes(ctx))
+    return routes
 
 
-def admin_routes(
-    ctx: RouterContext, auth: Authenticator, counted: Callable[[str, Handler], Handler]
-) -> list[Route]:
-    """The ``/admin/*`` routes, or none without an admin key."""
-    if not auth.admin_enabled:
-        return []
-    config = ctx.config
+def _admin_routes(ctx: RouterContext) -> list[Route]:
+    config, auth = ctx.config, ctx.auth
 
-    def drain(on: bool) -> Handler:
-        async def handle(request: Request) -> Response:
+    async def nodes(request: Request) -> bytes:
+        auth.require_admin(request.headers)
+        return dumps({"nodes": ctx.nodes.describe(admin=True)})
+
+    def drain(on: bool) -> Endpoint:
+        async def handle(request: Request) -> bytes:
             auth.require_admin(request.headers)
-            node_id = request.path_params["node_id"]
-            if node_id not in {n.node_id for n in config.nodes}:
-                raise ClientError("unknown node", "node_id", status=404)
+            node_id = request.path.split("/")[3]
             ctx.nodes.set_drained(node_id, on)
-            return json_response({"node": node_id, "drained": on})
+            return dumps({"node": node_id, "drained": on})
 
         return handle
 
-    async def drop(request: Request) -> Response:
+    async def drop(request: Request) -> bytes:
         auth.require_admin(request.headers)
         raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
         try:
-            body: Any = json.loads(raw)
-        except (ValueError, UnicodeDecodeError, RecursionError):
+            body: Any = msgspec.json.decode(raw)
+        except (msgspec.DecodeError, RecursionError):
             raise ClientError("body is not JSON") from None
         if not isinstance(body, dict):
             raise ClientError("body must be a JSON object")
@@ -82,26 +138,31 @@ def admin_routes(
             raise ClientError("conversation_id must be a non-empty string", "conversation_id")
         if not isinstance(tenant, str) or not tenant:
             raise ClientError("tenant must be a non-empty string", "tenant")
-        dropped = await ctx.store.drop(ConversationKey(tenant, conversation_id))
+        dropped = await ctx.index.drop_scope(scope_of(tenant, conversation_id))
         if dropped:
-            ctx.metrics.dropped.labels("admin").inc()
-        return json_response({"dropped": dropped})
+            ctx.metrics.dropped.labels("admin").inc(dropped)
+        return dumps({"dropped": dropped > 0, "entries": dropped})
+
+    routes = [Route("/admin/nodes", frozenset({"GET"}), _counted(ctx, "/admin/nodes", nodes))]
+    for node in config.nodes:
+        for verb, on in (("drain", True), ("undrain", False)):
+            routes.append(Route(f"/admin/nodes/{node.node_id}/{verb}", frozenset({"POST"}),
+                                _counted(ctx, f"/admin/{verb}", drain(on))))
+    routes.append(Route("/admin/conversations/drop", frozenset({"POST"}),
+                        _counted(ctx, "/admin/conversations/drop", drop)))
+    return routes
+
+
+def internal_routes(ctx: RouterContext) -> list[Route]:
+    async def kv_report(request: Request) -> bytes:
+        raw = await read_body(request, MAX_REPORT_BYTES, ctx.config.body_timeout_s)
+        return dumps({"outcome": await ctx.desk.accept_report(raw)})
+
+    async def health(request: Request) -> bytes:
+        return dumps({"status": "ok"})
 
     return [
-        Route("/admin/nodes/{node_id}/drain", counted("/admin/drain", drain(True)),
-              methods=["POST"]),
-        Route("/admin/nodes/{node_id}/undrain", counted("/admin/undrain", drain(False)),
-              methods=["POST"]),
-        Route("/admin/conversations/drop", counted("/admin/conversations/drop", drop),
-              methods=["POST"]),
+        Route("/internal/kv-report", frozenset({"POST"}),
+              _counted(ctx, "/internal/kv-report", kv_report)),
+        Route("/health", frozenset({"GET"}), _counted(ctx, "/internal/health", health)),
     ]
-
-
-async def http_error(request: Request, exc: Exception) -> Response:
-    """Starlette's own errors (unknown path 404, wrong method 405) as OpenAI error JSON."""
-    status = exc.status_code if isinstance(exc, HTTPException) else 500
-    headers = (exc.headers if isinstance(exc, HTTPException) else None) or {}
-    message = {404: "Not found", 405: "Method not allowed"}.get(status, "HTTP error")
-    response = error_response(status, message)
-    response.headers.update(headers)
-    return response

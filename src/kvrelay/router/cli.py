@@ -38,9 +38,21 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "set it for non-power-of-two block sizes)")
     parser.add_argument("--host", default=None, help="listen address (default 127.0.0.1)")
     parser.add_argument("--port", type=int, default=None, help="listen port (default 8000)")
-    parser.add_argument("--public-url", default=None,
-                        help="URL by which D nodes reach this router for KV reports "
-                             "(default http://HOST:PORT)")
+    parser.add_argument("--internal-host", default=None,
+                        help="address of the internal listener D posts reports to "
+                             "(default 127.0.0.1)")
+    parser.add_argument("--internal-port", type=int, default=None,
+                        help="port of the internal listener (default: --port + 1)")
+    parser.add_argument("--internal-url", default=None,
+                        help="how D reaches the internal listener (set it when D is on "
+                             "another host), default http://INTERNAL_HOST:INTERNAL_PORT")
+    parser.add_argument("--guard", choices=["auto", "connector", "tokenize"], default=None,
+                        help="where the exact prefix check runs: in kvrelay's connector on "
+                             "P (connector), in the router with P's /tokenize (tokenize), or "
+                             "per node as the nodes show (auto, default)")
+    parser.add_argument("--session-header", action="append", default=None, metavar="NAME",
+                        help="request header carrying a client's conversation id "
+                             "(repeatable; replaces the default list, see docs/router.md)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
     parser.add_argument("--kv-recompute-threshold", type=int, default=None)
     parser.add_argument("--near-expiry-s", type=float, default=None)
@@ -78,6 +90,11 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
                         help="largest request body, else 413 (default 8 MiB)")
     parser.add_argument("--max-in-flight", type=int, default=None,
                         help="generation requests in flight, else 429 (default 1024)")
+    parser.add_argument("--max-in-flight-per-tenant", type=int, default=None,
+                        help="generation requests one tenant may have in flight (default: "
+                             "--max-in-flight)")
+    parser.add_argument("--max-entries-per-tenant", type=int, default=None,
+                        help="retained entries one tenant may hold (default: --max-entries)")
     parser.add_argument("--header-timeout-s", type=float, default=None,
                         help="a connection must send a request's headers within this "
                              "(default 30)")
@@ -105,7 +122,11 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "host": args.host,
         "port": args.port,
-        "public_url": args.public_url,
+        "internal_host": args.internal_host,
+        "internal_port": args.internal_port,
+        "internal_url": args.internal_url,
+        "guard": args.guard,
+        "session_headers": args.session_header,
         "kv_recompute_threshold": args.kv_recompute_threshold,
         "near_expiry_s": args.near_expiry_s,
         "pull_cost_factor": args.pull_cost_factor,
@@ -118,6 +139,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "admin_key": getattr(args, "admin_key", None),
         "max_body_bytes": getattr(args, "max_body_bytes", None),
         "max_in_flight": getattr(args, "max_in_flight", None),
+        "max_in_flight_per_tenant": getattr(args, "max_in_flight_per_tenant", None),
+        "max_entries_per_tenant": getattr(args, "max_entries_per_tenant", None),
         "header_timeout_s": getattr(args, "header_timeout_s", None),
         "body_timeout_s": getattr(args, "body_timeout_s", None),
         "drain_timeout_s": getattr(args, "drain_timeout_s", None),
@@ -152,6 +175,7 @@ def _route(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     nodes = ", ".join(f"{n.node_id}={n.url}" for n in config.nodes)
-    print(f"kvrelay router on http://{config.host}:{config.port} -> {nodes}", flush=True)
+    print(f"kvrelay router on http://{config.host}:{config.port} (reports on "
+          f"{config.report_url}, prefix guard {config.guard}) -> {nodes}", flush=True)
     serve(config)
     return 0

@@ -30,6 +30,29 @@ from kvrelay.core.selection import AffinityConfig
 from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
 
 Role = Literal["prefill", "decode"]
+GuardMode = Literal["auto", "connector", "tokenize"]
+
+DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
+    "x-conversation-id",
+    "x-dynamo-session-id",
+    "x-smg-routing-key",
+    "x-claude-code-session-id",
+    "session-id",
+    "thread-id",
+    "x-session-affinity",
+    "x-session-id",
+    "x-litellm-session-id",
+    "helicone-session-id",
+    "agent-session-id",
+)
+"""Request headers that carry a client's own conversation/session id (first found wins):
+kvrelay's own, NVIDIA Dynamo's and the SGLang gateway's routing keys, Claude Code, Codex
+(``session-id``/``thread-id``), opencode/AIPerf/Cloudflare (``x-session-affinity``), the
+vLLM multi-turn benchmark/opencode/OpenRouter/vllm-project router (``x-session-id``),
+LiteLLM, Helicone and goose (docs/router.md has the sources). Per-request ids
+(``x-request-id``, ``x-correlation-id`` for most clients) are left out on purpose: an id
+that changes every turn would split a conversation's scope. Without any, the router still
+finds the entry a request continues from its messages."""
 
 
 class ConfigError(ValueError):
@@ -103,16 +126,29 @@ class RouterConfig:
     ``ttl_s`` to get an entry's expiry on the router clock. ``report_wait_s`` bounds how long a
     turn waits for the previous turn's pending D report; ``report_timeout_s`` how long after a
     response ends the router keeps waiting for that report before giving up on the entry.
-    ``state`` is the shared conversation store (``redis://host:port/db``; ``None``: in this
+    ``state`` is the shared conversation index (``redis://host:port/db``; ``None``: in this
     process), each of its calls bounded by ``state_timeout_ms``; ``deployment`` namespaces its
-    keys (see ``router.store_redis``).
+    keys (see ``router.index_redis``).
+
+    ``guard`` says where the exact prefix check runs: ``connector`` (kvrelay's connector on P
+    proves every pulled token; the router never tokenizes), ``tokenize`` (stock vLLM on P: the
+    router gets the prompt's ids from P's ``/tokenize`` and D's ids with
+    ``return_token_ids``), ``auto`` (per node, ``connector`` once the node's answers show
+    kvrelay's connector, else ``tokenize``). ``session_headers`` carry a client's own
+    conversation id, which narrows the lookup. D's reports go to the internal listener
+    (``internal_host``:``internal_port``, default ``port + 1``), which D reaches as
+    ``internal_url``.
     """
 
     prefill: tuple[NodeConfig, ...]
     decode: tuple[NodeConfig, ...]
     host: str = "127.0.0.1"
     port: int = 8000
-    public_url: str | None = None
+    internal_host: str = "127.0.0.1"
+    internal_port: int | None = None
+    internal_url: str | None = None
+    guard: GuardMode = "auto"
+    session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
     tenant: str = "default"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
@@ -126,6 +162,7 @@ class RouterConfig:
     read_timeout_s: float = 600.0
     max_connections: int = 512
     max_entries: int = 100_000
+    max_entries_per_tenant: int | None = None
     expired_retention_s: float = 300.0
     recent_decisions: int = 100
     log_level: str = "info"
@@ -136,6 +173,10 @@ class RouterConfig:
     admin_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 8 * 1024 * 1024
     max_in_flight: int = 1024
+    max_in_flight_per_tenant: int | None = None
+    max_header_bytes: int = 64 * 1024
+    max_header_line_bytes: int = 8 * 1024
+    max_headers: int = 100
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0
@@ -152,6 +193,18 @@ class RouterConfig:
             raise ConfigError("every decode node needs role 'decode'")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if not 0 < self.listen_internal_port < 65536 or self.listen_internal_port == self.port:
+            raise ConfigError("internal_port must be a free port other than port")
+        if self.guard not in ("auto", "connector", "tokenize"):
+            raise ConfigError(f"guard must be auto, connector or tokenize, got {self.guard!r}")
+        if any(not h or h != h.strip().lower() for h in self.session_headers):
+            raise ConfigError("session_headers must be non-empty lower-case header names")
+        for name in ("max_entries_per_tenant", "max_in_flight_per_tenant"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ConfigError(f"{name} must be >= 1")
+        if min(self.max_header_bytes, self.max_header_line_bytes, self.max_headers) < 1:
+            raise ConfigError("header limits must be >= 1")
         for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} cannot be negative")
@@ -183,14 +236,29 @@ class RouterConfig:
         return (*self.prefill, *self.decode)
 
     @property
+    def listen_internal_port(self) -> int:
+        return self.internal_port if self.internal_port is not None else self.port + 1
+
+    @property
     def report_url(self) -> str:
-        """Where D's connector POSTs its report: ``public_url`` or this router's address."""
-        base = self.public_url
+        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+        base = self.internal_url
         if base is None:
-            host = "127.0.0.1" if self.host in ("0.0.0.0", "", "::") else self.host
+            host = self.internal_host
+            host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
             host = f"[{host}]" if ":" in host else host
-            base = f"http://{host}:{self.port}"
+            base = f"http://{host}:{self.listen_internal_port}"
         return base.rstrip("/") + "/internal/kv-report"
+
+    @property
+    def tenant_in_flight(self) -> int:
+        """Generation requests one tenant may have in flight."""
+        return self.max_in_flight_per_tenant or self.max_in_flight
+
+    @property
+    def tenant_entries(self) -> int:
+        """Entries one tenant may hold in the index."""
+        return min(self.max_entries_per_tenant or self.max_entries, self.max_entries)
 
     @classmethod
     def from_urls(
@@ -322,9 +390,14 @@ def _nodes(
 def _coerce(key: str, value: Any) -> Any:
     """Env/flag strings to the field's type (TOML values are already typed)."""
     kind = _SCALAR_KEYS[key].type
-    if not isinstance(value, str) or kind in ("str", "str | None"):
+    if key == "session_headers":
+        items = value.split(",") if isinstance(value, str) else value
+        if not isinstance(items, list | tuple) or not all(isinstance(h, str) for h in items):
+            raise ConfigError("session_headers must be a list of header names")
+        return tuple(h.strip().lower() for h in items if h.strip())
+    if not isinstance(value, str) or kind in ("str", "str | None", "GuardMode"):
         return value
-    if kind == "int":
+    if kind in ("int", "int | None"):
         return int(value)
     if kind == "float":
         return float(value)
@@ -338,7 +411,11 @@ ENV_KEYS = {
     "DECODE": "decode",
     "HOST": "host",
     "PORT": "port",
-    "PUBLIC_URL": "public_url",
+    "INTERNAL_HOST": "internal_host",
+    "INTERNAL_PORT": "internal_port",
+    "INTERNAL_URL": "internal_url",
+    "GUARD": "guard",
+    "SESSION_HEADERS": "session_headers",
     "TTL_S": "ttl_s",
     "BLOCK_SIZE": "block_size",
     "REPORT_WAIT_S": "report_wait_s",
@@ -354,6 +431,8 @@ ENV_KEYS = {
     "ADMIN_KEY": "admin_key",
     "MAX_BODY_BYTES": "max_body_bytes",
     "MAX_IN_FLIGHT": "max_in_flight",
+    "MAX_IN_FLIGHT_PER_TENANT": "max_in_flight_per_tenant",
+    "MAX_ENTRIES_PER_TENANT": "max_entries_per_tenant",
     "DRAIN_TIMEOUT_S": "drain_timeout_s",
     "STATE": "state",
     "STATE_TIMEOUT_MS": "state_timeout_ms",

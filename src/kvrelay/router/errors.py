@@ -4,16 +4,21 @@ Every error the router answers has the body ``{"error": {"message", "type", "par
 (``code`` is the HTTP status, as vLLM does), so the unmodified ``openai`` SDK raises its usual
 ``APIStatusError`` subclasses. ``ClientError`` is bad client input (always 4xx, never a 500);
 ``RouterError`` is anything else the router answers itself (no capacity, upstream failure).
-Upstream 4xx answers are passed through with their own status and message.
+Upstream 4xx answers are passed through with their own status and message. Messages the
+router writes itself never name a node, a URL or an exception: they say which role failed
+and how (``upstream.UpstreamError.to_router_error``).
+
+Bodies are bytes (``msgspec`` JSON); ``asgi.send_json`` sends them.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Mapping
 from http import HTTPStatus
 
-from starlette.responses import Response
+import msgspec
+
+_ENCODER = msgspec.json.Encoder()
 
 _TYPES = {
     400: "BadRequestError",
@@ -49,18 +54,14 @@ def error_body(status: int, message: str, param: str | None = None) -> dict[str,
     }
 
 
-def error_response(status: int, message: str, param: str | None = None) -> Response:
-    """A JSON error response with an OpenAI-style body."""
-    return json_response(error_body(status, message, param), status)
+def error_json(status: int, message: str, param: str | None = None) -> bytes:
+    """The encoded OpenAI-style error body."""
+    return dumps(error_body(status, message, param))
 
 
-def json_response(obj: object, status: int = 200) -> Response:
-    """Compact JSON (non-ASCII kept, like vLLM's pydantic dumps)."""
-    return Response(dumps(obj), status_code=status, media_type="application/json")
-
-
-def dumps(obj: object) -> str:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False)
+def dumps(obj: object) -> bytes:
+    """Compact JSON bytes (non-ASCII kept, like vLLM's pydantic dumps)."""
+    return _ENCODER.encode(obj)
 
 
 def passthrough_error_body(status: int, upstream: object) -> dict[str, object]:
@@ -97,10 +98,8 @@ class ClientError(Exception):
         self.status = status
         self.headers = dict(headers or {})
 
-    def response(self) -> Response:
-        response = error_response(self.status, self.message, self.param)
-        response.headers.update(self.headers)
-        return response
+    def body(self) -> bytes:
+        return error_json(self.status, self.message, self.param)
 
 
 class RouterError(Exception):
@@ -108,17 +107,22 @@ class RouterError(Exception):
     when ``body`` is set)."""
 
     def __init__(
-        self, status: int, message: str, body: Mapping[str, object] | None = None
+        self,
+        status: int,
+        message: str,
+        body: Mapping[str, object] | None = None,
+        headers: Mapping[str, str] | None = None,
     ) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
-        self.body = body
+        self.passthrough = body
+        self.headers = dict(headers or {})
 
     def to_body(self) -> dict[str, object]:
-        if self.body is not None:
-            return dict(self.body)
+        if self.passthrough is not None:
+            return dict(self.passthrough)
         return error_body(self.status, self.message)
 
-    def response(self) -> Response:
-        return json_response(self.to_body(), self.status)
+    def body(self) -> bytes:
+        return dumps(self.to_body())

@@ -1,124 +1,68 @@
-"""Request limits: body size and read deadline, in-flight cap, draining on shutdown.
+"""Admission: the in-flight cap (global and per tenant), draining, and the open turns.
 
-* ``read_body`` reads a request body under ``max_body_bytes`` (a larger ``Content-Length``
-  is refused before reading anything; a chunked body is cut off as soon as it passes the
-  limit: 413) and within ``body_timeout_s`` of the first read (408, connection closed).
-* ``Guard`` is a pure ASGI middleware. Generation requests (``/v1/chat/completions``,
-  ``/v1/completions``) count as in flight from their first byte until their response, streams
-  included, has been sent; beyond ``max_in_flight`` the router answers 429 with
-  ``Retry-After`` at once instead of queueing. While draining (SIGTERM, see
-  ``router.server``) every new request gets 503, except ``/metrics`` and D's
-  ``/internal/kv-report``.
+Generation requests count as in flight from admission (after authentication, so an
+unauthenticated flood takes no slot) until their response, streams included, has been sent.
+Beyond ``max_in_flight``, or beyond a tenant's share (``max_in_flight_per_tenant``), the
+router answers 429 with ``Retry-After`` at once instead of queueing. While draining
+(SIGTERM, see ``router.server``) new requests get 503, except ``/metrics`` and the internal
+listener. ``cut_all`` ends the turns still open at the drain deadline (each answers what it
+can: a stream gets an error event and ``[DONE]``).
 """
 
 from __future__ import annotations
 
-import asyncio
-import sys
-from dataclasses import dataclass
+from collections import Counter
 
-from starlette.requests import ClientDisconnect, Request
-from starlette.types import ASGIApp, Receive, Scope, Send
-
-from kvrelay.router.errors import ClientError, error_response
+from kvrelay.router.asgi import DisconnectWatch
+from kvrelay.router.errors import ClientError
 from kvrelay.router.metrics import RouterMetrics
 
-GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions"})
-_OPEN_WHILE_DRAINING = frozenset({"/metrics", "/internal/kv-report"})
-_CLOSE = {"Connection": "close"}
 
+class Admission:
+    """Shared by the handlers and the server: what is in flight, whether we drain."""
 
-async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
-    """The request body, at most ``max_bytes``; ``ClientError`` 413/408/400 otherwise."""
-    declared = request.headers.get("content-length")
-    if declared is not None:
-        if not declared.strip().isdigit():
-            raise ClientError("Invalid Content-Length header", headers=_CLOSE)
-        if int(declared) > max_bytes:
+    def __init__(self, max_in_flight: int, per_tenant: int, metrics: RouterMetrics) -> None:
+        self.max_in_flight = max_in_flight
+        self.per_tenant = per_tenant
+        self.draining = False
+        self.in_flight = 0
+        self._by_tenant: Counter[str] = Counter()
+        self._metrics = metrics
+        self._open: set[DisconnectWatch] = set()
+
+    def admit(self, tenant: str) -> None:
+        """Take a slot for ``tenant`` or raise ``ClientError`` (503 draining, 429 full)."""
+        if self.draining:
+            self._metrics.rejected.labels("draining").inc()
+            raise ClientError("The router is shutting down", status=503,
+                              headers={"Connection": "close"})
+        if self.in_flight >= self.max_in_flight or self._by_tenant[tenant] >= self.per_tenant:
+            self._metrics.rejected.labels("overload").inc()
+            limit = min(self.max_in_flight, self.per_tenant)
             raise ClientError(
-                f"Request body too large: the limit is {max_bytes} bytes",
-                status=413, headers=_CLOSE,
+                f"Too many requests in flight (limit {limit}); retry later", status=429,
+                headers={"Retry-After": "1"},
             )
+        self.in_flight += 1
+        self._by_tenant[tenant] += 1
+        self._metrics.in_flight.inc()
 
-    async def read() -> bytes:
-        chunks: list[bytes] = []
-        size = 0
-        async for chunk in request.stream():
-            size += len(chunk)
-            if size > max_bytes:
-                raise ClientError(
-                    f"Request body too large: the limit is {max_bytes} bytes",
-                    status=413, headers=_CLOSE,
-                )
-            chunks.append(chunk)
-        return b"".join(chunks)
+    def release(self, tenant: str) -> None:
+        self.in_flight -= 1
+        self._by_tenant[tenant] -= 1
+        if self._by_tenant[tenant] <= 0:
+            del self._by_tenant[tenant]
+        self._metrics.in_flight.dec()
 
-    try:
-        if sys.version_info >= (3, 11):
-            async with asyncio.timeout(timeout_s):  # no extra task, unlike wait_for
-                return await read()
-        return await asyncio.wait_for(read(), timeout_s)
-    except asyncio.TimeoutError:
-        raise ClientError(
-            f"Request body not received within {timeout_s:g} s", status=408, headers=_CLOSE
-        ) from None
-    except ClientDisconnect:
-        raise ClientError("Client disconnected while sending the body", headers=_CLOSE) from None
+    def opened(self, watch: DisconnectWatch) -> None:
+        self._open.add(watch)
 
+    def closed(self, watch: DisconnectWatch) -> None:
+        self._open.discard(watch)
 
-@dataclass
-class GuardState:
-    """Shared by the middleware and the server: what is in flight, whether we drain."""
-
-    max_in_flight: int
-    in_flight: int = 0
-    draining: bool = False
-
-
-class Guard:
-    """The in-flight limit and the draining switch (see the module docstring)."""
-
-    def __init__(self, app: ASGIApp, state: GuardState, metrics: RouterMetrics) -> None:
-        self.app = app
-        self.state = state
-        self.metrics = metrics
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        path = scope.get("path", "")
-        state = self.state
-        if state.draining and path not in _OPEN_WHILE_DRAINING:
-            await self._reject(scope, receive, send, 503, "draining",
-                               "The router is shutting down", {**_CLOSE})
-            return
-        if path not in GENERATION_PATHS:
-            await self.app(scope, receive, send)
-            return
-        if state.in_flight >= state.max_in_flight:
-            await self._reject(
-                scope, receive, send, 429, "overload",
-                f"Too many requests in flight (limit {state.max_in_flight}); retry later",
-                {"Retry-After": "1"},
-            )
-            return
-        state.in_flight += 1
-        self.metrics.in_flight.inc()
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            state.in_flight -= 1
-            self.metrics.in_flight.dec()
-
-    async def _reject(
-        self, scope: Scope, receive: Receive, send: Send, status: int, reason: str,
-        message: str, headers: dict[str, str],
-    ) -> None:
-        self.metrics.rejected.labels(reason).inc()
-        path = scope.get("path", "")
-        if path in GENERATION_PATHS:
-            self.metrics.requests.labels(path, str(status)).inc()
-        response = error_response(status, message)
-        response.headers.update(headers)
-        await response(scope, receive, send)
+    def cut_all(self) -> int:
+        """Cut every open turn (drain deadline); returns how many."""
+        watches = list(self._open)
+        for watch in watches:
+            watch.cut()
+        return len(watches)

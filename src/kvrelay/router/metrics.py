@@ -13,11 +13,19 @@ Names (all prefixed ``kvrelay_router_``):
 * ``entry_expirations_total`` – entries found expired at a turn or purged after expiry;
   ``entries_dropped_total{reason}`` – entries removed for other reasons.
 * ``node_up{node,role}`` – 1 when the node is routable.
-* ``upstream_errors_total{node,kind}`` – failed calls to nodes (see ``upstream``).
+* ``upstream_errors_total{node,kind}`` – failed calls to nodes (``connect``, ``timeout``,
+  ``closed``, ``status``, ``capacity`` (HTTP 503), ``protocol``, ``error_event``); a node's
+  4xx is the client's fault and not counted.
 * ``retries_total{role}`` – P or D requests retried.
-* ``reports_total{outcome}`` – D reports (``matched`` or ``unknown_turn``);
-  ``turn_entries_total{outcome}`` – how each D turn settled (``committed``, ``no_kv``,
-  ``report_timeout``, ``failed``, ...).
+* ``reports_total{outcome}`` – D reports: ``matched``, ``unknown_turn`` (no such turn id:
+  forged, or for a turn already settled long ago), ``late`` (the turn had settled from D's
+  own response), ``invalid`` (not the connector's format), ``mismatch_*`` (content disagrees
+  with the turn, see ``core.report``); ``turn_entries_total{outcome}`` – how each D turn
+  settled (``committed``, ``no_kv``, ``report_timeout``, ``failed``, ...).
+* ``retained_tokens{node}`` – tokens each D retains for live entries (retention pressure);
+  ``expired_unused_token_seconds_total`` – retention nobody read: tokens x seconds of
+  entries that expired unused; ``turn_gap_seconds`` – time from a conversation's previous
+  turn (its entry's creation) to the next turn (histogram).
 * ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out
   (``get``, ``put``, ``claim``, ``drop``, ``drop_node``, ``drop_engine``, ``decode``).
 * ``in_flight`` – generation requests in flight (streams until their end);
@@ -27,15 +35,18 @@ Names (all prefixed ``kvrelay_router_``):
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Mapping
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
+from prometheus_client.registry import Collector
 
 _P = "kvrelay_router_"
 _LATENCY_BUCKETS = (
     0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0,
 )
+_GAP_BUCKETS = (0.1, 0.5, 1.0, 2.0, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0, 1800.0, 3600.0)
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -107,6 +118,48 @@ class RouterMetrics:
             _P + "state_errors_total", "Shared conversation state calls that failed, by op",
             ["op"], registry=r,
         )
+        self.expired_unused = Counter(
+            _P + "expired_unused_token_seconds", "Retention nobody read: tokens x seconds of "
+            "entries that expired unused", registry=r,
+        )
+        self.turn_gap = Histogram(
+            _P + "turn_gap_seconds", "Time from a conversation's previous turn to the next",
+            buckets=_GAP_BUCKETS, registry=r,
+        )
+        self._retained: _Retained | None = None
+        self._children: dict[tuple[str, ...], Counter] = {}
+
+    def track_retained_tokens(self, read: Callable[[], Mapping[str, int]]) -> None:
+        """Make ``retained_tokens{node}`` read ``read()`` at scrape time."""
+        if self._retained is None:
+            self._retained = _Retained(read)
+            self.registry.register(self._retained)
+
+    def upstream_error(self, node: str, kind: str, status: int | None) -> None:
+        self.upstream_errors.labels(node, "capacity" if status == 503 else kind).inc()
+
+    def decided(self, action: str, reason: str) -> None:
+        """``turn_decisions_total`` (label children cached: this runs on every turn)."""
+        key = ("d", action, reason)
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.decisions.labels(action, reason)
+        child.inc()
+
+    def tokens(self, reused: int, recomputed: int) -> None:
+        for source, n in (("reused", reused), ("recomputed", recomputed)):
+            key = ("t", source)
+            child = self._children.get(key)
+            if child is None:
+                child = self._children[key] = self.prompt_tokens.labels(source)
+            child.inc(max(0, n))
+
+    def request_done(self, endpoint: str, status: int) -> None:
+        key = ("r", endpoint, str(status))
+        child = self._children.get(key)
+        if child is None:
+            child = self._children[key] = self.requests.labels(endpoint, str(status))
+        child.inc()
 
     def track_live_entries(self, count: Callable[[], int]) -> None:
         """Make ``live_entries`` read ``count()`` at scrape time."""
@@ -117,3 +170,16 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+
+class _Retained(Collector):
+    def __init__(self, read: Callable[[], Mapping[str, int]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        family = GaugeMetricFamily(
+            _P + "retained_tokens", "Tokens each D retains for live entries", labels=["node"]
+        )
+        for node, tokens in sorted(self._read().items()):
+            family.add_metric([node], float(tokens))
+        yield family

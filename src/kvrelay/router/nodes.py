@@ -1,21 +1,27 @@
-"""The router's live view of its nodes: up/down, engine ids, load, cost estimates, health.
+"""The router's live view of its nodes: up/down, engine ids, capabilities, load, costs, health.
 
 A node starts *up* (routable) and goes down after ``health_failures_to_down`` failed health
-checks in a row, or at once when a request cannot connect to it. Going down drops every
-conversation entry the node holds (``store.drop_node``): a node that was down may have lost
-its blocks. A successful health check brings it back.
+checks in a row (the background loop), or at once when a request cannot connect to it.
+Going down drops every entry the node holds (``index.drop_node``): a node that was down may
+have lost its blocks. A passing check brings it back. ``/health`` reads the last known state;
+only the loop and real request failures change it. A node's 4xx answers are the client's
+fault: they neither count against the node nor leave anything in its state.
 
-Engine ids are learned from ``remote_engine_id`` in the params a node returns. A new id for a
-node means the engine restarted; entries retained by the old engine are not dropped here but
-rejected by the policy (``engine_restarted``) when their conversation's next turn arrives.
-With a shared store (several router replicas) an entry written by another replica is evidence
-too: ``observe_entry`` adopts its engine id when the entry was created after this router last
-saw the node's engine (router clock; the store converts times through the wall clock), so a
-restart one replica noticed is not mistaken by another for a stale entry, nor the reverse.
+Engine ids and side channels are learned only from what a node itself answers
+(``remote_engine_id``/``remote_host``/``remote_port`` in its params), never from D's reports:
+a report is checked against them (``core.report``). While a D has answered nothing but
+streams since it came up, the first report that passes every other check fixes the identity
+later reports must match (``report_identity``); a node that goes down forgets it. A new
+engine id from a node means it restarted: its old entries are rejected by the policy
+(``engine_restarted``). With replicas, ``observe_entry`` adopts the engine id of an entry
+another replica wrote after this router last saw the node.
 
-Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight,
-via ``busy()``. ``CostEstimates`` are kept per P node: its prefill rate and the rate at which
-it pulls KV from any D.
+Capabilities, learned from the params a node returns: a P whose answers carry
+``kvrelay_guard`` verifies pulls itself; a D whose retained params (in its answers or in a
+checked report) carry a fingerprint needs no ``return_token_ids``.
+
+Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight.
+``CostEstimates`` are kept per P node: its prefill rate and the rate it pulls KV from any D.
 """
 
 from __future__ import annotations
@@ -28,10 +34,11 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from kvrelay.core.costs import CostEstimates
+from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
 from kvrelay.router.config import NodeConfig, RouterConfig
+from kvrelay.router.index import ConversationIndex
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.router.store import ConversationStore
 from kvrelay.router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvrelay.router")
@@ -43,6 +50,11 @@ class _Node:
     up: bool = True
     engine_id: str | None = None
     engine_seen_s: float = float("-inf")
+    side_channel: tuple[str, int] | None = None
+    report_identity: tuple[str, str, int] | None = None
+    verifies_pulls: bool = False
+    fingerprints: bool = False
+    block_size: int | None = None
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     failures: int = 0
@@ -69,7 +81,7 @@ class NodeRegistry:
         self,
         config: RouterConfig,
         upstream: Upstream,
-        store: ConversationStore,
+        index: ConversationIndex,
         metrics: RouterMetrics,
         *,
         clock: Callable[[], float] = time.monotonic,
@@ -77,11 +89,11 @@ class NodeRegistry:
         self._config = config
         self._clock = clock
         self._upstream = upstream
-        self._store = store
+        self._index = index
         self._metrics = metrics
-        self._nodes = {n.node_id: _Node(n) for n in config.nodes}
+        self._nodes = {n.node_id: _Node(n, block_size=n.block_size) for n in config.nodes}
         self._order = [n.node_id for n in config.nodes]
-        self._drained: set[str] = set()  # admin: no new turns, entries stay usable
+        self._drained: set[str] = set()
         for node in self._nodes.values():
             self._publish(node)
 
@@ -97,6 +109,10 @@ class NodeRegistry:
 
     def states(self) -> list[NodeState]:
         return [self._nodes[i].state() for i in self._order]
+
+    def is_up(self, node_id: str) -> bool:
+        node = self._nodes.get(node_id)
+        return node is not None and node.up
 
     def choose_prefill(self, exclude: frozenset[str] = frozenset()) -> NodeConfig | None:
         """Least outstanding prefill work among up P nodes not in ``exclude``."""
@@ -124,6 +140,39 @@ class NodeRegistry:
     def set_costs(self, node_id: str, costs: CostEstimates) -> None:
         self._nodes[node_id].costs = costs
 
+    def verifies_pulls(self, node_id: str) -> bool:
+        """Whether P runs kvrelay's connector (or ``guard=connector`` says so)."""
+        mode = self._config.guard
+        return mode == "connector" or (mode == "auto" and self._nodes[node_id].verifies_pulls)
+
+    def fingerprints(self, node_id: str) -> bool:
+        """Whether D's retained params carry the fingerprint (no token ids needed)."""
+        mode = self._config.guard
+        return mode == "connector" or (mode == "auto" and self._nodes[node_id].fingerprints)
+
+    def block_size(self, node_id: str) -> int | None:
+        return self._nodes[node_id].block_size
+
+    def trusted_identity(self, node_id: str) -> tuple[str | None, tuple[str, int] | None]:
+        """D's engine id and side channel for checking a report: from D's own answers, else
+        from the first report accepted since D came up."""
+        node = self._nodes[node_id]
+        if node.engine_id is not None:
+            return node.engine_id, node.side_channel
+        if node.report_identity is not None:
+            engine, host, port = node.report_identity
+            return engine, (host, port)
+        return None, None
+
+    def accept_report_identity(self, node_id: str, blocks: RemoteBlocks) -> None:
+        """A checked report's identity, kept only while D's own answers have shown none;
+        whether D fingerprints (harmless to believe: an entry without a fingerprint is never
+        committed)."""
+        node = self._nodes[node_id]
+        node.fingerprints = blocks.fingerprint is not None
+        if node.engine_id is None and node.report_identity is None:
+            node.report_identity = (blocks.engine_id, blocks.host, blocks.port)
+
     # -- load -------------------------------------------------------------------------------
 
     @contextlib.contextmanager
@@ -138,7 +187,22 @@ class NodeRegistry:
             node.outstanding_requests -= 1
             node.outstanding_prefill_tokens -= prefill_tokens
 
-    # -- engine ids and failures ------------------------------------------------------------
+    # -- what nodes answer ------------------------------------------------------------------
+
+    def observe_params(self, node_id: str, blocks: RemoteBlocks) -> bool:
+        """Learn from params a node returned itself: engine id, side channel, capabilities.
+        True if the engine id changed from a known one (the node restarted)."""
+        node = self._nodes.get(node_id)
+        if node is None:
+            return False
+        if node.config.role == "prefill":
+            node.verifies_pulls = blocks.guard_version is not None
+        else:
+            node.fingerprints = blocks.fingerprint is not None
+            node.side_channel = (blocks.host, blocks.port)
+            if blocks.block_size is not None and node.config.block_size is None:
+                node.block_size = blocks.block_size
+        return self.observe_engine(node_id, blocks.engine_id)
 
     def observe_engine(self, node_id: str, engine_id: str) -> bool:
         """Record the node's current engine id; True if it changed from a known one."""
@@ -146,6 +210,7 @@ class NodeRegistry:
         if node is None or not engine_id:
             return False
         node.engine_seen_s = self._clock()
+        node.report_identity = None
         if node.engine_id == engine_id:
             return False
         old, node.engine_id = node.engine_id, engine_id
@@ -156,21 +221,23 @@ class NodeRegistry:
 
     def observe_entry(self, node_id: str, engine_id: str, created_at_s: float) -> bool:
         """An entry (maybe from another replica) says ``node_id`` ran ``engine_id`` at
-        ``created_at_s``: adopt that id if it is newer than what this router saw last.
-        True if the node's engine id changed from a known one."""
+        ``created_at_s``: adopt that id if it is newer than what this router saw last."""
         node = self._nodes.get(node_id)
         if node is None or node.engine_id == engine_id or created_at_s <= node.engine_seen_s:
             return False
         return self.observe_engine(node_id, engine_id)
 
     async def request_failed(self, error: UpstreamError) -> None:
-        """Count a failed call; a node that cannot be connected to is marked down at once."""
-        self._metrics.upstream_errors.labels(error.node_id, error.kind).inc()
+        """Count a failed call (not the client's 4xx); a node that cannot be connected to is
+        marked down at once."""
+        if error.client_fault:
+            return
+        self._metrics.upstream_error(error.node_id, error.kind, error.status)
         node = self._nodes.get(error.node_id)
         if node is not None:
-            node.last_error = error.message
+            node.last_error = _describe(error)
         if error.kind == "connect":
-            await self.mark_down(error.node_id, error.message)
+            await self.mark_down(error.node_id, "unreachable")
 
     async def mark_down(self, node_id: str, reason: str) -> None:
         """Make the node unroutable and drop the entries it holds (no-op if already down)."""
@@ -179,8 +246,11 @@ class NodeRegistry:
         if not node.up:
             return
         node.up = False
+        node.report_identity = None
+        node.engine_id = None
+        node.side_channel = None
         self._publish(node)
-        dropped = await self._store.drop_node(node_id)
+        dropped = await self._index.drop_node(node_id)
         if dropped:
             self._metrics.dropped.labels("node_down").inc(dropped)
         log.warning("node %s down (%s); dropped %d entries", node_id, reason, dropped)
@@ -200,12 +270,12 @@ class NodeRegistry:
         """One ``GET /health``; updates up/down; returns whether the node answered 200."""
         node = self._nodes[node_id]
         try:
-            resp = await self._upstream.get(
+            answer = await self._upstream.get(
                 node.config, "/health", timeout_s=self._config.health_timeout_s
             )
-            ok, why = resp.status_code == 200, f"health answered HTTP {resp.status_code}"
+            ok, why = answer.status == 200, f"health answered HTTP {answer.status}"
         except UpstreamError as exc:
-            ok, why = False, f"health check failed: {exc.message}"
+            ok, why = False, f"health check failed ({exc.kind})"
         if ok:
             self.mark_up(node_id)
             return True
@@ -222,36 +292,67 @@ class NodeRegistry:
 
     async def run_health_loop(self) -> None:
         """Check every node every ``health_interval_s`` until cancelled."""
+        decode = [n.node_id for n in self._config.decode]
         while True:
             try:
                 await self.check_all()
+                await self._index.refresh(decode)
             except Exception:  # never let the loop die
                 log.exception("health check round failed")
             await asyncio.sleep(self._config.health_interval_s)
 
-    def describe(self) -> list[dict[str, object]]:
-        """Nodes for ``/stats`` and ``/health``."""
+    def available(self) -> tuple[bool, bool]:
+        """Whether at least one P, and at least one D, is up (last known state)."""
+        up = [n for n in self._nodes.values() if n.up]
+        return (any(n.config.role == "prefill" for n in up),
+                any(n.config.role == "decode" for n in up))
+
+    def describe(self, *, admin: bool) -> list[dict[str, object]]:
+        """Nodes for ``/stats`` (load and costs) and, with ``admin``, ``/admin/nodes``
+        (engine ids, side channels, URLs, last error kind)."""
         out: list[dict[str, object]] = []
         for node_id in self._order:
             n = self._nodes[node_id]
-            out.append({
+            item: dict[str, object] = {
                 "id": node_id,
                 "role": n.config.role,
-                "url": n.config.url,
                 "up": n.up,
                 "drained": node_id in self._drained,
-                "engine_id": n.engine_id,
                 "outstanding_requests": n.outstanding_requests,
                 "outstanding_prefill_tokens": n.outstanding_prefill_tokens,
-                "last_error": n.last_error,
                 "costs": _costs_json(n.costs) if n.config.role == "prefill" else None,
-            })
+            }
+            if admin:
+                item.update({
+                    "url": n.config.url,
+                    "engine_id": n.engine_id,
+                    "side_channel": list(n.side_channel) if n.side_channel else None,
+                    "verifies_pulls": n.verifies_pulls if n.config.role == "prefill" else None,
+                    "fingerprints": n.fingerprints if n.config.role == "decode" else None,
+                    "guard": self.guard_mode(node_id),
+                    "last_error": n.last_error,
+                })
+            out.append(item)
         return out
+
+    def guard_mode(self, node_id: str) -> str:
+        """Where turns through this node are checked: ``connector`` or ``tokenize``."""
+        node = self._nodes[node_id]
+        if node.config.role == "prefill":
+            return "connector" if self.verifies_pulls(node_id) else "tokenize"
+        return "connector" if self.fingerprints(node_id) else "tokenize"
 
     def _publish(self, node: _Node) -> None:
         self._metrics.node_up.labels(node.config.node_id, node.config.role).set(
             1.0 if node.up else 0.0
         )
+
+
+def _describe(error: UpstreamError) -> str:
+    """A node error for operators: its kind and status, never request content."""
+    if error.kind == "status":
+        return f"HTTP {error.status}"
+    return error.kind
 
 
 def _costs_json(costs: CostEstimates) -> dict[str, object]:

@@ -5,12 +5,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from kvrelay.router.auth import Authenticator
+from kvrelay.router.commit import ReportDesk
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.index import ConversationIndex
+from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
-from kvrelay.router.reports import ReportBook
 from kvrelay.router.stats import RouterStats
-from kvrelay.router.store import ConversationStore
 from kvrelay.router.upstream import Upstream
 
 
@@ -23,7 +25,9 @@ class RouterContext:
     clock: Callable[[], float]
     upstream: Upstream
     nodes: NodeRegistry
-    store: ConversationStore
-    reports: ReportBook
+    index: ConversationIndex
+    desk: ReportDesk
     metrics: RouterMetrics
     stats: RouterStats
+    admission: Admission
+    auth: Authenticator

@@ -1,47 +1,44 @@
-"""HTTP to the vLLM nodes: one pooled ``httpx.AsyncClient``, errors translated once, here.
+"""HTTP to the vLLM nodes: a transport seam, errors translated once, here.
 
-Every failure of a call to a node becomes an ``UpstreamError`` with a ``kind``:
-
-* ``connect`` – the request never reached the node (refused, DNS, connect timeout, pool);
-* ``timeout`` – sent, but no (complete) answer in time;
-* ``closed`` – sent, then the connection broke (reset, closed mid-response);
-* ``status`` – the node answered an HTTP error status (``status``, ``body`` set);
-* ``protocol`` – the node answered 2xx with something that is not what vLLM sends.
-
-``sent`` tells whether the node may have started on the request (everything but
-``connect``): that decides whether single-use KV params may be retried elsewhere.
-``UpstreamError.to_router_error()`` is the only place upstream failures become client answers:
-4xx passed through, other statuses and ``protocol``/``closed`` 502, ``connect`` 503,
-``timeout`` 504.
+``Upstream`` is what the turn path calls: ``post`` (a JSON answer's bytes), ``open_stream``
+(an SSE response's raw bytes, unparsed) and ``get``. It runs on a ``Transport``:
+``AiohttpTransport`` in production (keep-alive pools per node, C HTTP parser; measured
+against httpx in docs/perf.md), any other implementation in tests. Every failure of a call
+to a node becomes an ``UpstreamError`` with a ``core.consequences.FailureKind``, which is all
+the retry rules look at. ``UpstreamError.to_router_error()`` is the only place an upstream
+failure becomes a client answer: 4xx passed through, else 502/503/504 with a message that
+names the role and what went wrong, never the node, its URL or an exception.
 """
 
 from __future__ import annotations
 
-import itertools
-import json
-from collections.abc import AsyncIterator, Mapping
-from typing import Literal
+import asyncio
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Protocol
 
-import httpx
+import aiohttp
+import msgspec
 
-from kvrelay.router.config import NodeConfig, RouterConfig
-from kvrelay.router.errors import RouterError, dumps, passthrough_error_body
+from kvrelay.core.consequences import FailureKind, client_fault
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.errors import RouterError, passthrough_error_body
 
-UpstreamKind = Literal["connect", "timeout", "closed", "status", "protocol"]
+_JSON_HEADERS = {"Content-Type": "application/json"}
+_SSE_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 
-#: Connection pools per node (see ``Upstream``).
-POOLS_PER_NODE = 8
-
-_JSON_HEADERS = {"content-type": "application/json", "accept": "application/json"}
+#: Idle keep-alive connections are closed before vLLM's uvicorn closes them (5 s), so a
+#: pooled connection is never reused just as the server hangs up on it.
+KEEPALIVE_S = 4.0
 
 
 class UpstreamError(Exception):
-    """A failed call to a node (see the module docstring for ``kind``)."""
+    """A failed call to a node. ``message`` is for logs and metrics only."""
 
     def __init__(
         self,
         node_id: str,
-        kind: UpstreamKind,
+        kind: FailureKind,
         message: str,
         *,
         status: int | None = None,
@@ -55,201 +52,208 @@ class UpstreamError(Exception):
         self.body = body
 
     @property
-    def sent(self) -> bool:
-        """Whether the node may have received (and started) the request."""
-        return self.kind != "connect"
-
-    @property
     def client_fault(self) -> bool:
         """An upstream 4xx: the request itself is bad; retrying elsewhere will not help."""
-        return self.kind == "status" and self.status is not None and 400 <= self.status < 500
+        return client_fault(self.kind, self.status)
 
     def to_router_error(self, role: str) -> RouterError:
-        """The answer for the client: 4xx passed through, else 502/503/504."""
+        """The answer for the client (module docstring)."""
         if self.client_fault:
             assert self.status is not None
             return RouterError(
                 self.status, self.message, passthrough_error_body(self.status, self.body)
+            )
+        if self.kind == "status" and self.status == 503:
+            return RouterError(
+                503, f"the {role} node is at capacity; retry later", headers={"Retry-After": "1"}
             )
         status = {"connect": 503, "timeout": 504}.get(self.kind, 502)
         what = {
             "connect": "is unreachable",
             "timeout": "timed out",
             "closed": "closed the connection",
-            "status": f"failed with HTTP {self.status}",
+            "status": "failed",
             "protocol": "sent an invalid response",
         }[self.kind]
-        return RouterError(status, f"{role} node {self.node_id} {what}")
+        return RouterError(status, f"the {role} node {what}")
 
 
-class UpstreamStream:
-    """An open streamed response (status already checked 2xx): read ``lines()``, then
-    ``aclose()`` (idempotent; closing early aborts the request on the node)."""
+@dataclass(frozen=True)
+class Answer:
+    status: int
+    body: bytes
 
-    def __init__(self, node_id: str, response: httpx.Response) -> None:
-        self.node_id = node_id
-        self.response = response
 
-    async def lines(self) -> AsyncIterator[str]:
-        try:
-            async for line in self.response.aiter_lines():
-                yield line
-        except httpx.TimeoutException as exc:
-            raise UpstreamError(self.node_id, "timeout", f"stream read timed out: {exc}") from exc
-        except (httpx.TransportError, httpx.StreamError) as exc:
-            raise UpstreamError(self.node_id, "closed", f"stream broke: {exc!r}") from exc
+class ByteStream(Protocol):
+    """An open 2xx streamed response: ``chunks()`` yields raw bytes as they arrive (raising
+    ``UpstreamError`` if the connection breaks); ``aclose()`` releases it (aborting the
+    request on the node unless it was read to the end). Idempotent."""
 
-    async def aclose(self) -> None:
-        await self.response.aclose()
+    def chunks(self) -> AsyncIterator[bytes]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class Transport(Protocol):
+    """How the router reaches its nodes. Implementations raise ``UpstreamError`` for
+    transport failures and return any HTTP status; ``stream`` returns the status and, for a
+    2xx, the open stream (else the whole error body)."""
+
+    async def request(
+        self, node: NodeConfig, method: str, path: str, body: bytes | None,
+        timeout_s: float | None,
+    ) -> Answer: ...
+
+    async def stream(
+        self, node: NodeConfig, path: str, body: bytes
+    ) -> tuple[int, ByteStream | bytes]: ...
+
+    async def aclose(self) -> None: ...
 
 
 class Upstream:
-    """The router's HTTP clients to its nodes; ``transport`` replaces the network in tests.
+    """The router's calls to its nodes, on ``transport`` (module docstring)."""
 
-    Keep-alive pools of up to ``max_connections`` each, so 64+ concurrent streams per node
-    never queue. httpcore scans every connection of a pool (with a ``poll()`` per idle one)
-    whenever a request starts or ends, so each node gets ``POOLS_PER_NODE`` small pools used
-    in turn rather than one big one: at 64 streams this halves the router's CPU per request.
-    """
+    def __init__(self, transport: Transport) -> None:
+        self.transport = transport
 
-    def __init__(
-        self, config: RouterConfig, transport: httpx.AsyncBaseTransport | None = None
-    ) -> None:
-        limits = httpx.Limits(
-            max_connections=config.max_connections,
-            max_keepalive_connections=config.max_connections,
-            keepalive_expiry=30.0,
-        )
-        timeout = httpx.Timeout(
-            connect=config.connect_timeout_s,
-            read=config.read_timeout_s,
-            write=config.read_timeout_s,
-            pool=config.connect_timeout_s,
-        )
-        self._clients = {
-            node.url: [
-                httpx.AsyncClient(
-                    transport=transport, limits=limits, timeout=timeout, trust_env=False
-                )
-                for _ in range(POOLS_PER_NODE)
-            ]
-            for node in config.nodes
-        }
-        self._turn = itertools.count()
+    async def post(self, node: NodeConfig, path: str, body: bytes) -> bytes:
+        """POST JSON; the body of a 2xx answer, else ``UpstreamError``."""
+        answer = await self.transport.request(node, "POST", path, body, None)
+        if answer.status >= 400:
+            raise status_error(node.node_id, answer.status, answer.body)
+        return answer.body
 
-    def client(self, node: NodeConfig) -> httpx.AsyncClient:
-        pools = self._clients[node.url]
-        return pools[next(self._turn) % len(pools)]
-
-    async def aclose(self) -> None:
-        for pools in self._clients.values():
-            for client in pools:
-                await client.aclose()
-
-    async def post_json(
-        self,
-        node: NodeConfig,
-        path: str,
-        body: Mapping[str, object],
-        headers: Mapping[str, str] | None = None,
-    ) -> dict[str, object]:
-        """POST JSON and return the JSON object answered with a 2xx status."""
-        client = self.client(node)
-        request = client.build_request(
-            "POST", node.url + path, content=dumps(body).encode(),
-            headers={**_JSON_HEADERS, **(headers or {})},
-        )
-        response = await self._send(client, node, request, stream=False)
-        return _json_object(node.node_id, response)
-
-    async def get(
-        self, node: NodeConfig, path: str, timeout_s: float | None = None
-    ) -> httpx.Response:
+    async def get(self, node: NodeConfig, path: str, timeout_s: float | None = None) -> Answer:
         """GET; any status is returned, transport failures raise ``UpstreamError``."""
-        client = self.client(node)
-        if timeout_s is not None:
-            request = client.build_request(
-                "GET", node.url + path, timeout=httpx.Timeout(timeout_s)
-            )
-        else:
-            request = client.build_request("GET", node.url + path)
-        try:
-            return await client.send(request)
-        except httpx.HTTPError as exc:
-            raise _translate(node.node_id, exc) from exc
+        return await self.transport.request(node, "GET", path, None, timeout_s)
 
-    async def open_stream(
-        self,
-        node: NodeConfig,
-        path: str,
-        body: Mapping[str, object],
-        headers: Mapping[str, str] | None = None,
-    ) -> UpstreamStream:
+    async def open_stream(self, node: NodeConfig, path: str, body: bytes) -> ByteStream:
         """POST and return the open SSE response once its headers arrived with a 2xx status
         (an error status is read and raised as ``UpstreamError``)."""
-        client = self.client(node)
-        request = client.build_request(
-            "POST", node.url + path, content=dumps(body).encode(),
-            headers={**_JSON_HEADERS, "accept": "text/event-stream", **(headers or {})},
-        )
-        response = await self._send(client, node, request, stream=True)
-        return UpstreamStream(node.node_id, response)
+        status, result = await self.transport.stream(node, path, body)
+        if isinstance(result, bytes):
+            raise status_error(node.node_id, status, result)
+        return result
 
-    @staticmethod
-    async def _send(
-        client: httpx.AsyncClient, node: NodeConfig, request: httpx.Request, *, stream: bool
-    ) -> httpx.Response:
-        try:
-            response = await client.send(request, stream=stream)
-        except httpx.HTTPError as exc:
-            raise _translate(node.node_id, exc) from exc
-        if response.status_code < 400:
-            return response
-        try:
-            await response.aread()
-        except httpx.HTTPError as exc:
-            raise _translate(node.node_id, exc) from exc
-        finally:
-            await response.aclose()
-        raise UpstreamError(
-            node.node_id,
-            "status",
-            _error_message(response),
-            status=response.status_code,
-            body=_maybe_json(response),
-        )
+    async def aclose(self) -> None:
+        await self.transport.aclose()
 
 
-def _translate(node_id: str, exc: httpx.HTTPError) -> UpstreamError:
-    if isinstance(exc, httpx.ConnectError | httpx.ConnectTimeout | httpx.PoolTimeout):
-        return UpstreamError(node_id, "connect", f"cannot connect: {exc!r}")
-    if isinstance(exc, httpx.TimeoutException):
-        return UpstreamError(node_id, "timeout", f"timed out: {exc!r}")
-    if isinstance(exc, httpx.UnsupportedProtocol | httpx.InvalidURL):
-        return UpstreamError(node_id, "connect", f"bad node URL: {exc!r}")
-    return UpstreamError(node_id, "closed", f"connection failed: {exc!r}")
-
-
-def _maybe_json(response: httpx.Response) -> object:
+def status_error(node_id: str, status: int, body: bytes) -> UpstreamError:
+    """An HTTP error status as an ``UpstreamError`` (message from vLLM's error body)."""
     try:
-        return json.loads(response.content)
-    except ValueError:
-        return None
+        parsed: object = msgspec.json.decode(body)
+    except msgspec.DecodeError:
+        parsed = None
+    return UpstreamError(node_id, "status", _error_message(status, parsed), status=status,
+                         body=parsed)
 
 
-def _error_message(response: httpx.Response) -> str:
-    body = _maybe_json(response)
+def _error_message(status: int, body: object) -> str:
     if isinstance(body, dict):
         err = body.get("error")
         if isinstance(err, dict) and isinstance(err.get("message"), str):
             return str(err["message"])
         if isinstance(body.get("message"), str):
             return str(body["message"])
-    return f"HTTP {response.status_code}"
+    return f"HTTP {status}"
 
 
-def _json_object(node_id: str, response: httpx.Response) -> dict[str, object]:
-    body = _maybe_json(response)
-    if not isinstance(body, dict):
-        raise UpstreamError(node_id, "protocol", "answer is not a JSON object")
-    return body
+class _AiohttpStream:
+    def __init__(self, node_id: str, response: aiohttp.ClientResponse) -> None:
+        self._node_id = node_id
+        self._response = response
+        self._done = False
+
+    async def chunks(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    self._done = True
+                    return
+                yield chunk
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise _translate(self._node_id, exc, stream=True) from exc
+
+    async def aclose(self) -> None:
+        if self._done:
+            self._response.release()
+        else:
+            self._response.close()
+
+
+class AiohttpTransport:
+    """``Transport`` on one ``aiohttp`` session with up to ``max_connections`` keep-alive
+    connections per node (created on first use, inside the running loop)."""
+
+    def __init__(
+        self, *, max_connections: int, connect_timeout_s: float, read_timeout_s: float
+    ) -> None:
+        self._max_connections = max_connections
+        self._timeout = aiohttp.ClientTimeout(
+            total=None, sock_connect=connect_timeout_s, sock_read=read_timeout_s
+        )
+        self._session: aiohttp.ClientSession | None = None
+
+    def _client(self) -> aiohttp.ClientSession:
+        if self._session is None:
+            connector = aiohttp.TCPConnector(
+                limit=0, limit_per_host=self._max_connections, keepalive_timeout=KEEPALIVE_S,
+                ttl_dns_cache=300,
+            )
+            self._session = aiohttp.ClientSession(
+                connector=connector, timeout=self._timeout, auto_decompress=False,
+                skip_auto_headers=("User-Agent",), trust_env=False,
+            )
+        return self._session
+
+    async def request(
+        self, node: NodeConfig, method: str, path: str, body: bytes | None,
+        timeout_s: float | None,
+    ) -> Answer:
+        session = self._client()
+        timeout = self._timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        try:
+            async with session.request(
+                method, node.url + path, data=body,
+                headers=_JSON_HEADERS if body is not None else None, timeout=timeout,
+            ) as response:
+                return Answer(response.status, await response.read())
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise _translate(node.node_id, exc) from exc
+
+    async def stream(
+        self, node: NodeConfig, path: str, body: bytes
+    ) -> tuple[int, ByteStream | bytes]:
+        try:
+            response = await self._client().post(
+                node.url + path, data=body, headers=_SSE_HEADERS
+            )
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+            raise _translate(node.node_id, exc) from exc
+        if response.status < 400:
+            return response.status, _AiohttpStream(node.node_id, response)
+        try:
+            return response.status, await response.read()
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            raise _translate(node.node_id, exc) from exc
+        finally:
+            response.release()
+
+    async def aclose(self) -> None:
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
+
+
+def _translate(node_id: str, exc: BaseException, *, stream: bool = False) -> UpstreamError:
+    if isinstance(exc, aiohttp.ClientConnectorError | aiohttp.ConnectionTimeoutError):
+        return UpstreamError(node_id, "connect", f"cannot connect: {exc!r}")
+    if isinstance(exc, aiohttp.InvalidURL | ValueError) and not stream:
+        return UpstreamError(node_id, "connect", f"bad node URL: {exc!r}")
+    if isinstance(exc, asyncio.TimeoutError | aiohttp.ServerTimeoutError):
+        return UpstreamError(node_id, "timeout", f"timed out: {exc!r}")
+    return UpstreamError(node_id, "closed", f"connection failed: {exc!r}")

@@ -17,7 +17,7 @@ import signal
 import sys
 from typing import Any, TextIO
 
-from kvrelay.testing.fake_report import DEFAULT_REPORT_HOSTS
+from kvrelay.core.report import DEFAULT_REPORT_HOSTS
 
 DEFAULT_BASE_PORT = 8200
 DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600

@@ -5,9 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from kvrelay.core.report import DEFAULT_REPORT_HOSTS
 from kvrelay.testing.fake_connector import KVRole, PlanReason
 from kvrelay.testing.fake_latency import FAST, LatencyModel
-from kvrelay.testing.fake_report import DEFAULT_REPORT_HOSTS, ReportOutcome
+from kvrelay.testing.fake_report import ReportOutcome
 
 FailurePolicy = Literal["recompute", "fail"]
 
@@ -26,6 +27,9 @@ class FakeEngineConfig:
     ``stream_kv_params_on_final_chunk`` emulates vLLM >= 0.33, which puts
     ``kv_transfer_params`` on the final streamed chunk; 0.32 (default False) never streams them.
     ``report_delay_s`` / ``report_hosts``: kvrelay's D-side report (see ``fake_report``).
+    ``kvrelay_connector``: the engine runs kvrelay's connector (as ``kvrelay up`` sets it up):
+    D adds the fingerprint of what it retains to its params, P proves a pull against its
+    prompt before loading (``kvrelay.core.guard``); False is stock vLLM.
     ``deterministic_ids``: engine and request ids derived from ``seed``, engine name and side
     channel instead of random ones (generated text depends only on ``seed`` either way).
     ``records_limit`` bounds the request records, freed-block reads and expired ids kept (a
@@ -55,6 +59,7 @@ class FakeEngineConfig:
     deterministic_ids: bool = False
     report_delay_s: float = 0.1
     report_hosts: tuple[str, ...] = DEFAULT_REPORT_HOSTS
+    kvrelay_connector: bool = True
 
     def __post_init__(self) -> None:
         if self.kv_load_failure_policy not in ("recompute", "fail"):
@@ -83,7 +88,9 @@ class RequestRecord:
     (params used twice): the KV read is whatever those block ids held at that moment.
     ``load_failure`` (a ``fake_kv.ReadFailure``) is set when the read failed; then
     ``recomputed_after_failure`` under policy ``recompute``, or the request failed.
-    ``report`` is kvrelay's D-side report, when the request asked for one.
+    ``report`` is kvrelay's D-side report, when the request asked for one. ``guard`` is the
+    reason of kvrelay's prefix guard on P (``core.guard``; ``None``: not run) and
+    ``verified_tokens`` the prefix it proved.
     """
 
     request_id: str
@@ -110,6 +117,8 @@ class RequestRecord:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, object] | None = None
     report: ReportOutcome | None = None
+    guard: str | None = None
+    verified_tokens: int | None = None
 
     @property
     def expected_pulled_token_ids(self) -> tuple[int, ...]:

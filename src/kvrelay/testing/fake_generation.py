@@ -17,12 +17,15 @@ from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kvrelay.core.params import RemoteBlocks
+from kvrelay.core.fingerprint import held_fingerprint
+from kvrelay.core.guard import guard_params
+from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RemoteBlocks
+from kvrelay.core.report import report_body
 from kvrelay.testing.fake_config import RequestRecord
 from kvrelay.testing.fake_connector import KVPlan, plan_kv
 from kvrelay.testing.fake_kv import Hold, KVReadError, block_hashes
 from kvrelay.testing.fake_model import generate_tokens
-from kvrelay.testing.fake_report import ReportOutcome, report_body, report_target
+from kvrelay.testing.fake_report import ReportOutcome, report_target
 
 if TYPE_CHECKING:
     from kvrelay.testing.fake_engine import EngineState, FakeEngine
@@ -123,6 +126,7 @@ class Generation:
                     "prefill_lease" if on_p else "decode_ttl",
                 )
             )
+            kvrelay = cfg.kvrelay_connector
             params = RemoteBlocks(
                 direction="prefill_to_decode" if on_p else "decode_to_prefill",
                 block_ids=(tuple(self.blocks),),
@@ -138,6 +142,13 @@ class Generation:
                 prefill_cached_tokens=(
                     rec.local_cache_hit_tokens + self.external if on_p else None
                 ),
+                guard_version=GUARD_VERSION if kvrelay else None,
+                fingerprint=(
+                    held_fingerprint(prompt, self.output, num_computed)
+                    if kvrelay and not on_p else None
+                ),
+                block_size=bs if kvrelay and not on_p else None,
+                verified_tokens=rec.verified_tokens if kvrelay and on_p else None,
             ).to_json()
         else:
             st.pool.free(self.blocks)
@@ -185,8 +196,15 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
     hit_blocks = st.pool.match_prefix(hashes[: (n - 1) // bs])
     st.pool.acquire(hit_blocks)
     local_hit = len(hit_blocks) * bs
+    params = inp.kv_transfer_params
+    guard = None
+    if cfg.kvrelay_connector and params is not None and params.get(FINGERPRINT_KEY) is not None:
+        guarded, guard = guard_params(
+            params, prompt, threshold=cfg.kv_recompute_threshold, block_size=bs
+        )
+        params = guarded
     plan = plan_kv(
-        inp.kv_transfer_params,
+        params,
         n,
         local_hit,
         bidirectional=cfg.bidirectional_kv_xfer,
@@ -207,6 +225,8 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
         max_tokens=inp.max_tokens,
         plan=plan.reason,
         local_cache_hit_tokens=local_hit,
+        guard=guard.reason if guard is not None else None,
+        verified_tokens=guard.verified_tokens if guard is not None else None,
     )
     engine.add_record(record)
     st.running += 1

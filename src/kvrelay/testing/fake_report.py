@@ -22,11 +22,8 @@ from dataclasses import dataclass
 
 import httpx
 
+from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
 from kvrelay.testing.fake_latency import Sleep
-
-REPORT_URL_KEY = "kvrelay_report_url"
-REPORT_TURN_KEY = "kvrelay_turn_id"
-DEFAULT_REPORT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
 
 
 @dataclass
@@ -48,22 +45,6 @@ def report_target(params: Mapping[str, object] | None) -> tuple[str, str] | None
     if not url or not turn_id:
         return None
     return str(url), str(turn_id)
-
-
-def report_body(
-    turn_id: str,
-    params: Mapping[str, object] | None,
-    num_prompt_tokens: int,
-    num_output_tokens: int,
-) -> dict[str, object]:
-    """The JSON object kvrelay's connector posts (same keys, same ``null`` rule)."""
-    retained = dict(params) if params and params.get("do_remote_decode") else None
-    return {
-        "turn_id": turn_id,
-        "kv_transfer_params": retained,
-        "num_prompt_tokens": num_prompt_tokens,
-        "num_output_tokens": num_output_tokens,
-    }
 
 
 class Reporter:

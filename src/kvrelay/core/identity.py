@@ -1,0 +1,207 @@
+"""Which retained entry a request continues, found from digests of what it sends.
+
+Agent clients re-send the whole history every turn, mostly without a conversation id. The
+router finds the entry a request continues without tokenizing anything:
+
+* **Chat.** A chain of digests over the request: ``h_0`` commits to the *context* (what else
+  changes the rendered prompt: endpoint, model, tools, chat template and its kwargs), ``h_i``
+  to ``h_{i-1}`` and message ``i`` (its JSON bytes as the client sent them). A turn's entry is
+  stored under the **anchor** ``h_n`` of its whole request and the **continuation** digest of
+  the answer D produced (``answer_digest``: content text and tool calls, normalised). A new
+  request probes every position ``i`` where it carries an assistant message, longest first:
+  anchor ``h_i`` and the digest of that assistant message. A match therefore means the new
+  request contains the entry's *entire* request followed by *its* answer.
+* **Completions.** The prompt text is cut into ``TEXT_BLOCK_BYTES`` blocks of UTF-8; ``g_j``
+  commits to the context and the first ``j`` blocks. An entry is stored under the anchor of
+  the last boundary inside its prompt and the continuation ``(digest, length)`` of the rest of
+  its prompt plus its answer text; a new request probes each boundary, longest first, and
+  checks a candidate's continuation against its own bytes at that offset (``text_matches``).
+
+Two hazards follow from vLLM freeing D's blocks after one read. *Stealing*: a request that
+shares only a prefix with another conversation's entry (a common system prompt) never
+produces that entry's anchor and continuation, so it cannot consume it. *Ambiguity*: many
+entries under one anchor (an agent's conversations sharing a system prompt and first
+message) are told apart by their answers. A wrong match can only cost efficiency, never
+correctness: P's connector proves every token with D's fingerprint before loading
+(``core.guard``). Only digests are kept, never content.
+
+The **scope** narrows the lookup: the tenant, plus the conversation id when the client sent
+one (body ``conversation_id`` or a session header).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+DIGEST_BYTES = 16
+TEXT_BLOCK_BYTES = 1024
+"""Completions anchors sit every this many prompt bytes."""
+
+_PERSON = b"kvrelay-id-v1"
+
+
+def _hasher() -> hashlib.blake2b:
+    return hashlib.blake2b(digest_size=DIGEST_BYTES, person=_PERSON)
+
+
+def digest(*parts: bytes) -> bytes:
+    """A 128-bit digest of ``parts``, each length-prefixed (no ambiguity at the seams)."""
+    h = _hasher()
+    for part in parts:
+        h.update(len(part).to_bytes(8, "little"))
+        h.update(part)
+    return h.digest()
+
+
+def scope_of(tenant: str, conversation_id: str | None) -> bytes:
+    """The lookup scope: a tenant's id-less traffic, or one conversation id of a tenant."""
+    cid = b"" if conversation_id is None else b"\x01" + conversation_id.encode("utf-8")
+    return digest(b"scope", tenant.encode("utf-8"), cid)
+
+
+@dataclass(frozen=True)
+class Continuation:
+    """What must follow an anchor for a request to continue an entry: the answer's digest
+    (chat, ``num_bytes`` 0) or the digest of the next ``num_bytes`` prompt bytes
+    (completions)."""
+
+    digest: bytes
+    num_bytes: int
+
+    def slot(self) -> bytes:
+        """Identifies the entry under its anchor."""
+        return self.digest + self.num_bytes.to_bytes(8, "little")
+
+
+@dataclass(frozen=True)
+class Probe:
+    """One place a request may continue an entry.
+
+    ``continuation`` is the required continuation (chat), or ``None`` when candidates must
+    be checked against the request's text at ``offset`` (completions). ``covered_bytes`` is
+    how much of the request a match at this probe accounts for (for estimates).
+    """
+
+    anchor: bytes
+    continuation: Continuation | None
+    offset: int
+    covered_bytes: int
+
+
+@dataclass(frozen=True)
+class RequestIdentity:
+    """The digests of one request (see the module docstring).
+
+    ``anchor`` is where this request's own entry will be stored; ``probes`` are tried longest
+    first; ``prompt_bytes`` is the size of everything hashed (messages or prompt text);
+    ``text`` is the completions prompt's bytes (kept until the turn commits), else ``None``.
+    """
+
+    scope: bytes
+    anchor: bytes
+    probes: tuple[Probe, ...]
+    prompt_bytes: int
+    text: bytes | None = None
+    tail_offset: int = 0
+
+
+@dataclass(frozen=True)
+class ChatMessage:
+    """One request message as the identity needs it: its JSON bytes and, for an assistant
+    message, its ``answer_digest``."""
+
+    raw: bytes
+    answer: Continuation | None = None
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str
+
+
+def answer_digest(content: str, tool_calls: Sequence[ToolCall] = ()) -> Continuation:
+    """The continuation of an assistant answer, however the client re-sends it: content with
+    surrounding whitespace stripped, tool calls as (name, arguments) with JSON arguments in
+    canonical form; reasoning text is not part of it (clients usually drop it)."""
+    parts = [b"answer", content.strip().encode("utf-8")]
+    for call in tool_calls:
+        parts.append(call.name.encode("utf-8"))
+        parts.append(_canonical_arguments(call.arguments).encode("utf-8"))
+    return Continuation(digest(*parts), 0)
+
+
+def chat_identity(
+    scope: bytes, context: bytes, messages: Sequence[ChatMessage]
+) -> RequestIdentity:
+    """Anchors after every message; probes at assistant messages, longest first."""
+    h = _hasher()
+    h.update(b"chat")
+    h.update(len(context).to_bytes(8, "little"))
+    h.update(context)
+    anchors: list[bytes] = []
+    covered: list[int] = []
+    total = 0
+    for message in messages:
+        anchors.append(h.copy().digest())
+        covered.append(total)
+        h.update(len(message.raw).to_bytes(8, "little"))
+        h.update(message.raw)
+        total += len(message.raw)
+    probes = tuple(
+        Probe(anchors[i], answer, i, covered[i] + len(messages[i].raw))
+        for i in range(len(messages) - 1, 0, -1)
+        if (answer := messages[i].answer) is not None
+    )
+    return RequestIdentity(scope, h.digest(), probes, total)
+
+
+def text_identity(scope: bytes, context: bytes, text: bytes) -> RequestIdentity:
+    """Anchors every ``TEXT_BLOCK_BYTES`` of a completions prompt; the own anchor is the last
+    boundary inside the prompt (always before its last byte)."""
+    h = _hasher()
+    h.update(b"completions")
+    h.update(len(context).to_bytes(8, "little"))
+    h.update(context)
+    anchors = [h.copy().digest()]
+    last = max(0, (len(text) - 1) // TEXT_BLOCK_BYTES)
+    for j in range(1, last + 1):
+        h.update(text[(j - 1) * TEXT_BLOCK_BYTES : j * TEXT_BLOCK_BYTES])
+        anchors.append(h.copy().digest())
+    probes = tuple(
+        Probe(anchors[j], None, j * TEXT_BLOCK_BYTES, j * TEXT_BLOCK_BYTES)
+        for j in range(last, -1, -1)
+    )
+    return RequestIdentity(
+        scope, anchors[last], probes, len(text), text=text, tail_offset=last * TEXT_BLOCK_BYTES
+    )
+
+
+def text_continuation(identity: RequestIdentity, answer: str) -> Continuation:
+    """The continuation of a completions entry: the prompt after its anchor, then the answer."""
+    assert identity.text is not None
+    rest = identity.text[identity.tail_offset :] + answer.encode("utf-8")
+    return Continuation(digest(b"text", rest), len(rest))
+
+
+def text_matches(identity: RequestIdentity, probe: Probe, continuation: Continuation) -> bool:
+    """Whether the request's text at ``probe.offset`` continues with ``continuation`` and
+    still has something after it (a request equal to the entry's prompt + answer has nothing
+    new to compute)."""
+    text = identity.text
+    if text is None:
+        return False
+    end = probe.offset + continuation.num_bytes
+    if end >= len(text):
+        return False
+    return digest(b"text", text[probe.offset : end]) == continuation.digest
+
+
+def _canonical_arguments(arguments: str) -> str:
+    try:
+        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
+    except ValueError:
+        return arguments

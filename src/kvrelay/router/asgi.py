@@ -1,0 +1,201 @@
+"""The router's HTTP surface on raw ASGI: requests, bodies under limits, responses, routes.
+
+Why not a web framework: on the turn path every microsecond is the router's own CPU, and a
+framework's request objects, middleware stack and streaming machinery (a task group per
+streamed response) cost several times the work of relaying a turn. What the router needs is
+small: headers as a dict, a body read under a size limit and a deadline, JSON and streamed
+responses, a route table with OpenAI-style 404/405, and cancellation of the serving task when
+its client goes away (``DisconnectWatch``). Any ASGI server can run it (uvicorn does, see
+``router.server``); tests call it in process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Mapping, MutableMapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.router.errors import ClientError, error_json
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
+
+JSON = b"application/json"
+SSE = b"text/event-stream"
+_CLOSE = {"Connection": "close"}
+
+
+class Request:
+    """One HTTP request: method, path, lower-case headers; the body is read with
+    ``read_body``."""
+
+    __slots__ = ("headers", "method", "path", "receive", "scope", "send")
+
+    def __init__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        self.scope = scope
+        self.receive = receive
+        self.send = send
+        self.method: str = scope["method"]
+        self.path: str = scope["path"]
+        self.headers: dict[str, str] = {
+            k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]
+        }
+
+
+Handler = Callable[[Request], Awaitable[None]]
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+    """The request body, at most ``max_bytes`` (``ClientError`` 413: a larger
+    ``Content-Length`` before anything is read, a chunked body as soon as it passes the
+    limit), within ``timeout_s`` of the first read (408); the connection is closed after
+    either."""
+    declared = request.headers.get("content-length")
+    if declared is not None:
+        if not declared.strip().isdigit():
+            raise ClientError("Invalid Content-Length header", headers=_CLOSE)
+        if int(declared) > max_bytes:
+            raise ClientError(
+                f"Request body too large: the limit is {max_bytes} bytes",
+                status=413, headers=_CLOSE,
+            )
+
+    async def read() -> bytes:
+        chunks: list[bytes] = []
+        size = 0
+        while True:
+            message = await request.receive()
+            if message["type"] == "http.disconnect":
+                raise ClientError("Client disconnected while sending the body", headers=_CLOSE)
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > max_bytes:
+                raise ClientError(
+                    f"Request body too large: the limit is {max_bytes} bytes",
+                    status=413, headers=_CLOSE,
+                )
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await read()
+    except TimeoutError:
+        raise ClientError(
+            f"Request body not received within {timeout_s:g} s", status=408, headers=_CLOSE
+        ) from None
+
+
+def header_list(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:
+    return [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in headers.items()]
+
+
+async def send_response(
+    send: Send,
+    status: int,
+    body: bytes,
+    content_type: bytes = JSON,
+    headers: Mapping[str, str] | None = None,
+) -> None:
+    """A complete response with ``Content-Length``."""
+    raw = [(b"content-type", content_type), (b"content-length", str(len(body)).encode())]
+    if headers:
+        raw.extend(header_list(headers))
+    await send({"type": "http.response.start", "status": status, "headers": raw})
+    await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+async def send_error(
+    send: Send, status: int, message: str, headers: Mapping[str, str] | None = None
+) -> None:
+    await send_response(send, status, error_json(status, message), headers=headers)
+
+
+async def start_stream(send: Send, headers: Mapping[str, str]) -> None:
+    """Status line and headers of an SSE response; the body follows in chunks."""
+    raw = [(b"content-type", SSE), (b"cache-control", b"no-cache"), *header_list(headers)]
+    await send({"type": "http.response.start", "status": 200, "headers": raw})
+
+
+class DisconnectWatch:
+    """Cancels the serving task when its client disconnects (after the body was read), or
+    when the server cuts it (``cut``: the drain deadline passed).
+
+    ASGI servers answer ``receive()`` with ``http.disconnect`` when the connection goes away
+    (and once the response is complete, so ``stop()`` must come before the last body
+    message). Cancelling the task cancels whatever it awaits, e.g. a request to a node,
+    which closes that connection and makes vLLM abort the request. ``gone`` / ``was_cut``
+    tell the task's cleanup why it was cancelled.
+    """
+
+    __slots__ = ("_task", "_watch", "gone", "was_cut")
+
+    def __init__(self, receive: Receive) -> None:
+        self.gone = False
+        self.was_cut = False
+        self._task = asyncio.current_task()
+        self._watch: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
+            self._wait(receive)
+        )
+
+    async def _wait(self, receive: Receive) -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+        self.gone = True
+        if self._task is not None:
+            self._task.cancel()
+
+    @property
+    def cancelled_us(self) -> bool:
+        """Whether a cancellation of the serving task came from this watch."""
+        return self.gone or self.was_cut
+
+    def cut(self) -> None:
+        """Stop the serving task now (it answers what it can and returns)."""
+        if self._task is not None and not self.gone:
+            self.was_cut = True
+            self._task.cancel()
+
+    def stop(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+
+    async def aclose(self) -> None:
+        watch, self._watch = self._watch, None
+        if watch is not None:
+            watch.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watch
+
+
+@dataclass(frozen=True)
+class Route:
+    path: str
+    methods: frozenset[str]
+    handler: Handler
+
+
+class Routes:
+    """Exact-path routes; anything else is a 404, a wrong method a 405 (OpenAI error bodies,
+    never a redirect)."""
+
+    def __init__(self, routes: list[Route]) -> None:
+        self._routes = {r.path: r for r in routes}
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        route = self._routes.get(scope["path"])
+        if route is None:
+            await send_error(send, 404, "Not found")
+            return
+        if scope["method"] not in route.methods:
+            allow = ", ".join(sorted(route.methods))
+            await send_error(send, 405, "Method not allowed", {"Allow": allow})
+            return
+        await route.handler(Request(scope, receive, send))

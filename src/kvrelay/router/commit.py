@@ -1,0 +1,298 @@
+"""Committing a turn's entry: D's retained blocks plus the answer the next turn will carry.
+
+An entry needs D's retained ``kv_transfer_params`` with the fingerprint of the tokens they
+hold, and where to store it: the request's anchor and the continuation of D's answer
+(``core.identity``). Non-streamed responses (and vLLM >= 0.33 final stream chunks) carry the
+params; on vLLM 0.32 a stream carries only the answer and kvrelay's connector on D POSTs the
+params to the internal listener (``/internal/kv-report``) about 100 ms after the last chunk
+(sometimes before). ``ReportDesk`` holds a ``PendingTurn`` per D request, keyed by a turn
+id bound to that D (``core.report.issue_turn_id``), until both halves are in (then the entry
+is committed to the index) or it is settled without one: D retained nothing, the turn
+failed, or no report came within ``report_timeout_s`` of the response's end.
+
+Every report is checked against its turn (``core.report.check_report``); a report that
+disagrees is refused and counted (``reports_total{outcome="mismatch_*"}``), never
+committed, and never changes what the router believes about a node.
+
+The client's response never waits for any of this. A later turn that continues this one
+waits for it (``wait_for``), bounded by ``report_wait_s``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+
+import msgspec
+
+from kvrelay.core.conversation import new_entry, with_fingerprint
+from kvrelay.core.fingerprint import held_fingerprint
+from kvrelay.core.identity import Continuation, RequestIdentity, text_continuation
+from kvrelay.core.params import RemoteBlocks
+from kvrelay.core.report import (
+    ReportError,
+    ReportExpectation,
+    check_report,
+    issue_turn_id,
+    parse_report,
+    turn_id_for,
+)
+from kvrelay.router.blocks import LayoutError, retained_layout
+from kvrelay.router.index import ConversationIndex, EntryRef, IndexUnavailable, find_in_bucket
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.nodes import NodeRegistry
+
+log = logging.getLogger("kvrelay.router")
+
+_SETTLED_MEMORY = 4096
+_DECODER = msgspec.json.Decoder()
+
+
+@dataclass(frozen=True)
+class DecodeAnswer:
+    """What D answered, as the next turn will carry it: the continuation of the answer
+    (``answer_text`` for completions, else ``chat``), its size, and, in ``/tokenize`` mode,
+    the token ids D returned."""
+
+    chat: Continuation | None
+    text: str | None
+    num_bytes: int
+    prompt_token_ids: Sequence[int] | None = None
+    output_token_ids: Sequence[int] = ()
+
+
+@dataclass(eq=False)
+class PendingTurn:
+    """One D request whose entry is not settled yet (mutated only by ``ReportDesk``)."""
+
+    turn_id: str
+    identity: RequestIdentity
+    tenant: str
+    conversation: str
+    number: int
+    decode_node_id: str
+    ttl_s: float
+    expect: ReportExpectation
+    slot: Continuation | None = None
+    num_bytes: int = 0
+    token_ids: tuple[Sequence[int], Sequence[int]] | None = None
+    blocks: RemoteBlocks | None = None
+    response_done_s: float | None = None
+    report_received: bool = False
+    outcome: str | None = None
+    settled: asyncio.Event = field(default_factory=asyncio.Event)
+    timer: asyncio.TimerHandle | None = None
+
+
+class ReportDesk:
+    """Pending turns by turn id and by anchor; see the module docstring."""
+
+    def __init__(
+        self,
+        index: ConversationIndex,
+        nodes: NodeRegistry,
+        clock: Callable[[], float],
+        metrics: RouterMetrics,
+        *,
+        safety_margin_s: float,
+        report_timeout_s: float,
+    ) -> None:
+        self._index = index
+        self._nodes = nodes
+        self._clock = clock
+        self._metrics = metrics
+        self._margin = safety_margin_s
+        self._timeout = report_timeout_s
+        self._key = secrets.token_bytes(32)
+        self._by_turn: dict[str, PendingTurn] = {}
+        self._by_anchor: dict[tuple[bytes, bytes], set[PendingTurn]] = {}
+        self._settled: OrderedDict[str, None] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._by_turn)
+
+    def open(
+        self,
+        *,
+        identity: RequestIdentity,
+        tenant: str,
+        conversation: str,
+        number: int,
+        decode_node_id: str,
+        ttl_s: float,
+        num_prompt_tokens: int | None,
+        max_output_tokens: int | None,
+    ) -> PendingTurn:
+        """Register a D request about to be sent; its ``turn_id`` goes into the request."""
+        p = PendingTurn(
+            turn_id=issue_turn_id(self._key, secrets.token_bytes(12), decode_node_id),
+            identity=identity,
+            tenant=tenant,
+            conversation=conversation,
+            number=number,
+            decode_node_id=decode_node_id,
+            ttl_s=ttl_s,
+            expect=ReportExpectation(
+                num_prompt_tokens=num_prompt_tokens, max_output_tokens=max_output_tokens
+            ),
+        )
+        self._by_turn[p.turn_id] = p
+        self._by_anchor.setdefault((identity.scope, identity.anchor), set()).add(p)
+        return p
+
+    def pending_for(self, identity: RequestIdentity) -> list[PendingTurn]:
+        """Unsettled turns the request may continue: their answer is out and the request
+        carries it, but D's params are not in yet."""
+        out: list[PendingTurn] = []
+        for probe in identity.probes:
+            waiting = self._by_anchor.get((identity.scope, probe.anchor))
+            if not waiting:
+                continue
+            slots = {p.slot.slot(): p for p in waiting if p.slot is not None}
+            slot = find_in_bucket(identity, probe, slots)
+            if slot is not None:
+                out.append(slots[slot])
+        return out
+
+    async def wait_for(self, pending: Sequence[PendingTurn], timeout_s: float) -> bool:
+        """Wait until every turn in ``pending`` settled, at most ``timeout_s``."""
+        events = [p.settled.wait() for p in pending if p.outcome is None]
+        if not events:
+            return True
+        try:
+            await asyncio.wait_for(asyncio.gather(*events), timeout_s)
+        except TimeoutError:
+            return False
+        return True
+
+    async def response_finished(
+        self, p: PendingTurn, answer: DecodeAnswer, params: RemoteBlocks | None = None,
+        *, retained: bool | None = None,
+    ) -> None:
+        """D's response ended normally. ``params`` are D's retained params when the response
+        carried them (non-streamed, vLLM >= 0.33 final chunk); ``retained=False`` says it
+        carried params and D retained nothing."""
+        if p.outcome is not None:
+            return
+        p.response_done_s = self._clock()
+        if answer.text is not None:
+            p.slot = text_continuation(p.identity, answer.text)
+        else:
+            p.slot = answer.chat
+        p.num_bytes = p.identity.prompt_bytes + answer.num_bytes
+        if answer.prompt_token_ids is not None:
+            p.token_ids = (answer.prompt_token_ids, answer.output_token_ids)
+        if retained is False:
+            self.settle(p, "no_kv")
+            return
+        if params is not None and p.blocks is None:
+            p.blocks = params
+        if p.blocks is not None:
+            await self._commit(p)
+        elif not p.report_received:
+            p.timer = asyncio.get_running_loop().call_later(
+                self._timeout, self.settle, p, "report_timeout"
+            )
+
+    async def accept_report(self, raw: bytes) -> str:
+        """Handle one ``/internal/kv-report`` body; returns the outcome (also counted)."""
+        outcome = await self._accept(raw)
+        self._metrics.reports.labels(outcome).inc()
+        return outcome
+
+    async def _accept(self, raw: bytes) -> str:
+        try:
+            report = parse_report(_DECODER.decode(raw))
+        except (msgspec.DecodeError, RecursionError, ReportError):
+            return "invalid"
+        p = self._by_turn.get(report.turn_id)
+        if p is None:
+            return "late" if report.turn_id in self._settled else "unknown_turn"
+        if not turn_id_for(self._key, report.turn_id, p.decode_node_id):
+            return "unknown_turn"
+        engine, side_channel = self._nodes.trusted_identity(p.decode_node_id)
+        expect = replace(
+            p.expect, engine_id=engine, side_channel=side_channel,
+            block_size=self._nodes.block_size(p.decode_node_id),
+        )
+        verdict = check_report(expect, report)
+        if verdict != "ok":
+            log.warning("report for a turn on %s refused: %s", p.decode_node_id, verdict)
+            return verdict
+        p.report_received = True
+        if report.blocks is None:
+            self.settle(p, "no_kv")
+            return "matched"
+        self._nodes.accept_report_identity(p.decode_node_id, report.blocks)
+        if p.blocks is None:
+            p.blocks = report.blocks
+        if p.response_done_s is not None:
+            await self._commit(p)
+        return "matched"
+
+    def settle(self, p: PendingTurn, outcome: str) -> None:
+        """Remove the pending turn and wake turns waiting on it (idempotent)."""
+        if p.outcome is not None:
+            return
+        p.outcome = outcome
+        if p.timer is not None:
+            p.timer.cancel()
+        self._by_turn.pop(p.turn_id, None)
+        key = (p.identity.scope, p.identity.anchor)
+        waiting = self._by_anchor.get(key)
+        if waiting is not None:
+            waiting.discard(p)
+            if not waiting:
+                del self._by_anchor[key]
+        self._settled[p.turn_id] = None
+        while len(self._settled) > _SETTLED_MEMORY:
+            self._settled.popitem(last=False)
+        self._metrics.turn_entries.labels(outcome).inc()
+        p.settled.set()
+
+    async def _commit(self, p: PendingTurn) -> None:
+        blocks, slot = p.blocks, p.slot
+        if p.outcome is not None or blocks is None or slot is None:
+            return
+        if p.token_ids is not None:
+            prompt_ids, output_ids = p.token_ids
+            expected = p.expect.num_prompt_tokens
+            if expected is not None and expected != len(prompt_ids):
+                self.settle(p, "token_ids_mismatch")
+                return
+            fingerprint = held_fingerprint(prompt_ids, output_ids, blocks.num_tokens)
+            blocks = with_fingerprint(blocks, fingerprint)
+        if blocks.fingerprint is None or blocks.fingerprint.num_tokens == 0:
+            self.settle(p, "no_fingerprint")
+            return
+        try:
+            blocks, block_size = retained_layout(
+                blocks, self._nodes.block_size(p.decode_node_id) or blocks.block_size
+            )
+        except LayoutError as exc:
+            log.warning("D %s: %s", p.decode_node_id, exc)
+            self.settle(p, "bad_block_layout")
+            return
+        done = p.response_done_s if p.response_done_s is not None else self._clock()
+        entry = new_entry(
+            decode_node_id=p.decode_node_id,
+            blocks=blocks,
+            now_s=min(self._clock(), done),
+            turn=p.number,
+            conversation=p.conversation,
+            num_bytes=p.num_bytes,
+            ttl_s=p.ttl_s,
+            safety_margin_s=self._margin,
+            block_size=block_size,
+        )
+        ref = EntryRef(p.identity.scope, p.identity.anchor, slot.slot())
+        try:
+            await self._index.put(ref, entry, tenant=p.tenant)
+        except IndexUnavailable:
+            self.settle(p, "index_unavailable")
+            return
+        self.settle(p, "committed")

@@ -1,0 +1,274 @@
+"""Step 3 of a turn: D decodes and its answer goes to the client; the entry's halves are
+handed to the report desk (``commit``).
+
+D gets the client's body with P's params (or, for ``direct``, params that make D serve the
+whole turn from its own prefix cache), a report target when the response is streamed (vLLM
+0.32 puts no params on stream chunks: kvrelay's connector posts them), and
+``return_token_ids`` only when D does not fingerprint what it retains (``/tokenize`` mode).
+
+Streams: D's first complete event is read before the client gets a status line, so a D
+that fails before sending anything can still be retried (``BeforeFirstByte``). After that
+D's bytes are relayed as they come, unparsed (``sse``). A D failure mid-stream becomes an
+SSE error event and ``data: [DONE]``; a stream still open at the drain deadline ends the
+same way; a client that goes away aborts D's request. In every such case the turn keeps no
+entry and the entry it continued (unless consumed) is dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import AsyncIterator, Mapping
+from typing import Any
+
+import msgspec
+
+from kvrelay.core.identity import answer_digest
+from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_optional_remote_blocks
+from kvrelay.router.asgi import DisconnectWatch, Send, send_response, start_stream
+from kvrelay.router.commit import DecodeAnswer, PendingTurn
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.request import decode_body
+from kvrelay.router.sse import SSE_DONE, Rewrite, StreamScan, frame, rewrite_body, sse_error
+from kvrelay.router.state import RouterContext
+from kvrelay.router.turn import Turn, TurnState
+from kvrelay.router.upstream import ByteStream, UpstreamError
+
+log = logging.getLogger("kvrelay.router")
+
+DIRECT_PARAMS: Mapping[str, object] = {"do_remote_prefill": False, "do_remote_decode": False}
+_DECODER = msgspec.json.Decoder()
+_ENCODER = msgspec.json.Encoder()
+
+
+class BeforeFirstByte(Exception):
+    """D failed before the client saw anything: the turn may be retried."""
+
+    def __init__(self, error: UpstreamError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+class Decoder:
+    """Runs the D step of turns for one router app (module docstring)."""
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self._ctx = ctx
+
+    async def run(
+        self,
+        turn: Turn,
+        node: NodeConfig,
+        params: Mapping[str, object],
+        send: Send,
+        watch: DisconnectWatch,
+    ) -> None:
+        """Decode on ``node`` and answer the client; ``BeforeFirstByte`` if D failed before
+        the client got anything."""
+        ctx, req = self._ctx, turn.request
+        direct = turn.decision.action == "direct"
+        turn.decode_node = node
+        turn.move(TurnState.DECODING)
+        pending = ctx.desk.open(
+            identity=req.identity,
+            tenant=req.tenant,
+            conversation=turn.conversation,
+            number=turn.number,
+            decode_node_id=node.node_id,
+            ttl_s=node.ttl_s,
+            num_prompt_tokens=None if direct else turn.prompt_tokens,
+            max_output_tokens=req.max_output_tokens,
+        )
+        ids = not ctx.nodes.fingerprints(node.node_id)
+        body = decode_body(
+            req, params, report=(ctx.config.report_url, pending.turn_id) if req.stream else None,
+            token_ids=ids,
+        )
+        rewrite = Rewrite(
+            cached_tokens=(
+                turn.reused_tokens if direct else turn.cached_tokens
+            ) if (req.include_usage or not req.stream) else None,
+            strip_ids=ids and not req.wants_token_ids,
+            collect_ids=ids,
+        )
+        d_prefill = max(0, turn.prompt_tokens - turn.reused_tokens) if direct else 0
+        try:
+            with ctx.nodes.busy(node.node_id, d_prefill):
+                if not req.stream:
+                    await self._json(turn, node, body, rewrite, pending, send, watch)
+                else:
+                    await self._stream(turn, node, body, rewrite, pending, send, watch)
+        except BaseException:
+            if pending.outcome is None:
+                ctx.desk.settle(pending, "failed" if turn.outcome is None else turn.outcome)
+            raise
+
+    async def _json(
+        self, turn: Turn, node: NodeConfig, body: bytes, rewrite: Rewrite,
+        pending: PendingTurn, send: Send, watch: DisconnectWatch,
+    ) -> None:
+        ctx = self._ctx
+        try:
+            raw = await ctx.upstream.post(node, turn.request.path, body)
+            obj = _DECODER.decode(raw)
+            if not isinstance(obj, dict):
+                raise UpstreamError(node.node_id, "protocol", "answer is not a JSON object")
+        except msgspec.DecodeError as exc:
+            failure = UpstreamError(node.node_id, "protocol", f"answer is not JSON: {exc}")
+            await ctx.nodes.request_failed(failure)
+            raise BeforeFirstByte(failure) from exc
+        except UpstreamError as exc:
+            await ctx.nodes.request_failed(exc)
+            raise BeforeFirstByte(exc) from exc
+        params, text, calls, prompt_ids, output_ids = rewrite_body(obj, rewrite)
+        blocks = self._retained(node, params)
+        await ctx.desk.response_finished(
+            pending, self._answer(turn, text, calls, prompt_ids, output_ids), blocks,
+            retained=blocks is not None,
+        )
+        watch.stop()
+        await send_response(send, 200, _ENCODER.encode(obj), headers=turn.headers())
+        self._done(turn, "ok")
+
+    async def _stream(
+        self, turn: Turn, node: NodeConfig, body: bytes, rewrite: Rewrite,
+        pending: PendingTurn, send: Send, watch: DisconnectWatch,
+    ) -> None:
+        ctx = self._ctx
+        try:
+            stream = await ctx.upstream.open_stream(node, turn.request.path, body)
+        except UpstreamError as exc:
+            await ctx.nodes.request_failed(exc)
+            raise BeforeFirstByte(exc) from exc
+        try:
+            await self._relay(turn, node, stream, rewrite, pending, send, watch)
+        finally:
+            await stream.aclose()
+
+    async def _relay(
+        self, turn: Turn, node: NodeConfig, stream: ByteStream, rewrite: Rewrite,
+        pending: PendingTurn, send: Send, watch: DisconnectWatch,
+    ) -> None:
+        ctx = self._ctx
+        chunks = stream.chunks()
+        first, carry = await self._first_events(node, chunks)
+        scan = StreamScan(rewrite)
+        await start_stream(send, turn.headers())
+        turn.move(TurnState.STREAMING)
+        try:
+            await _body(send, scan.feed(first))
+            turn.ttft_s = time.perf_counter() - turn.started_s
+            ctx.metrics.ttft.labels(turn.action).observe(turn.ttft_s)
+            async for chunk in chunks:
+                events, carry = frame(carry, chunk)
+                if events:
+                    await _body(send, scan.feed(events))
+            if carry:
+                await _body(send, carry)
+            if not scan.done:
+                raise UpstreamError(node.node_id, "closed", "stream ended without [DONE]")
+        except UpstreamError as exc:
+            await ctx.nodes.request_failed(exc)
+            await self._lose(turn, pending, "failed_mid_stream")
+            watch.stop()
+            await _body(send, sse_error(502, "the decode node failed mid-stream") + SSE_DONE)
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        except asyncio.CancelledError:
+            if not watch.cancelled_us:
+                raise
+            _uncancel()
+            await self._lose(turn, pending, "cut" if watch.was_cut else "client_gone")
+            if watch.was_cut:
+                log.info("stream of a %s turn cut at the drain deadline", turn.action)
+                with contextlib.suppress(OSError):
+                    await _body(send, sse_error(503, "the router is shutting down") + SSE_DONE)
+                    await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        if scan.error is not None:
+            ctx.metrics.upstream_error(node.node_id, "error_event", None)
+            await self._lose(turn, pending, "error_event")
+        else:
+            text, calls = scan.answer()
+            answer = self._answer(turn, text, calls, scan.prompt_token_ids,
+                                  scan.output_token_ids)
+            blocks = self._retained(node, scan.params) if scan.params is not None else None
+            await ctx.desk.response_finished(
+                pending, answer, blocks,
+                retained=None if scan.params is None else blocks is not None,
+            )
+            self._done(turn, "ok")
+        watch.stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _first_events(
+        self, node: NodeConfig, chunks: AsyncIterator[bytes]
+    ) -> tuple[bytes, bytes]:
+        """D's first complete event(s), before the client gets anything."""
+        carry = b""
+        try:
+            async for chunk in chunks:
+                events, carry = frame(carry, chunk)
+                if events:
+                    return events, carry
+        except UpstreamError as exc:
+            await self._ctx.nodes.request_failed(exc)
+            raise BeforeFirstByte(exc) from exc
+        failure = UpstreamError(node.node_id, "closed", "stream ended before any event")
+        await self._ctx.nodes.request_failed(failure)
+        raise BeforeFirstByte(failure)
+
+    def _retained(self, node: NodeConfig, params: object) -> RemoteBlocks | None:
+        """D's retained params from its own answer (trusted: D sent them to us), or None."""
+        try:
+            blocks = parse_optional_remote_blocks(params)
+        except KVParamsError as exc:
+            log.warning("D %s returned invalid kv_transfer_params: %s", node.node_id, exc)
+            return None
+        if blocks is None or blocks.direction != "decode_to_prefill":
+            return None
+        self._ctx.nodes.observe_params(node.node_id, blocks)
+        return blocks
+
+    @staticmethod
+    def _answer(
+        turn: Turn, text: str, calls: Any, prompt_ids: list[int] | None, output_ids: list[int]
+    ) -> DecodeAnswer:
+        chat = turn.request.endpoint == "chat"
+        return DecodeAnswer(
+            chat=answer_digest(text, calls) if chat else None,
+            text=None if chat else text,
+            num_bytes=len(text.encode("utf-8")),
+            prompt_token_ids=prompt_ids,
+            output_token_ids=output_ids,
+        )
+
+    async def _lose(self, turn: Turn, pending: PendingTurn, outcome: str) -> None:
+        """The turn ended badly: no entry for it, and the entry it continued (if it was not
+        consumed) is dropped."""
+        ctx = self._ctx
+        ctx.desk.settle(pending, outcome)
+        found = turn.found
+        if found is not None and not turn.decision.consumes_entry:
+            with contextlib.suppress(Exception):
+                if await ctx.index.drop(found.ref, found.entry):
+                    ctx.metrics.dropped.labels("turn_failed").inc()
+        self._done(turn, outcome)
+
+    def _done(self, turn: Turn, outcome: str) -> None:
+        if turn.finish(outcome):
+            self._ctx.metrics.turn_seconds.labels(
+                turn.action, "true" if turn.request.stream else "false"
+            ).observe(time.perf_counter() - turn.started_s)
+
+
+async def _body(send: Send, data: bytes) -> None:
+    await send({"type": "http.response.body", "body": data, "more_body": True})
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()

@@ -1,0 +1,163 @@
+"""A generation request, top to bottom: handler -> plan -> P -> D -> commit.
+
+1. Authenticate (401), take an in-flight slot for the tenant (429, 503 while draining),
+   read and validate the body (``request.parse_request``; 4xx, never 5xx, for bad input).
+2. Plan (``plan.Planner``): the entry the request continues, the decision, the claim.
+3. P (``prefill.Prefiller``) unless the turn goes ``direct``.
+4. D (``decode.Decoder``): the answer goes to the client; the entry's halves go to the
+   report desk (``commit.ReportDesk``), which commits it when D's params are in.
+
+Retries follow ``core.consequences``: a D that failed before the client saw a byte is
+replaced once by another D, with P's params again only if D provably never started, else
+after P computed afresh; a direct turn whose D failed goes P -> another D. A client that
+disconnects cancels the turn (and the node requests it awaits) wherever it is.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+from kvrelay.core.consequences import decode_retry
+from kvrelay.router.asgi import DisconnectWatch, Request, read_body, send_response
+from kvrelay.router.decode import DIRECT_PARAMS, BeforeFirstByte, Decoder
+from kvrelay.router.errors import ClientError, RouterError, error_json
+from kvrelay.router.plan import Planner
+from kvrelay.router.prefill import Prefiller
+from kvrelay.router.request import Endpoint, parse_request
+from kvrelay.router.state import RouterContext
+from kvrelay.router.turn import Turn
+
+log = logging.getLogger("kvrelay.router")
+
+
+class GenerationHandler:
+    """``POST /v1/chat/completions`` and ``/v1/completions`` for one router app."""
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self._ctx = ctx
+        self._planner = Planner(ctx)
+        self._prefiller = Prefiller(ctx)
+        self._decoder = Decoder(ctx)
+
+    def route(self, endpoint: Endpoint) -> RouteHandler:
+        return RouteHandler(self, endpoint)
+
+    async def handle(self, request: Request, endpoint: Endpoint) -> None:
+        ctx = self._ctx
+        path = request.path
+        try:
+            tenant = ctx.auth.tenant(request.headers)
+            ctx.admission.admit(tenant)
+        except ClientError as exc:
+            await _answer_error(request, exc.status, exc.body(), exc.headers)
+            ctx.metrics.request_done(path, exc.status)
+            return
+        status = 200
+        try:
+            status = await self._turn(request, endpoint, tenant)
+        finally:
+            ctx.admission.release(tenant)
+            ctx.metrics.request_done(path, status)
+
+    async def _turn(self, request: Request, endpoint: Endpoint, tenant: str) -> int:
+        """Serve one turn; returns the status answered."""
+        ctx = self._ctx
+        turn: Turn | None = None
+        try:
+            raw = await read_body(request, ctx.config.max_body_bytes, ctx.config.body_timeout_s)
+            req = parse_request(endpoint, raw, request.headers, tenant,
+                                ctx.config.session_headers)
+        except ClientError as exc:
+            await _answer_error(request, exc.status, exc.body(), exc.headers)
+            return exc.status
+        watch = DisconnectWatch(request.receive)
+        ctx.admission.opened(watch)
+        try:
+            turn = await self._planner.plan(req)
+            await self._carry_out(turn, request, watch)
+            return 200
+        except RouterError as exc:
+            if turn is not None:
+                turn.finish(f"error_{exc.status}")
+            watch.stop()
+            await _answer_error(request, exc.status, exc.body(), exc.headers)
+            return exc.status
+        except asyncio.CancelledError:
+            if not watch.cancelled_us:
+                raise
+            _uncancel()
+            if turn is not None:
+                turn.finish("client_gone" if watch.gone else "cut")
+            if watch.was_cut and not watch.gone:
+                await _answer_error(request, 503, error_json(503, "the router is shutting down"),
+                                    {"Connection": "close"})
+                return 503
+            return 499
+        finally:
+            ctx.admission.closed(watch)
+            await watch.aclose()
+
+    async def _carry_out(self, turn: Turn, request: Request, watch: DisconnectWatch) -> None:
+        ctx = self._ctx
+        send = request.send
+        exclude: frozenset[str] = frozenset()
+        if turn.decision.action == "direct":
+            assert turn.found is not None
+            holder = ctx.nodes.config(turn.found.entry.decode_node_id)
+            try:
+                await self._decoder.run(turn, holder, DIRECT_PARAMS, send, watch)
+                return
+            except BeforeFirstByte as failed:
+                if failed.error.client_fault:
+                    raise failed.error.to_router_error("decode") from failed
+                self._retried(turn, "decode")
+                exclude = frozenset({holder.node_id})
+        pre = await self._prefiller.run(turn, pull=turn.decision.action == "pull")
+        for attempt in (0, 1):
+            node = ctx.nodes.choose_decode(turn.affinity, exclude)
+            if node is None:
+                raise RouterError(503, "no decode node is up")
+            try:
+                await self._decoder.run(turn, node, pre.params, send, watch)
+                return
+            except BeforeFirstByte as failed:
+                error = failed.error
+                retry = decode_retry(error.kind, error.status, attempt)
+                if retry == "none" or ctx.nodes.choose_decode(None, exclude | {node.node_id}) \
+                        is None:
+                    raise error.to_router_error("decode") from failed
+                self._retried(turn, "decode")
+                exclude = exclude | {node.node_id}
+                if retry == "fresh_prefill":
+                    pre = await self._prefiller.run(turn, pull=False)
+        raise AssertionError("unreachable")
+
+    def _retried(self, turn: Turn, role: str) -> None:
+        self._ctx.metrics.retries.labels(role).inc()
+        turn.retries += 1
+
+
+class RouteHandler:
+    """The ``asgi.Handler`` of one endpoint."""
+
+    __slots__ = ("_endpoint", "_handler")
+
+    def __init__(self, handler: GenerationHandler, endpoint: Endpoint) -> None:
+        self._handler = handler
+        self._endpoint = endpoint
+
+    async def __call__(self, request: Request) -> None:
+        await self._handler.handle(request, self._endpoint)
+
+
+async def _answer_error(
+    request: Request, status: int, body: bytes, headers: dict[str, str]
+) -> None:
+    await send_response(request.send, status, body, headers=headers)
+
+
+def _uncancel() -> None:
+    task = asyncio.current_task()
+    if task is not None:
+        task.uncancel()

@@ -1,0 +1,488 @@
+"""``RedisIndex``: the ``ConversationIndex`` shared by several router replicas through Redis.
+
+Any replica can serve any turn: entries (D's block locations and a token fingerprint, never
+content) live in Redis under digests, so the follow-up finds its entry whichever replica the
+load balancer picks, and pulls from the D the entry names.
+
+**Keys** (``ns`` = ``kvrelay:{deployment}``, parts percent-encoded, digests in hex):
+
+* ``{ns}:e:{scope}:{anchor}:{slot}`` – a hash per entry: ``json`` (``entry_to_json``),
+  ``id`` (digest of the entry without its times), ``exp`` (wall-clock expiry, s), ``node``,
+  ``engine``, ``tokens``, and the keys of the sets it is indexed in.
+* ``{ns}:b:{scope}:{anchor}`` – the slots under an anchor (completions lookups).
+* ``{ns}:s:{scope}`` – the entries of a scope (``drop_scope``).
+* ``{ns}:node:{node_id}`` – a sorted set of a D's entries by expiry (``drop_node``,
+  ``drop_engine``, retained tokens).
+* ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use: the per-tenant and total
+  caps evict the least recently used.
+
+A chat lookup is one round trip (one script probes every anchor in order); a completions
+lookup that finds a bucket fetches its candidates in the same call. Every set member whose
+key expired is cleaned lazily.
+
+**Clocks.** The router's ``expires_at_s`` is on its monotonic clock, meaningless in another
+process, so Redis holds wall-clock times, converted on write and read. Replicas agree on
+expiry up to their wall-clock skew (keep hosts NTP-synced; ``ttl_safety_margin_s`` must
+cover it). Redis expires a key ``expired_retention_s`` after the entry expires, so a
+just-expired entry still reports ``expired``.
+
+**Failures.** Every call is bounded by ``timeout_s`` (no retries). ``lookup`` raises
+``IndexUnavailable``; the others degrade: ``put`` loses the entry, ``claim``/``drop`` return
+False, the ``drop_*`` return 0. Each failure calls ``on_error(op)`` and logs at most one line
+per ``log_interval_s``. redis-py reconnects once Redis is back.
+
+Needs one Redis (or a Sentinel primary), not Redis Cluster: scripts span hash slots.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import logging
+import math
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, TypeVar
+from urllib.parse import quote
+
+import redis.asyncio as aioredis
+from redis.asyncio.retry import Retry
+from redis.backoff import NoBackoff
+from redis.exceptions import RedisError
+
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.identity import RequestIdentity
+from kvrelay.core.params import KVParamsError, parse_remote_blocks
+from kvrelay.router.index import EntryRef, Found, IndexUnavailable, find_in_bucket
+
+log = logging.getLogger("kvrelay.router")
+
+T = TypeVar("T")
+
+FORMAT_VERSION = 2
+_MAX_CANDIDATES = 32
+
+# Remove one entry and its index memberships (helper prepended to the scripts).
+_REMOVE = """
+local function remove(k)
+  local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az')
+  if f[1] then redis.call('ZREM', f[1], k) end
+  if f[2] then redis.call('SREM', f[2], f[3]) end
+  if f[4] then redis.call('SREM', f[4], k) end
+  if f[5] then redis.call('ZREM', f[5], k) end
+  if f[6] then redis.call('ZREM', f[6], k) end
+  return redis.call('DEL', k)
+end
+"""
+
+# lookup: KEYS = probe keys (entry keys, or bucket keys when ARGV[i] == 'b'); ARGV[n+1] =
+# entry key prefix, ARGV[n+2] = now (ms, for LRU). Returns {i, key, json} for an entry, or
+# {i, bucket, key1, json1, ...} for the first non-empty bucket.
+_LOOKUP = """
+local n = #KEYS
+for i = 1, n do
+  if ARGV[i] == 'e' then
+    local v = redis.call('HMGET', KEYS[i], 'json', 'tz', 'az')
+    if v[1] then
+      if v[2] then redis.call('ZADD', v[2], ARGV[n + 2], KEYS[i]) end
+      if v[3] then redis.call('ZADD', v[3], ARGV[n + 2], KEYS[i]) end
+      return {i, KEYS[i], v[1]}
+    end
+  else
+    local slots = redis.call('SRANDMEMBER', KEYS[i], tonumber(ARGV[n + 3]))
+    if #slots > 0 then
+      local out = {i, KEYS[i]}
+      for _, s in ipairs(slots) do
+        local k = ARGV[n + 1] .. string.sub(KEYS[i], tonumber(ARGV[n + 4])) .. ':' .. s
+        local v = redis.call('HGET', k, 'json')
+        if v then
+          table.insert(out, s)
+          table.insert(out, v)
+        else
+          redis.call('SREM', KEYS[i], s)
+        end
+      end
+      if #out > 2 then return out end
+    end
+  end
+end
+return {}
+"""
+
+# put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru.
+# ARGV = json, id, exp (wall s), node, engine, tokens, ttl ms, slot, now ms, tenant cap,
+# total cap, node-set score (exp ms). Returns {evicted, total size}.
+_PUT = _REMOVE + """
+if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1]) end
+redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'node', ARGV[4],
+           'engine', ARGV[5], 'tokens', ARGV[6], 'nx', KEYS[2], 'bk', KEYS[3], 'slot', ARGV[8],
+           'sx', KEYS[4], 'tz', KEYS[5], 'az', KEYS[6])
+redis.call('PEXPIRE', KEYS[1], ARGV[7])
+redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
+redis.call('SADD', KEYS[3], ARGV[8])
+redis.call('SADD', KEYS[4], KEYS[1])
+redis.call('ZADD', KEYS[5], ARGV[9], KEYS[1])
+redis.call('ZADD', KEYS[6], ARGV[9], KEYS[1])
+for i = 2, 6 do
+  if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then
+    redis.call('PEXPIRE', KEYS[i], ARGV[7])
+  end
+end
+local evicted = 0
+while redis.call('ZCARD', KEYS[5]) > tonumber(ARGV[10]) do
+  local old = redis.call('ZPOPMIN', KEYS[5])[1]
+  evicted = evicted + remove(old)
+end
+while redis.call('ZCARD', KEYS[6]) > tonumber(ARGV[11]) do
+  local old = redis.call('ZPOPMIN', KEYS[6])[1]
+  evicted = evicted + remove(old)
+end
+return {evicted, redis.call('ZCARD', KEYS[6])}
+"""
+
+# claim / conditional drop: remove only if the stored entry is the expected one.
+_CLAIM = _REMOVE + """
+local cur = redis.call('HMGET', KEYS[1], 'id', 'exp')
+if not cur[1] or cur[1] ~= ARGV[1] then return 0 end
+if math.abs(tonumber(cur[2]) - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return 0 end
+return remove(KEYS[1])
+"""
+
+_DROP = _REMOVE + """
+return remove(KEYS[1])
+"""
+
+# drop every member of a set (ARGV[1] == 'z': sorted set) whose node/engine match
+# (ARGV[2] node or '', ARGV[3] engine or ''); members whose key expired are cleaned.
+_DROP_SET = _REMOVE + """
+local members
+if ARGV[1] == 'z' then members = redis.call('ZRANGE', KEYS[1], 0, -1)
+else members = redis.call('SMEMBERS', KEYS[1]) end
+local n = 0
+for _, m in ipairs(members) do
+  local cur = redis.call('HMGET', m, 'node', 'engine')
+  if not cur[1] then
+    if ARGV[1] == 'z' then redis.call('ZREM', KEYS[1], m) else redis.call('SREM', KEYS[1], m) end
+  elseif (ARGV[2] == '' or cur[1] == ARGV[2]) and (ARGV[3] == '' or cur[2] == ARGV[3]) then
+    n = n + remove(m)
+  end
+end
+return n
+"""
+
+# retained tokens of the live entries of the node sets in KEYS (expiry > ARGV[1] ms).
+_RETAINED = """
+local out = {}
+for i = 1, #KEYS do
+  redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[2])
+  local total = 0
+  for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i], ARGV[1], '+inf')) do
+    total = total + (tonumber(redis.call('HGET', m, 'tokens')) or 0)
+  end
+  table.insert(out, total)
+end
+return out
+"""
+
+
+class EntryFormatError(ValueError):
+    """A stored entry that is not valid ``entry_to_json`` output."""
+
+
+def _body(entry: ConversationEntry) -> dict[str, Any]:
+    """Everything of the entry but its (clock-dependent) times, as JSON values."""
+    return {
+        "v": FORMAT_VERSION,
+        "node": entry.decode_node_id,
+        "turn": entry.turn,
+        "conversation": entry.conversation,
+        "num_bytes": entry.num_bytes,
+        "block_size": entry.block_size,
+        "params": entry.blocks.to_json(),
+    }
+
+
+def entry_identity(entry: ConversationEntry) -> str:
+    """Digest of the entry without its times: what ``claim`` compares exactly."""
+    canonical = json.dumps(_body(entry), sort_keys=True, separators=(",", ":"))
+    return hashlib.blake2b(canonical.encode("utf-8"), digest_size=16).hexdigest()
+
+
+def entry_to_json(entry: ConversationEntry, *, wall_offset_s: float) -> str:
+    """The entry as JSON, its times moved to the wall clock (``local + wall_offset_s``)."""
+    doc = _body(entry)
+    doc["expires_wall_s"] = entry.expires_at_s + wall_offset_s
+    doc["created_wall_s"] = entry.created_at_s + wall_offset_s
+    return json.dumps(doc, sort_keys=True, separators=(",", ":"))
+
+
+def entry_from_json(text: str | bytes, *, wall_offset_s: float) -> ConversationEntry:
+    """Inverse of ``entry_to_json`` (times back on the local clock); ``EntryFormatError``
+    for anything else."""
+    try:
+        doc = json.loads(text)
+        if doc["v"] != FORMAT_VERSION:
+            raise EntryFormatError(f"unsupported entry format {doc['v']!r}")
+        blocks = parse_remote_blocks(doc["params"])
+        block_size = doc["block_size"]
+        return ConversationEntry(
+            decode_node_id=_typed(doc["node"], str),
+            blocks=blocks,
+            expires_at_s=float(_typed(doc["expires_wall_s"], float)) - wall_offset_s,
+            created_at_s=float(_typed(doc["created_wall_s"], float)) - wall_offset_s,
+            turn=_typed(doc["turn"], int),
+            conversation=_typed(doc["conversation"], str),
+            num_bytes=_typed(doc["num_bytes"], int),
+            block_size=None if block_size is None else _typed(block_size, int),
+        )
+    except EntryFormatError:
+        raise
+    except (ValueError, KeyError, TypeError, KVParamsError) as exc:
+        raise EntryFormatError(f"malformed conversation entry: {exc}") from exc
+
+
+def _typed(value: Any, kind: type[T]) -> T:
+    ok = isinstance(value, int | float) if kind is float else isinstance(value, kind)
+    if not ok or (kind is not bool and isinstance(value, bool)):
+        raise EntryFormatError(f"expected {kind.__name__}, got {value!r}")
+    return value  # type: ignore[no-any-return]
+
+
+class RedisIndex:
+    """A ``ConversationIndex`` in Redis, shared by router replicas (module docstring).
+
+    ``clock`` is this replica's router clock, ``wall_clock`` the clock shared between hosts
+    (tests pass one that moves with their manual clock). ``len()`` and ``retained_tokens``
+    are the last values this replica saw (``refresh`` updates the latter).
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        deployment: str = "default",
+        clock: Callable[[], float] = time.monotonic,
+        wall_clock: Callable[[], float] = time.time,
+        timeout_s: float = 0.05,
+        expired_retention_s: float = 300.0,
+        max_entries: int = 100_000,
+        max_per_tenant: int | None = None,
+        claim_tolerance_s: float = 0.05,
+        on_error: Callable[[str], None] | None = None,
+        log_interval_s: float = 10.0,
+    ) -> None:
+        if timeout_s <= 0:
+            raise ValueError("timeout_s must be positive")
+        self._client = client
+        self._ns = f"kvrelay:{quote(deployment, safe='')}"
+        self._clock = clock
+        self._wall = wall_clock
+        self._timeout = timeout_s
+        self._retention = expired_retention_s
+        self._max = max_entries
+        self._max_tenant = min(max_per_tenant or max_entries, max_entries)
+        self._tolerance = claim_tolerance_s
+        self._on_error = on_error
+        self._log_interval = log_interval_s
+        self._next_log = 0.0
+        self._failures_unlogged = 0
+        self._failing = False
+        self._size = 0
+        self._nodes_seen: set[str] = set()
+        self._retained: dict[str, int] = {}
+        self._lookup = client.register_script(_LOOKUP)
+        self._put = client.register_script(_PUT)
+        self._claim = client.register_script(_CLAIM)
+        self._drop = client.register_script(_DROP)
+        self._drop_set = client.register_script(_DROP_SET)
+        self._retained_script = client.register_script(_RETAINED)
+
+    @classmethod
+    def from_url(cls, url: str, *, timeout_s: float = 0.05, **kwargs: Any) -> RedisIndex:
+        """An index on ``redis://host:port/db`` whose connections time out after
+        ``timeout_s`` and never retry (the caller's fallback is a recompute)."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=timeout_s,
+            socket_connect_timeout=timeout_s,
+            retry=Retry(NoBackoff(), 0),
+            decode_responses=True,
+        )
+        return cls(client, timeout_s=timeout_s, **kwargs)
+
+    async def aclose(self) -> None:
+        await self._client.aclose()
+
+    def __len__(self) -> int:
+        return self._size
+
+    # -- keys -------------------------------------------------------------------------------
+
+    def entry_key(self, ref: EntryRef) -> str:
+        return f"{self._ns}:e:{ref.scope.hex()}:{ref.anchor.hex()}:{ref.slot.hex()}"
+
+    def _bucket(self, scope: bytes, anchor: bytes) -> str:
+        return f"{self._ns}:b:{scope.hex()}:{anchor.hex()}"
+
+    def node_set(self, node_id: str) -> str:
+        return f"{self._ns}:node:{quote(node_id, safe='')}"
+
+    def _tenant_lru(self, tenant: str) -> str:
+        return f"{self._ns}:t:{quote(tenant, safe='')}"
+
+    # -- the contract -----------------------------------------------------------------------
+
+    async def lookup(self, identity: RequestIdentity) -> Found | None:
+        if not identity.probes:
+            return None
+        keys: list[str] = []
+        kinds: list[str] = []
+        for probe in identity.probes:
+            if probe.continuation is not None:
+                keys.append(self.entry_key(
+                    EntryRef(identity.scope, probe.anchor, probe.continuation.slot())))
+                kinds.append("e")
+            else:
+                keys.append(self._bucket(identity.scope, probe.anchor))
+                kinds.append("b")
+        prefix = f"{self._ns}:e:"
+        result = await self._call("get", self._lookup(
+            keys=keys,
+            args=[*kinds, prefix, self._now_ms(), _MAX_CANDIDATES, len(f"{self._ns}:b:") + 1],
+        ))
+        if not result:
+            return None
+        probe = identity.probes[int(result[0]) - 1]
+        offset = self._offset()
+        if kinds[int(result[0]) - 1] == "e":
+            entry = self._decode(result[2], offset)
+            if entry is None:
+                return None
+            assert probe.continuation is not None
+            ref = EntryRef(identity.scope, probe.anchor, probe.continuation.slot())
+            return Found(ref, entry, probe)
+        candidates = {bytes.fromhex(result[i]): result[i + 1] for i in range(2, len(result), 2)}
+        slot = find_in_bucket(identity, probe, candidates)
+        if slot is None:
+            return None
+        entry = self._decode(candidates[slot], offset)
+        if entry is None:
+            return None
+        return Found(EntryRef(identity.scope, probe.anchor, slot), entry, probe)
+
+    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
+        offset = self._offset()
+        ttl_ms = math.ceil((entry.expires_at_s - self._clock() + self._retention) * 1000)
+        if ttl_ms <= 0:
+            return
+        expires_wall = entry.expires_at_s + offset
+        node = entry.decode_node_id
+        result = await self._quiet("put", self._put(
+            keys=[self.entry_key(ref), self.node_set(node),
+                  self._bucket(ref.scope, ref.anchor), f"{self._ns}:s:{ref.scope.hex()}",
+                  self._tenant_lru(tenant), f"{self._ns}:all"],
+            args=[entry_to_json(entry, wall_offset_s=offset), entry_identity(entry),
+                  repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
+                  ref.slot.hex(), self._now_ms(), self._max_tenant, self._max,
+                  math.floor(expires_wall * 1000)],
+        ), None)
+        self._nodes_seen.add(node)
+        if result is not None:
+            self._size = int(result[1])
+
+    async def claim(self, ref: EntryRef, entry: ConversationEntry) -> bool:
+        return await self._compare_remove("claim", ref, entry)
+
+    async def drop(self, ref: EntryRef, entry: ConversationEntry | None = None) -> bool:
+        if entry is not None:
+            return await self._compare_remove("drop", ref, entry)
+        return bool(await self._quiet("drop", self._drop(keys=[self.entry_key(ref)]), 0))
+
+    async def drop_scope(self, scope: bytes) -> int:
+        key = f"{self._ns}:s:{scope.hex()}"
+        return int(await self._quiet("drop", self._drop_set(keys=[key], args=["s", "", ""]), 0))
+
+    async def drop_node(self, node_id: str) -> int:
+        return int(await self._quiet("drop_node", self._drop_set(
+            keys=[self.node_set(node_id)], args=["z", node_id, ""]), 0))
+
+    async def drop_engine(self, node_id: str, engine_id: str) -> int:
+        return int(await self._quiet("drop_engine", self._drop_set(
+            keys=[self.node_set(node_id)], args=["z", node_id, engine_id]), 0))
+
+    def retained_tokens(self, now_s: float) -> Mapping[str, int]:
+        return dict(self._retained)
+
+    async def refresh(self, node_ids: list[str]) -> None:
+        """Recompute the retained tokens of ``node_ids`` (the health loop calls this)."""
+        now_ms = self._now_ms()
+        keys = [self.node_set(n) for n in node_ids]
+        result = await self._quiet("refresh", self._retained_script(
+            keys=keys, args=[now_ms, now_ms - math.floor(self._retention * 1000)]), None)
+        if result is not None:
+            self._retained = {n: int(t) for n, t in zip(node_ids, result, strict=True) if t}
+        size = await self._quiet("refresh", self._client.zcard(f"{self._ns}:all"), None)
+        if size is not None:
+            self._size = int(size)
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _offset(self) -> float:
+        """Add to a router-clock time to get the wall-clock time."""
+        return self._wall() - self._clock()
+
+    def _now_ms(self) -> int:
+        return math.floor(self._wall() * 1000)
+
+    def _decode(self, raw: str, offset: float) -> ConversationEntry | None:
+        try:
+            entry = entry_from_json(raw, wall_offset_s=offset)
+        except EntryFormatError as exc:
+            self._failed("decode", exc, outage=False)
+            return None
+        if self._clock() >= entry.expires_at_s + self._retention:
+            return None
+        return entry
+
+    async def _compare_remove(self, op: str, ref: EntryRef, entry: ConversationEntry) -> bool:
+        expires_wall = entry.expires_at_s + self._offset()
+        done = await self._quiet(op, self._claim(
+            keys=[self.entry_key(ref)],
+            args=[entry_identity(entry), repr(expires_wall), repr(self._tolerance)],
+        ), 0)
+        return bool(done)
+
+    async def _call(self, op: str, call: Awaitable[T]) -> T:
+        """Await one Redis call within the timeout; ``IndexUnavailable`` if it fails."""
+        try:
+            result = await asyncio.wait_for(call, self._timeout)
+        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+            self._failed(op, exc)
+            raise IndexUnavailable(f"redis {op} failed: {exc!r}") from exc
+        if self._failing:
+            self._failing = False
+            log.warning("conversation index: Redis answers again (%s)", op)
+        return result
+
+    async def _quiet(self, op: str, call: Awaitable[Any], default: T) -> Any:
+        """Like ``_call`` but returns ``default`` on failure."""
+        try:
+            return await self._call(op, call)
+        except IndexUnavailable:
+            return default
+
+    def _failed(self, op: str, exc: BaseException, *, outage: bool = True) -> None:
+        self._failing = self._failing or outage
+        self._failures_unlogged += 1
+        if self._on_error is not None:
+            self._on_error(op)
+        now = time.monotonic()
+        if now >= self._next_log:
+            log.warning(
+                "conversation index: Redis %s failed (%s); turns recompute meanwhile "
+                "(%d failure(s) since the last such line)",
+                op, type(exc).__name__ if str(exc) == "" else exc, self._failures_unlogged,
+            )
+            self._failures_unlogged = 0
+            self._next_log = now + self._log_interval

@@ -1,0 +1,163 @@
+"""Step 1 of a turn: from a validated request to a planned ``Turn``.
+
+1. If a turn this request continues is still waiting for D's report, wait for it, at most
+   ``report_wait_s`` (``ReportDesk.pending_for``).
+2. Look up the entry the request continues (``ConversationIndex.lookup``: digests only, no
+   tokenization). An index that cannot answer makes the turn a recompute
+   (``state_unavailable``). An entry's engine id is shown to the node registry
+   (``observe_entry``): with replicas it may be news of a D restart.
+3. Pick the P (least outstanding prefill work). When that P cannot prove a pull itself
+   (stock vLLM), get the prompt's exact ids from its ``/tokenize`` and let the policy run
+   the guard; otherwise decide from estimates (``core.policy.Prompt``).
+4. ``core.policy.decide_turn``, then ``core.consequences.entry_fate``: a pull claims the
+   entry before P is ever called (losing the claim to a concurrent turn makes it
+   ``no_entry``); entries the decision proves useless are dropped.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import msgspec
+
+from kvrelay.core.consequences import entry_fate, prefill_retry
+from kvrelay.core.conversation import conversation_tag
+from kvrelay.core.policy import Prompt, TurnDecision, decide_turn
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.errors import RouterError
+from kvrelay.router.index import Found, IndexUnavailable
+from kvrelay.router.request import TurnRequest, encode, tokenize_body
+from kvrelay.router.state import RouterContext
+from kvrelay.router.turn import Turn
+from kvrelay.router.upstream import UpstreamError
+
+log = logging.getLogger("kvrelay.router")
+
+
+class _Tokens(msgspec.Struct):
+    tokens: list[int]
+
+
+_TOKENS = msgspec.json.Decoder(_Tokens)
+
+
+class Planner:
+    """Plans turns for one router app (module docstring)."""
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self._ctx = ctx
+
+    async def plan(self, req: TurnRequest) -> Turn:
+        ctx = self._ctx
+        pending = ctx.desk.pending_for(req.identity)
+        if pending and not await ctx.desk.wait_for(pending, ctx.config.report_wait_s):
+            log.info("turn continues one whose report is still pending")
+        found: Found | None = None
+        index_down = False
+        try:
+            found = await ctx.index.lookup(req.identity)
+        except IndexUnavailable:
+            index_down = True
+        p = ctx.nodes.choose_prefill()
+        if p is None:
+            raise RouterError(503, "no prefill node is up")
+        if found is not None:
+            entry = found.entry
+            ctx.nodes.observe_entry(entry.decode_node_id, entry.decode_engine_id,
+                                    entry.created_at_s)
+            ctx.metrics.turn_gap.observe(max(0.0, ctx.clock() - entry.created_at_s))
+        prompt, p = await self._prompt(req, found, p)
+        if index_down:
+            decision = TurnDecision("recompute", "state_unavailable")
+        else:
+            decision = self._decide(found, prompt, p)
+        fate = entry_fate(decision)
+        if found is not None and fate.claim and not await ctx.index.claim(found.ref, found.entry):
+            log.info("turn lost the claim of its entry to a concurrent turn")
+            decision = self._decide(None, prompt, p)
+        elif found is not None and fate.drop and await ctx.index.drop(found.ref, found.entry):
+            if fate.reason == "expired":
+                ctx.metrics.expirations.inc()
+            else:
+                ctx.metrics.dropped.labels(fate.reason).inc()
+            if fate.purge_engine:
+                entry = found.entry
+                stale = await ctx.index.drop_engine(entry.decode_node_id, entry.decode_engine_id)
+                if stale:
+                    ctx.metrics.dropped.labels("engine_restarted").inc(stale)
+        turn = Turn(
+            request=req,
+            decision=decision,
+            found=found,
+            conversation=_conversation(req, found),
+            number=found.entry.turn + 1 if found is not None else 1,
+            prompt_tokens=prompt.est_tokens,
+            prefill_node=p,
+            decided_at_s=ctx.clock(),
+        )
+        ctx.metrics.decided(decision.action, decision.reason)
+        ctx.stats.record(turn)
+        return turn
+
+    def _decide(self, found: Found | None, prompt: Prompt, p: NodeConfig) -> TurnDecision:
+        ctx = self._ctx
+        entry = found.entry if found is not None else None
+        return decide_turn(
+            entry=entry,
+            prompt=prompt,
+            now_s=ctx.clock(),
+            decode_node=ctx.nodes.state(entry.decode_node_id) if entry is not None else None,
+            config=ctx.config.policy,
+            costs=ctx.nodes.costs(p.node_id),
+        )
+
+    async def _prompt(
+        self, req: TurnRequest, found: Found | None, p: NodeConfig
+    ) -> tuple[Prompt, NodeConfig]:
+        """What the policy knows of the prompt, and the P to use (another one if ``p``
+        could not tokenize)."""
+        if req.prompt_token_ids is not None:
+            given = req.prompt_token_ids
+            return Prompt(len(given), token_ids=given), p
+        if found is None:
+            return Prompt(max(1, req.num_bytes // 4)), p
+        entry = found.entry
+        new_bytes = max(0, req.num_bytes - found.probe.covered_bytes)
+        est_new = round(new_bytes * entry.tokens_per_byte())
+        if self._ctx.nodes.verifies_pulls(p.node_id):
+            return Prompt(entry.num_tokens + est_new, est_new), p
+        ids, p = await self._tokenize(req, p)
+        return Prompt(len(ids), token_ids=ids), p
+
+    async def _tokenize(self, req: TurnRequest, p: NodeConfig) -> tuple[list[int], NodeConfig]:
+        """The prompt's engine token ids, from ``p`` or (once) another P; and the P used."""
+        ctx = self._ctx
+        body = encode(tokenize_body(req))
+        node = p
+        for attempt in (0, 1):
+            try:
+                raw = await ctx.upstream.post(node, "/tokenize", body)
+                try:
+                    return _TOKENS.decode(raw).tokens, node
+                except (msgspec.DecodeError, msgspec.ValidationError):
+                    raise UpstreamError(
+                        node.node_id, "protocol", "tokenize: no token list"
+                    ) from None
+            except UpstreamError as exc:
+                await ctx.nodes.request_failed(exc)
+                other = ctx.nodes.choose_prefill(frozenset({node.node_id}))
+                if not prefill_retry(exc.kind, exc.status, attempt) or other is None:
+                    raise exc.to_router_error("prefill") from exc
+                ctx.metrics.retries.labels("tokenize").inc()
+                node = other
+        raise AssertionError("unreachable")
+
+
+def _conversation(req: TurnRequest, found: Found | None) -> str:
+    """The conversation's tag: the client's id, else the one the continued entry carries,
+    else a new one (from the first request's anchor)."""
+    if req.conversation is not None:
+        return req.conversation
+    if found is not None:
+        return found.entry.conversation
+    return conversation_tag(req.identity.scope, req.identity.anchor)

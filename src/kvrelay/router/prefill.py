@@ -1,0 +1,126 @@
+"""Step 2 of a turn: P computes the prompt (pulling D's verified KV, or recomputing it).
+
+P gets the client's body computing one token with ``kv_transfer_params``: D's retained
+params (pull; with the fingerprint, so P's connector proves every token and cuts the pull
+itself; or already cut by the router in ``/tokenize`` mode), or ``{"do_remote_decode":
+true}`` (recompute). P answers with its own params for D; the router learns P's engine id,
+whether P runs kvrelay's connector, the exact prompt length, how many tokens P did not
+compute (``remote_prefill_cached_tokens``) and, for a pull, how many P's connector verified;
+and it feeds P's timing to the cost estimates (``core.consequences.learn_prefill``).
+
+A failed P call is retried once, as a recompute, on another P (the same one if it is the
+only P); a pull's entry stays spent (D's blocks may have been read).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from kvrelay.core.consequences import learn_prefill, prefill_retry
+from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.errors import RouterError
+from kvrelay.router.request import prefill_body
+from kvrelay.router.state import RouterContext
+from kvrelay.router.turn import Turn, TurnState
+from kvrelay.router.upstream import UpstreamError
+
+_RECOMPUTE: dict[str, object] = {"do_remote_decode": True}
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+
+
+class _PrefillAnswer(msgspec.Struct):
+    kv_transfer_params: dict[str, Any] | None = None
+    usage: _Usage | None = None
+
+
+_ANSWER = msgspec.json.Decoder(_PrefillAnswer)
+
+
+@dataclass(frozen=True)
+class Prefilled:
+    """P's answer: the node, and the params for D (addressed as D reaches P)."""
+
+    node: NodeConfig
+    params: dict[str, object]
+
+
+class Prefiller:
+    """Runs the P step of turns for one router app (module docstring)."""
+
+    def __init__(self, ctx: RouterContext) -> None:
+        self._ctx = ctx
+
+    async def run(self, turn: Turn, *, pull: bool) -> Prefilled:
+        ctx = self._ctx
+        turn.move(TurnState.PREFILLING)
+        node = turn.prefill_node
+        if node is None or not ctx.nodes.is_up(node.node_id):
+            node = ctx.nodes.choose_prefill()
+        if node is None:
+            raise RouterError(503, "no prefill node is up")
+        for attempt in (0, 1):
+            params = self._pull_params(turn) if pull else _RECOMPUTE
+            try:
+                return await self._once(turn, node, params, pull=pull)
+            except UpstreamError as exc:
+                await ctx.nodes.request_failed(exc)
+                if not prefill_retry(exc.kind, exc.status, attempt):
+                    raise exc.to_router_error("prefill") from exc
+                ctx.metrics.retries.labels("prefill").inc()
+                turn.retries += 1
+                node = ctx.nodes.choose_prefill(frozenset({node.node_id})) or node
+                pull = False
+        raise AssertionError("unreachable")
+
+    def _pull_params(self, turn: Turn) -> dict[str, object]:
+        """D's retained params as the policy sent them, addressed as P reaches D."""
+        blocks = turn.decision.blocks_to_send
+        assert blocks is not None and turn.found is not None
+        holder = self._ctx.nodes.config(turn.found.entry.decode_node_id)
+        if holder.side_channel is not None:
+            blocks = blocks.with_host(holder.side_channel.host, holder.side_channel.port)
+        return blocks.to_json()
+
+    async def _once(
+        self, turn: Turn, node: NodeConfig, params: dict[str, object], *, pull: bool
+    ) -> Prefilled:
+        ctx = self._ctx
+        body = prefill_body(turn.request, params)
+        started = time.perf_counter()
+        with ctx.nodes.busy(node.node_id, turn.prompt_tokens):
+            raw = await ctx.upstream.post(node, turn.request.path, body)
+        seconds = time.perf_counter() - started
+        try:
+            answer = _ANSWER.decode(raw)
+            blocks = parse_remote_blocks(answer.kv_transfer_params)
+        except (msgspec.DecodeError, msgspec.ValidationError, KVParamsError) as exc:
+            raise UpstreamError(node.node_id, "protocol", f"P's answer: {exc}") from exc
+        if blocks.direction != "prefill_to_decode":
+            raise UpstreamError(node.node_id, "protocol", "P returned no prefill params")
+        ctx.nodes.observe_params(node.node_id, blocks)
+        prompt = answer.usage.prompt_tokens if answer.usage is not None else 0
+        turn.prompt_tokens = prompt if prompt > 0 else turn.prompt_tokens
+        turn.cached_tokens = min(max(blocks.prefill_cached_tokens or 0, 0), turn.prompt_tokens)
+        turn.verified_tokens = blocks.verified_tokens
+        turn.prefill_node = node
+        ctx.nodes.set_costs(node.node_id, learn_prefill(
+            ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
+            cached_tokens=turn.cached_tokens, seconds=seconds,
+        ))
+        reused = turn.cached_tokens if pull else 0
+        ctx.metrics.tokens(reused, turn.prompt_tokens - reused)
+        return Prefilled(node, self._for_decode(node, blocks))
+
+    @staticmethod
+    def _for_decode(node: NodeConfig, blocks: RemoteBlocks) -> dict[str, object]:
+        if node.side_channel is not None:
+            blocks = blocks.with_host(node.side_channel.host, node.side_channel.port)
+        return blocks.to_vllm_json()

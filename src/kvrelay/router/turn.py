@@ -1,0 +1,120 @@
+"""One turn as it moves through the router: a typed object with explicit states.
+
+``handler`` creates a ``Turn`` once the turn is planned and moves it through
+``PLANNED -> PREFILLING -> DECODING -> (STREAMING) -> DONE | FAILED``. Only the step that owns
+a state changes it. What the turn learned on the way (nodes used, the tokens P reused as P
+reported them, retries, time to first byte) is set by that step; ``record()`` is its
+``/stats`` view, ``outcome`` why it ended. Nothing here decides anything.
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from kvrelay.core.policy import TurnDecision
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.index import Found
+from kvrelay.router.request import TurnRequest
+
+
+class TurnState(enum.Enum):
+    PLANNED = "planned"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    STREAMING = "streaming"
+    DONE = "done"
+    FAILED = "failed"
+
+
+@dataclass(eq=False)
+class Turn:
+    """A planned turn (module docstring).
+
+    ``found`` is the entry the request continues (claimed already when the decision is a
+    pull); ``conversation`` the conversation's tag; ``number`` the turn's number in it.
+    ``prompt_tokens`` is P's count once P answered (the estimate before); ``cached_tokens``
+    the prompt tokens P did not compute (pulled from D or local prefix hits), as P reported
+    them; ``verified_tokens`` the prefix P's connector proved (``None``: not reported).
+    """
+
+    request: TurnRequest
+    decision: TurnDecision
+    found: Found | None
+    conversation: str
+    number: int
+    prompt_tokens: int
+    prefill_node: NodeConfig | None = None
+    decode_node: NodeConfig | None = None
+    state: TurnState = TurnState.PLANNED
+    cached_tokens: int = 0
+    verified_tokens: int | None = None
+    retries: int = 0
+    outcome: str | None = None
+    ttft_s: float | None = None
+    decided_at_s: float = 0.0
+    started_s: float = field(default_factory=time.perf_counter)
+
+    @property
+    def action(self) -> str:
+        return self.decision.action
+
+    @property
+    def reused_tokens(self) -> int:
+        """Prompt tokens taken from D's KV: pulled (as P reported) or served from D's prefix
+        cache (direct, as planned)."""
+        if self.decision.action == "direct":
+            return self.decision.reused_tokens
+        return self.cached_tokens if self.decision.action == "pull" else 0
+
+    @property
+    def affinity(self) -> str | None:
+        """The D that held this conversation's KV (preferred again: its prefix cache)."""
+        return self.found.entry.decode_node_id if self.found is not None else None
+
+    def move(self, state: TurnState) -> None:
+        self.state = state
+
+    def finish(self, outcome: str) -> bool:
+        """End the turn once (the first outcome wins); True if this call ended it."""
+        if self.outcome is not None:
+            return False
+        self.outcome = outcome
+        self.state = TurnState.DONE if outcome == "ok" else TurnState.FAILED
+        return True
+
+    def headers(self) -> dict[str, str]:
+        """``X-KVRelay-Action`` / ``-Reason`` / ``-Reused-Tokens``: what the router did."""
+        return {
+            "X-KVRelay-Action": self.decision.action,
+            "X-KVRelay-Reason": self.decision.reason,
+            "X-KVRelay-Reused-Tokens": str(self.reused_tokens),
+        }
+
+    def record(self) -> dict[str, object]:
+        """The ``/stats`` view of the turn (keys hashed, no content)."""
+        d = self.decision
+        return {
+            "at_s": self.decided_at_s,
+            "key": self.conversation,
+            "turn": self.number,
+            "tenant": self.request.tenant,
+            "action": d.action,
+            "reason": d.reason,
+            "exact": d.exact,
+            "verified_tokens": (
+                self.verified_tokens if self.verified_tokens is not None else d.verified_tokens
+            ),
+            "reused_tokens": self.reused_tokens,
+            "prompt_tokens": self.prompt_tokens,
+            "predicted_transfer_s": d.predicted_transfer_s,
+            "predicted_prefill_s": d.predicted_prefill_s,
+            "endpoint": self.request.endpoint,
+            "stream": self.request.stream,
+            "prefill_node": self.prefill_node.node_id if self.prefill_node else None,
+            "decode_node": self.decode_node.node_id if self.decode_node else None,
+            "retries": self.retries,
+            "state": self.state.value,
+            "outcome": self.outcome,
+        }
