@@ -77,7 +77,9 @@ from vllm.logger import init_logger
 from kvrelay.cluster.connector_fixes import FixFacts, FixPlan, FixSettings, plan_fixes
 from kvrelay.cluster.vllm_contract import fix_facts, installed_context
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
+# outside that namespace has no handler in a vLLM process and its info lines are dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 RESTORE_AFFINITY_KEY = "kvrelay_restore_affinity"
 PROGRESS_DELAY_KEY = "kvrelay_nixl_progress_delay_us"
