@@ -152,7 +152,9 @@ class Symbol:
 
     def check(self, ctx: Context) -> Finding:
         index = ctx.index(self.tree)
-        binding = index.lookup(self.module, self.name) if index is not None else None
+        if index is None:
+            return Finding(False, self.what, "nixl is not installed here", self.why)
+        binding = index.lookup(self.module, self.name)
         if binding is None:
             return Finding(False, self.what, f"{self.name} is not defined in {self.module}",
                            self.why)
