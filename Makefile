@@ -7,7 +7,7 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvrelay-setup
 SETUP_INPUTS := pyproject.toml Makefile scripts/setup-venv.sh
 
-.PHONY: setup test test-fast lint typecheck demo up bench-pull clean
+.PHONY: setup test test-fast lint typecheck check-vllm demo up bench-pull clean
 
 setup: $(STAMP)
 
@@ -30,6 +30,13 @@ lint: setup
 
 typecheck: setup
 	$(PY) -m mypy
+
+## kvrelay's connector contract against one vLLM release, read from its PyPI wheel (downloaded
+## once into ~/.cache/kvrelay/vllm-wheels, or $$KVRELAY_VLLM_WHEELS; docs/vllm-versions.md).
+## `make test` checks every wheel already there.
+check-vllm: setup
+	@test -n "$(VERSION)" || { echo "usage: make check-vllm VERSION=0.33.0" >&2; exit 2; }
+	$(PY) -m kvrelay.cluster.vllm_contract --version $(VERSION)
 
 demo: setup
 	$(VENV)/bin/kvrelay demo

@@ -77,6 +77,7 @@ def test_a_processed_pull_is_not_requested_again(monkeypatch):
 
     monkeypatch.setattr(connector.NixlPullConnector, "get_num_new_matched_tokens", parent)
     conn = object.__new__(connector.NixlConnector)
+    conn._skip_processed_pull = True
     d_params = {"do_remote_decode": True, "remote_block_ids": [[1, 2, 3, 4]],
                 "remote_num_tokens": 512}
     assert conn.get_num_new_matched_tokens(_Request(dict(d_params)), 0) == (512, True)
@@ -86,3 +87,33 @@ def test_a_processed_pull_is_not_requested_again(monkeypatch):
     assert conn.get_num_new_matched_tokens(_Request(p_params), 0) == (512, True)
     assert conn.get_num_new_matched_tokens(_Request(None), 0) == (512, True)
     assert len(asked) == 3
+
+
+def test_processed_pulls_go_to_vllm_where_its_scheduler_handles_them(monkeypatch):
+    """With fix 3 off (a vLLM whose scheduler checks the mark itself), vLLM decides."""
+    conn = object.__new__(connector.NixlConnector)
+    conn._skip_processed_pull = False
+    processed = {"do_remote_decode": True, "remote_block_ids": [[1]], "remote_num_tokens": 16,
+                 "_remote_blocks_processed": True}
+    calls: list[int] = []
+    monkeypatch.setattr(connector.NixlPullConnector, "get_num_new_matched_tokens",
+                        lambda self, request, n: calls.append(n) or (16, True))
+    assert conn.get_num_new_matched_tokens(_Request(processed), 0) == (16, True)
+    assert calls == [0]
+
+
+class _TransferConfig:
+    def __init__(self, extra):
+        self.extra = extra
+
+    def get_from_extra_config(self, key, default):
+        return self.extra.get(key, default)
+
+
+def test_fix_plan_on_this_cpu_vllm_keeps_all_fixes_the_operator_asked_for():
+    plan = connector._fix_plan(_TransferConfig({"kvrelay_nixl_progress_delay_us": 1000}))
+    assert (plan.restore_affinity, plan.progress_delay_us, plan.skip_processed_pull) == (
+        True, 1000, True)
+    plan = connector._fix_plan(_TransferConfig({"kvrelay_restore_affinity": False}))
+    assert (plan.restore_affinity, plan.progress_delay_us, plan.skip_processed_pull) == (
+        False, 0, True)

@@ -1,4 +1,4 @@
-"""kvrelay's drop-in ``NixlConnector``: vLLM's pull-mode NIXL connector with CPU fixes.
+"""kvrelay's drop-in ``NixlConnector``: vLLM's pull-mode NIXL connector with fixes and reports.
 
 Loaded by vLLM through ``kv_transfer_config``::
 
@@ -6,7 +6,8 @@ Loaded by vLLM through ``kv_transfer_config``::
      "kv_connector_module_path": "kvrelay.cluster.connector", ...}
 
 The class keeps the name ``NixlConnector`` because vLLM's config and CPU platform code switch
-behaviour on that name (``has_connector("NixlConnector")``). It changes nothing on GPUs.
+behaviour on that name (``has_connector("NixlConnector")``). On GPUs only fix 3 and the
+reports apply.
 
 Fix 1: main-thread affinity (``kvrelay_restore_affinity``, default on)
     On the CPU platform, ``NixlBaseConnectorWorker.__init__`` calls
@@ -37,6 +38,14 @@ Fix 3: a failed D->P read is retried as a recompute, not as a read nobody perfor
     params already processed, so the retry computes the prompt on P.
 
 Fixes 1-3 are proposals for upstream; docs/cpu-notes.md has the measurements.
+
+Each fix runs only where its problem exists: at start-up the connector reads the installed
+vLLM's and nixl's sources (``kvrelay.cluster.vllm_contract.fix_facts``, no import) and
+``kvrelay.cluster.connector_fixes.plan_fixes`` decides. Fixes 1-2 are off on GPU platforms
+(vLLM re-pins on CPU only; the progress delay was only measured on CPU); fix 3 is off once
+vLLM's pull scheduler checks ``_remote_blocks_processed`` itself. The decision and its reason
+are logged once per process. ``make check-vllm VERSION=X`` checks that a vLLM release still
+has every hook this class relies on (docs/vllm-versions.md).
 
 The exact prefix guard, where the tokens are (``kvrelay.core.guard``)
     On D, ``request_finished`` adds to the retained params the fingerprint of the tokens D
@@ -75,6 +84,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.logger import init_logger
 
+from kvrelay.cluster.connector_fixes import FixFacts, FixPlan, FixSettings, plan_fixes
+from kvrelay.cluster.vllm_contract import fix_facts, installed_context
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
 from kvrelay.core.params import (
@@ -88,7 +99,9 @@ from kvrelay.core.params import (
 )
 from kvrelay.core.report import DEFAULT_REPORT_HOSTS, report_body
 
-logger = init_logger(__name__)
+# Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
+# outside that namespace has no handler in a vLLM process and its info lines are dropped.
+logger = init_logger(f"vllm.{__name__}")
 
 RESTORE_AFFINITY_KEY = "kvrelay_restore_affinity"
 PROGRESS_DELAY_KEY = "kvrelay_nixl_progress_delay_us"
@@ -100,11 +113,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         transfer_config = vllm_config.kv_transfer_config
-        restore = bool(transfer_config.get_from_extra_config(RESTORE_AFFINITY_KEY, True))
-        delay_us = int(transfer_config.get_from_extra_config(PROGRESS_DELAY_KEY, 0))
+        plan = _fix_plan(transfer_config)
+        logger.info("kvrelay connector fixes: %s", plan.reason)
+        self._skip_processed_pull = plan.skip_processed_pull
         is_worker = role == KVConnectorRole.WORKER
-        saved = _thread_affinity() if (restore and is_worker) else None
-        with _nixl_progress_delay(delay_us if is_worker else 0):
+        saved = _thread_affinity() if (plan.restore_affinity and is_worker) else None
+        with _nixl_progress_delay(plan.progress_delay_us if is_worker else 0):
             super().__init__(vllm_config, role, kv_cache_config)
         if saved is not None and _thread_affinity() != saved:
             logger.info(
@@ -121,7 +135,12 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self, request: Any, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
         params = request.kv_transfer_params
-        if params and params.get("do_remote_decode") and params.get("_remote_blocks_processed"):
+        if (
+            self._skip_processed_pull
+            and params
+            and params.get("do_remote_decode")
+            and params.get("_remote_blocks_processed")
+        ):
             return 0, False
         if params and params.get(FINGERPRINT_KEY) is not None:
             self._guard(request, params)
@@ -221,6 +240,24 @@ class _Reporter:
                 if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
                     logger.warning("kvrelay: report to %s failed (%d so far): %s",
                                    url, self._failures, exc)
+
+
+def _fix_plan(transfer_config: Any) -> FixPlan:
+    """The fixes this process runs: the operator's switches, narrowed to what this node's
+    vLLM and nixl need (every fix stays on where their sources cannot be read)."""
+    from vllm.platforms import current_platform
+
+    settings = FixSettings(
+        restore_affinity=bool(transfer_config.get_from_extra_config(RESTORE_AFFINITY_KEY, True)),
+        progress_delay_us=int(transfer_config.get_from_extra_config(PROGRESS_DELAY_KEY, 0)),
+    )
+    device_type = str(current_platform.device_type)
+    try:
+        facts = fix_facts(installed_context(), device_type)
+    except (OSError, ValueError, SyntaxError, UnicodeDecodeError) as exc:
+        logger.warning("kvrelay: cannot read vLLM's sources (%s); every fix stays on", exc)
+        facts = FixFacts(device_type, None, None, None)
+    return plan_fixes(facts, settings)
 
 
 def _thread_affinity() -> set[int] | None:
