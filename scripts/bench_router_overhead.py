@@ -109,7 +109,7 @@ async def run_mode(mode: str, ports: dict[str, int], args: argparse.Namespace, r
 
 async def bench(ports: dict[str, int], args: argparse.Namespace,
                 pids: dict[str, int]) -> list[ModeResult]:
-    modes = ["direct", "bare", "router", "router+id"]
+    modes = args.modes.split(",")
     results = {m: ModeResult(m) for m in modes}
     warm = ModeResult("warmup")
     small = argparse.Namespace(**{**vars(args), "clients": 4})
@@ -152,6 +152,10 @@ def main() -> int:
     ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of every mode")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
+                    help="extra `kvrelay fake-engine` argument (repeatable)")
+    ap.add_argument("--modes", default="direct,bare,router,router+id",
+                    help="comma-separated modes to run (direct first: the baseline)")
     args = ap.parse_args()
 
     base = free_port_block(5, start=21000)
@@ -162,7 +166,8 @@ def main() -> int:
         engines = ServiceProcess(
             "fake-engines",
             [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode",
-             "1", "--base-port", str(base), "--report-delay-s", "0", "--latency-preset", "fast"],
+             "1", "--base-port", str(base), "--report-delay-s", "0", "--latency-preset", "fast",
+             *args.engine_arg],
             [urls["p"] + "/health", urls["d"] + "/health"], Path(tmp) / "engines.log",
             ready_timeout_s=120, env=env)
         router = ServiceProcess(

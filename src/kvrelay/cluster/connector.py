@@ -65,18 +65,19 @@ Report: D's retained params to the router (``kvrelay_report_url`` in a request's
     thread of the scheduler process, the report (``kvrelay.core.report``) to that URL when
     the request finishes. Only hosts listed in ``kvrelay_report_hosts`` (default: loopback)
     are contacted, so a client that talks to D directly cannot make it call arbitrary
-    addresses. Reports queued together are posted one per request, in order.
+    addresses. Reports queued together are posted together (one JSON list), over one
+    keep-alive connection.
 """
 
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import queue
 import threading
 import urllib.parse
-import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
@@ -97,7 +98,7 @@ from kvrelay.core.params import (
     REPORT_URL_KEY,
     VERIFIED_TOKENS_KEY,
 )
-from kvrelay.core.report import DEFAULT_REPORT_HOSTS, report_body
+from kvrelay.core.report import DEFAULT_REPORT_HOSTS, MAX_REPORTS_PER_POST, report_body
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
 # outside that namespace has no handler in a vLLM process and its info lines are dropped.
@@ -207,11 +208,14 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
 
 class _Reporter:
-    """Posts reports from one daemon thread so the scheduler never waits on the network."""
+    """Posts reports from one daemon thread so the scheduler never waits on the network.
+
+    Reports queued while a post is in flight go out together in the next post (a JSON list,
+    ``kvrelay.core.report``), over one keep-alive connection per router address."""
 
     def __init__(self, allowed_hosts: frozenset[str]) -> None:
         self._allowed_hosts = allowed_hosts
-        self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=10_000)
+        self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=10_000)
         self._thread: threading.Thread | None = None
         self._failures = 0
 
@@ -224,22 +228,55 @@ class _Reporter:
             self._thread = threading.Thread(target=self._run, name="kvrelay-report", daemon=True)
             self._thread.start()
         with contextlib.suppress(queue.Full):
-            self._queue.put_nowait((url, json.dumps(report).encode()))
+            self._queue.put_nowait((url, report))
 
     def _run(self) -> None:
+        connections: dict[tuple[str, str], http.client.HTTPConnection] = {}
         while True:
-            url, body = self._queue.get()
-            req = urllib.request.Request(
-                url, data=body, headers={"Content-Type": "application/json"}, method="POST"
-            )
+            due = [self._queue.get()]
+            while len(due) < 4 * MAX_REPORTS_PER_POST:
+                try:
+                    due.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            by_url: dict[str, list[dict[str, Any]]] = {}
+            for url, report in due:
+                by_url.setdefault(url, []).append(report)
+            for url, reports in by_url.items():
+                for start in range(0, len(reports), MAX_REPORTS_PER_POST):
+                    batch = reports[start : start + MAX_REPORTS_PER_POST]
+                    self._post(connections, url, batch[0] if len(batch) == 1 else batch)
+
+    def _post(
+        self, connections: dict[tuple[str, str], http.client.HTTPConnection], url: str,
+        payload: object,
+    ) -> None:
+        parts = urllib.parse.urlsplit(url)
+        key = (parts.scheme, parts.netloc)
+        body = json.dumps(payload).encode()
+        path = parts.path or "/"
+        for attempt in (0, 1):
+            conn = connections.get(key)
+            if conn is None:
+                kind = http.client.HTTPSConnection if parts.scheme == "https" else \
+                    http.client.HTTPConnection
+                conn = connections[key] = kind(parts.netloc, timeout=2.0)
             try:
-                with urllib.request.urlopen(req, timeout=2.0) as resp:
-                    resp.read()
-            except OSError as exc:
+                conn.request("POST", path, body, {"Content-Type": "application/json"})
+                conn.getresponse().read()
+                return
+            except (OSError, http.client.HTTPException) as exc:
+                conn.close()
+                connections.pop(key, None)
+                if attempt == 0 and isinstance(
+                    exc, http.client.RemoteDisconnected | BrokenPipeError | ConnectionResetError
+                ):
+                    continue  # the router closed an idle keep-alive connection: reconnect
                 self._failures += 1
                 if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
                     logger.warning("kvrelay: report to %s failed (%d so far): %s",
                                    url, self._failures, exc)
+                return
 
 
 def _fix_plan(transfer_config: Any) -> FixPlan:

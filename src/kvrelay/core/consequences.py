@@ -16,8 +16,10 @@ The router's handler only carries these out; the rules live here, next to ``deci
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
 from typing import Literal
+
+import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.costs import CostEstimates
 from kvrelay.core.policy import TurnDecision
@@ -32,8 +34,7 @@ DecodeRetry = Literal["none", "same_params", "fresh_prefill"]
 _INVALIDATING = frozenset({"expired", "near_expiry", "node_down", "engine_restarted"})
 
 
-@dataclass(frozen=True)
-class EntryFate:
+class EntryFate(msgspec.Struct, frozen=True):
     """What to do with the entry a decision was made on."""
 
     claim: bool

@@ -14,7 +14,9 @@ has been sent the entry must be dropped, whatever the outcome of that turn.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, replace
+
+import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.fingerprint import TokenFingerprint
 from kvrelay.core.params import RemoteBlocks
@@ -26,8 +28,7 @@ DEFAULT_EXPIRY_SAFETY_MARGIN_S = 10.0
 """Covers the gap between D starting its TTL and the router seeing the response."""
 
 
-@dataclass(frozen=True)
-class ConversationKey:
+class ConversationKey(msgspec.Struct, frozen=True):
     """A client-given conversation id, scoped to a tenant so ids of different tenants never
     collide. ``conversation_id`` may be sensitive: log ``hashed()`` instead."""
 
@@ -53,8 +54,7 @@ def conversation_tag(*parts: bytes) -> str:
     return h.hexdigest()
 
 
-@dataclass(frozen=True)
-class ConversationEntry:
+class ConversationEntry(msgspec.Struct, frozen=True):
     """D's retained KV for the latest turn of one conversation.
 
     ``blocks`` are D's ``kv_transfer_params`` (``decode_to_prefill``) with the fingerprint

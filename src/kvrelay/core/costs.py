@@ -26,7 +26,9 @@ per node (or node pair) in its own state.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+
+import msgspec
+from msgspec.structs import replace
 
 DEFAULT_PREFILL_S_PER_TOKEN = 1e-4
 DEFAULT_TRANSFER_S_PER_TOKEN = 2e-5
@@ -35,8 +37,7 @@ DEFAULT_ATTENTION_KNEE_TOKENS = 32768
 DEFAULT_OVERHEAD_PROBE_TOKENS = 256
 
 
-@dataclass(frozen=True)
-class BoundedEwma:
+class BoundedEwma(msgspec.Struct, frozen=True):
     """An EWMA that starts at a prior ``value`` and always stays in ``[floor, ceiling]``."""
 
     value: float
@@ -81,11 +82,10 @@ def _default_transfer_overhead() -> BoundedEwma:
     return BoundedEwma(value=DEFAULT_TRANSFER_OVERHEAD_S, floor=1e-4, ceiling=5.0)
 
 
-@dataclass(frozen=True)
-class PrefillEstimate:
+class PrefillEstimate(msgspec.Struct, frozen=True):
     """Prefill cost of one P node (see the module docstring for the model)."""
 
-    seconds_per_token: BoundedEwma = field(default_factory=_default_prefill_rate)
+    seconds_per_token: BoundedEwma = msgspec.field(default_factory=_default_prefill_rate)
     attention_knee_tokens: int = DEFAULT_ATTENTION_KNEE_TOKENS
 
     def __post_init__(self) -> None:
@@ -113,12 +113,11 @@ class PrefillEstimate:
         return replace(self, seconds_per_token=self.seconds_per_token.observe(sample))
 
 
-@dataclass(frozen=True)
-class TransferEstimate:
+class TransferEstimate(msgspec.Struct, frozen=True):
     """KV pull cost from one D to one P (see the module docstring for the model)."""
 
-    seconds_per_token: BoundedEwma = field(default_factory=_default_transfer_rate)
-    overhead_s: BoundedEwma = field(default_factory=_default_transfer_overhead)
+    seconds_per_token: BoundedEwma = msgspec.field(default_factory=_default_transfer_rate)
+    overhead_s: BoundedEwma = msgspec.field(default_factory=_default_transfer_overhead)
     overhead_probe_tokens: int = DEFAULT_OVERHEAD_PROBE_TOKENS
 
     def seconds(self, num_tokens: int) -> float:
@@ -143,12 +142,11 @@ class TransferEstimate:
         return replace(self, seconds_per_token=per_token)
 
 
-@dataclass(frozen=True)
-class CostEstimates:
+class CostEstimates(msgspec.Struct, frozen=True):
     """The two estimates one turn decision needs: P's prefill and the D -> P pull."""
 
-    prefill: PrefillEstimate = field(default_factory=PrefillEstimate)
-    transfer: TransferEstimate = field(default_factory=TransferEstimate)
+    prefill: PrefillEstimate = msgspec.field(default_factory=PrefillEstimate)
+    transfer: TransferEstimate = msgspec.field(default_factory=TransferEstimate)
 
     def prefill_s(self, num_tokens: int, context_tokens: int = 0) -> float:
         return self.prefill.seconds(num_tokens, context_tokens)

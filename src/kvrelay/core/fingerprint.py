@@ -24,7 +24,8 @@ import binascii
 import hashlib
 import struct
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+
+import msgspec
 
 DEFAULT_CHUNK_TOKENS = 16
 DIGEST_BYTES = 8
@@ -39,8 +40,7 @@ class FingerprintError(ValueError):
     """Serialized fingerprint bytes or text that cannot be decoded."""
 
 
-@dataclass(frozen=True)
-class TokenFingerprint:
+class TokenFingerprint(msgspec.Struct, frozen=True):
     """Chained chunk digests of ``num_tokens`` token ids; the ids themselves are not kept.
 
     ``chunk_digests`` concatenates one ``DIGEST_BYTES`` digest per full chunk;
@@ -50,8 +50,8 @@ class TokenFingerprint:
 
     num_tokens: int
     chunk_tokens: int
-    chunk_digests: bytes = field(repr=False)
-    tail_digest: bytes = field(repr=False)
+    chunk_digests: bytes
+    tail_digest: bytes
 
     def __post_init__(self) -> None:
         if not 1 <= self.chunk_tokens <= 0xFFFF:
@@ -91,16 +91,17 @@ class TokenFingerprint:
         )
 
     def to_str(self) -> str:
-        """JSON-safe text form: base85 of ``to_bytes`` (no quotes or backslashes)."""
-        return base64.b85encode(self.to_bytes()).decode("ascii")
+        """JSON-safe text form: base64 of ``to_bytes`` (no quotes or backslashes; the codec
+        is C code, this runs on every report and pull)."""
+        return base64.b64encode(self.to_bytes()).decode("ascii")
 
     @classmethod
     def from_str(cls, text: str) -> TokenFingerprint:
         """Inverse of ``to_str``; raises ``FingerprintError`` on malformed input."""
         try:
-            data = base64.b85decode(text.encode("ascii"))
+            data = base64.b64decode(text.encode("ascii"), validate=True)
         except (ValueError, UnicodeEncodeError, binascii.Error) as exc:
-            raise FingerprintError(f"not base85 text: {exc}") from exc
+            raise FingerprintError(f"not base64 text: {exc}") from exc
         return cls.from_bytes(data)
 
 

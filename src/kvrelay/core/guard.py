@@ -20,8 +20,10 @@ and holds exactly the blocks those tokens need (``RemoteBlocks.capped``).
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
 from typing import Literal
+
+import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.fingerprint import verifiable_tokens, verified_prefix_tokens
 from kvrelay.core.params import (
@@ -42,8 +44,7 @@ GuardReason = Literal[
 ]
 
 
-@dataclass(frozen=True)
-class PullCheck:
+class PullCheck(msgspec.Struct, frozen=True):
     """What P may load of D's blocks for one prompt, and why (module docstring)."""
 
     reason: GuardReason

@@ -34,7 +34,8 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass
+
+import msgspec
 
 DIGEST_BYTES = 16
 TEXT_BLOCK_BYTES = 1024
@@ -62,8 +63,7 @@ def scope_of(tenant: str, conversation_id: str | None) -> bytes:
     return digest(b"scope", tenant.encode("utf-8"), cid)
 
 
-@dataclass(frozen=True)
-class Continuation:
+class Continuation(msgspec.Struct, frozen=True):
     """What must follow an anchor for a request to continue an entry: the answer's digest
     (chat, ``num_bytes`` 0) or the digest of the next ``num_bytes`` prompt bytes
     (completions)."""
@@ -76,8 +76,7 @@ class Continuation:
         return self.digest + self.num_bytes.to_bytes(8, "little")
 
 
-@dataclass(frozen=True)
-class Probe:
+class Probe(msgspec.Struct, frozen=True):
     """One place a request may continue an entry.
 
     ``continuation`` is the required continuation (chat), or ``None`` when candidates must
@@ -91,8 +90,7 @@ class Probe:
     covered_bytes: int
 
 
-@dataclass(frozen=True)
-class RequestIdentity:
+class RequestIdentity(msgspec.Struct, frozen=True):
     """The digests of one request (see the module docstring).
 
     ``anchor`` is where this request's own entry will be stored; ``probes`` are tried longest
@@ -108,8 +106,7 @@ class RequestIdentity:
     tail_offset: int = 0
 
 
-@dataclass(frozen=True)
-class ChatMessage:
+class ChatMessage(msgspec.Struct, frozen=True):
     """One request message as the identity needs it: its JSON bytes and, for an assistant
     message, its ``answer_digest``."""
 
@@ -117,8 +114,7 @@ class ChatMessage:
     answer: Continuation | None = None
 
 
-@dataclass(frozen=True)
-class ToolCall:
+class ToolCall(msgspec.Struct, frozen=True):
     name: str
     arguments: str
 

@@ -36,8 +36,10 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
 from typing import Literal
+
+import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.fingerprint import FingerprintError, TokenFingerprint
 
@@ -64,8 +66,7 @@ class KVParamsError(ValueError):
     """A ``kv_transfer_params`` object that does not follow vLLM's NixlConnector protocol."""
 
 
-@dataclass(frozen=True)
-class RemoteBlocks:
+class RemoteBlocks(msgspec.Struct, frozen=True):
     """Where a node holds KV blocks another node may read over NIXL.
 
     ``direction`` says who reads: ``prefill_to_decode`` blocks sit on P and are read by D;
@@ -224,15 +225,16 @@ def _fingerprint(raw: object) -> TokenFingerprint | None:
 def _extra(raw: Mapping[str, object]) -> tuple[tuple[str, str], ...]:
     """vLLM keys this module does not model, kept as JSON text (``_``-prefixed keys are
     vLLM's scheduler-internal marks and never travel)."""
+    extra = [k for k in raw.keys() - _VLLM_KEYS if not k.startswith(("kvrelay_", "_"))]
+    if not extra:
+        return ()
     out: list[tuple[str, str]] = []
-    for key, value in raw.items():
-        if key in _VLLM_KEYS or key.startswith(("kvrelay_", "_")):
-            continue
+    for key in sorted(extra):
         try:
-            out.append((key, json.dumps(value, allow_nan=False)))
+            out.append((key, json.dumps(raw[key], allow_nan=False)))
         except (TypeError, ValueError):
             raise KVParamsError(f"{key} is not JSON") from None
-    return tuple(sorted(out))
+    return tuple(out)
 
 
 def _opt_positive(raw: Mapping[str, object], key: str) -> int | None:

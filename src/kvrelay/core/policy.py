@@ -29,17 +29,19 @@ not be looked up (shared store down or slow), which it recomputes.
 
 Contracts: ``blocks_to_send`` is set only for ``pull``; in exact mode it never claims more
 tokens than the verified prefix (nor the whole prompt) and holds exactly their blocks; in
-estimate mode it is D's whole retained params with the fingerprint, for P's connector to
-verify and cut. ``reused_tokens`` is what the decision expects to reuse (zero for
-``recompute``); the exact count comes back from P. A ``pull`` consumes the entry
-(single-use); the caller must claim it before sending.
+estimate mode it is D's whole retained params with the fingerprint (and D's block size when
+known), for P's connector to verify and cut. ``reused_tokens`` is what the decision expects
+to reuse (zero for ``recompute``); the exact count comes back from P. A ``pull`` consumes
+the entry (single-use); the caller must claim it before sending.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Literal
+
+import msgspec
 
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.costs import CostEstimates
@@ -93,8 +95,7 @@ class PolicyConfig:
             raise ValueError("pull_cost_factor must be positive")
 
 
-@dataclass(frozen=True)
-class Prompt:
+class Prompt(msgspec.Struct, frozen=True):
     """What the router knows of a turn's prompt when it decides.
 
     ``token_ids``: the exact engine ids (fallback mode: P's ``/tokenize``, or a completions
@@ -108,8 +109,7 @@ class Prompt:
     token_ids: Sequence[int] | None = None
 
 
-@dataclass(frozen=True)
-class TurnDecision:
+class TurnDecision(msgspec.Struct, frozen=True):
     """What to do with one turn, and why (see the module docstring for the contracts).
 
     ``exact`` says whether the guard ran in the router (``verified_tokens`` is then the
@@ -208,7 +208,7 @@ def decide_turn(
             return recompute("partial_reuse_unsafe")
         blocks = check.blocks
     else:
-        blocks = replace(entry.blocks, block_size=entry.blocks.block_size or entry.block_size)
+        blocks = entry.blocks
     return TurnDecision(
         "pull",
         "pull",

@@ -18,6 +18,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
 
+import msgspec
+
 NodeRole = Literal["prefill", "decode"]
 
 SelectionReason = Literal[
@@ -29,8 +31,7 @@ SelectionReason = Literal[
 ]
 
 
-@dataclass(frozen=True)
-class NodeState:
+class NodeState(msgspec.Struct, frozen=True):
     """The router's view of one vLLM node at decision time.
 
     ``engine_id`` is the vLLM engine id last seen from the node (``None`` until known);
@@ -52,8 +53,7 @@ class NodeState:
             raise ValueError("outstanding counts cannot be negative")
 
 
-@dataclass(frozen=True)
-class NodeChoice:
+class NodeChoice(msgspec.Struct, frozen=True):
     node_id: str
     reason: SelectionReason
 

@@ -156,7 +156,8 @@ def _admin_routes(ctx: RouterContext) -> list[Route]:
 def internal_routes(ctx: RouterContext) -> list[Route]:
     async def kv_report(request: Request) -> bytes:
         raw = await read_body(request, MAX_REPORT_BYTES, ctx.config.body_timeout_s)
-        return dumps({"outcome": await ctx.desk.accept_report(raw)})
+        outcomes = await ctx.desk.accept_reports(raw)
+        return dumps({"outcome": outcomes[0]} if len(outcomes) == 1 else {"outcomes": outcomes})
 
     async def health(request: Request) -> bytes:
         return dumps({"status": "ok"})

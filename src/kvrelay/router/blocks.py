@@ -16,7 +16,7 @@ for ``entry_from_decode``; ``None`` as the size means the entry may only be reus
 
 from __future__ import annotations
 
-from dataclasses import replace
+from msgspec.structs import replace
 
 from kvrelay.core.params import RemoteBlocks
 

@@ -25,9 +25,10 @@ import logging
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.conversation import new_entry, with_fingerprint
 from kvrelay.core.fingerprint import held_fingerprint
@@ -39,6 +40,7 @@ from kvrelay.core.report import (
     check_report,
     issue_turn_id,
     parse_report,
+    report_items,
     turn_id_for,
 )
 from kvrelay.router.blocks import LayoutError, retained_layout
@@ -52,8 +54,7 @@ _SETTLED_MEMORY = 4096
 _DECODER = msgspec.json.Decoder()
 
 
-@dataclass(frozen=True)
-class DecodeAnswer:
+class DecodeAnswer(msgspec.Struct, frozen=True):
     """What D answered, as the next turn will carry it: the continuation of the answer
     (``answer_text`` for completions, else ``chat``), its size, and, in ``/tokenize`` mode,
     the token ids D returned."""
@@ -65,7 +66,7 @@ class DecodeAnswer:
     output_token_ids: Sequence[int] = ()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class PendingTurn:
     """One D request whose entry is not settled yet (mutated only by ``ReportDesk``)."""
 
@@ -76,7 +77,8 @@ class PendingTurn:
     number: int
     decode_node_id: str
     ttl_s: float
-    expect: ReportExpectation
+    num_prompt_tokens: int | None
+    max_output_tokens: int | None
     slot: Continuation | None = None
     num_bytes: int = 0
     token_ids: tuple[Sequence[int], Sequence[int]] | None = None
@@ -136,9 +138,8 @@ class ReportDesk:
             number=number,
             decode_node_id=decode_node_id,
             ttl_s=ttl_s,
-            expect=ReportExpectation(
-                num_prompt_tokens=num_prompt_tokens, max_output_tokens=max_output_tokens
-            ),
+            num_prompt_tokens=num_prompt_tokens,
+            max_output_tokens=max_output_tokens,
         )
         self._by_turn[p.turn_id] = p
         self._by_anchor.setdefault((identity.scope, identity.anchor), set()).add(p)
@@ -160,11 +161,11 @@ class ReportDesk:
 
     async def wait_for(self, pending: Sequence[PendingTurn], timeout_s: float) -> bool:
         """Wait until every turn in ``pending`` settled, at most ``timeout_s``."""
-        events = [p.settled.wait() for p in pending if p.outcome is None]
-        if not events:
-            return True
         try:
-            await asyncio.wait_for(asyncio.gather(*events), timeout_s)
+            async with asyncio.timeout(timeout_s):
+                for p in pending:
+                    if p.outcome is None:
+                        await p.settled.wait()
         except TimeoutError:
             return False
         return True
@@ -198,16 +199,22 @@ class ReportDesk:
                 self._timeout, self.settle, p, "report_timeout"
             )
 
-    async def accept_report(self, raw: bytes) -> str:
-        """Handle one ``/internal/kv-report`` body; returns the outcome (also counted)."""
-        outcome = await self._accept(raw)
-        self._metrics.reports.labels(outcome).inc()
-        return outcome
-
-    async def _accept(self, raw: bytes) -> str:
+    async def accept_reports(self, raw: bytes) -> list[str]:
+        """Handle one ``/internal/kv-report`` body (one report or a batch); returns each
+        report's outcome (also counted)."""
         try:
-            report = parse_report(_DECODER.decode(raw))
+            items = report_items(_DECODER.decode(raw))
         except (msgspec.DecodeError, RecursionError, ReportError):
+            items = [None]
+        outcomes = [await self._accept(item) for item in items]
+        for outcome in outcomes:
+            self._metrics.child(self._metrics.reports, outcome).inc()
+        return outcomes
+
+    async def _accept(self, item: object) -> str:
+        try:
+            report = parse_report(item)
+        except ReportError:
             return "invalid"
         p = self._by_turn.get(report.turn_id)
         if p is None:
@@ -215,9 +222,10 @@ class ReportDesk:
         if not turn_id_for(self._key, report.turn_id, p.decode_node_id):
             return "unknown_turn"
         engine, side_channel = self._nodes.trusted_identity(p.decode_node_id)
-        expect = replace(
-            p.expect, engine_id=engine, side_channel=side_channel,
+        expect = ReportExpectation(
+            engine_id=engine, side_channel=side_channel,
             block_size=self._nodes.block_size(p.decode_node_id),
+            num_prompt_tokens=p.num_prompt_tokens, max_output_tokens=p.max_output_tokens,
         )
         verdict = check_report(expect, report)
         if verdict != "ok":
@@ -251,7 +259,7 @@ class ReportDesk:
         self._settled[p.turn_id] = None
         while len(self._settled) > _SETTLED_MEMORY:
             self._settled.popitem(last=False)
-        self._metrics.turn_entries.labels(outcome).inc()
+        self._metrics.child(self._metrics.turn_entries, outcome).inc()
         p.settled.set()
 
     async def _commit(self, p: PendingTurn) -> None:
@@ -260,7 +268,7 @@ class ReportDesk:
             return
         if p.token_ids is not None:
             prompt_ids, output_ids = p.token_ids
-            expected = p.expect.num_prompt_tokens
+            expected = p.num_prompt_tokens
             if expected is not None and expected != len(prompt_ids):
                 self.settle(p, "token_ids_mismatch")
                 return
@@ -273,6 +281,8 @@ class ReportDesk:
             blocks, block_size = retained_layout(
                 blocks, self._nodes.block_size(p.decode_node_id) or blocks.block_size
             )
+            if block_size is not None:
+                blocks = replace(blocks, block_size=block_size)
         except LayoutError as exc:
             log.warning("D %s: %s", p.decode_node_id, exc)
             self.settle(p, "bad_block_layout")

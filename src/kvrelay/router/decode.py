@@ -160,7 +160,7 @@ class Decoder:
         try:
             await _body(send, scan.feed(first))
             turn.ttft_s = time.perf_counter() - turn.started_s
-            ctx.metrics.ttft.labels(turn.action).observe(turn.ttft_s)
+            ctx.metrics.child(ctx.metrics.ttft, turn.action).observe(turn.ttft_s)
             async for chunk in chunks:
                 events, carry = frame(carry, chunk)
                 if events:
@@ -259,9 +259,10 @@ class Decoder:
 
     def _done(self, turn: Turn, outcome: str) -> None:
         if turn.finish(outcome):
-            self._ctx.metrics.turn_seconds.labels(
-                turn.action, "true" if turn.request.stream else "false"
-            ).observe(time.perf_counter() - turn.started_s)
+            metrics = self._ctx.metrics
+            metrics.child(metrics.turn_seconds, turn.action,
+                          "true" if turn.request.stream else "false",
+                          ).observe(time.perf_counter() - turn.started_s)
 
 
 async def _body(send: Send, data: bytes) -> None:

@@ -36,6 +36,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
+import msgspec
+
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import Continuation, Probe, RequestIdentity, text_matches
 
@@ -46,8 +48,7 @@ class IndexUnavailable(RuntimeError):
     """The conversation index could not answer (down, slow): treat the lookup as a miss."""
 
 
-@dataclass(frozen=True)
-class EntryRef:
+class EntryRef(msgspec.Struct, frozen=True):
     """Where an entry is stored (all digests)."""
 
     scope: bytes
@@ -58,8 +59,7 @@ class EntryRef:
         return (self.scope + self.anchor + self.slot).hex()
 
 
-@dataclass(frozen=True)
-class Found:
+class Found(msgspec.Struct, frozen=True):
     """The entry a request continues, where it is, and the probe that found it."""
 
     ref: EntryRef

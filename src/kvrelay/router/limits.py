@@ -29,6 +29,7 @@ class Admission:
         self._by_tenant: Counter[str] = Counter()
         self._metrics = metrics
         self._open: set[DisconnectWatch] = set()
+        metrics.in_flight.set_function(lambda: float(self.in_flight))
 
     def admit(self, tenant: str) -> None:
         """Take a slot for ``tenant`` or raise ``ClientError`` (503 draining, 429 full)."""
@@ -45,14 +46,14 @@ class Admission:
             )
         self.in_flight += 1
         self._by_tenant[tenant] += 1
-        self._metrics.in_flight.inc()
 
     def release(self, tenant: str) -> None:
         self.in_flight -= 1
-        self._by_tenant[tenant] -= 1
-        if self._by_tenant[tenant] <= 0:
+        left = self._by_tenant[tenant] - 1
+        if left > 0:
+            self._by_tenant[tenant] = left
+        else:
             del self._by_tenant[tenant]
-        self._metrics.in_flight.dec()
 
     def opened(self, watch: DisconnectWatch) -> None:
         self._open.add(watch)

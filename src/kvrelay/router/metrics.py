@@ -36,6 +36,7 @@ Names (all prefixed ``kvrelay_router_``):
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator, Mapping
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import GaugeMetricFamily, Metric
@@ -127,7 +128,7 @@ class RouterMetrics:
             buckets=_GAP_BUCKETS, registry=r,
         )
         self._retained: _Retained | None = None
-        self._children: dict[tuple[str, ...], Counter] = {}
+        self._children: dict[tuple[object, ...], Any] = {}
 
     def track_retained_tokens(self, read: Callable[[], Mapping[str, int]]) -> None:
         """Make ``retained_tokens{node}`` read ``read()`` at scrape time."""
@@ -135,31 +136,27 @@ class RouterMetrics:
             self._retained = _Retained(read)
             self.registry.register(self._retained)
 
+    def child(self, metric: Counter | Histogram, *labels: str) -> Any:
+        """``metric.labels(*labels)``, cached: prometheus_client's lookup takes a lock and
+        builds a key on every call, and these run several times per turn."""
+        key = (id(metric), *labels)
+        found = self._children.get(key)
+        if found is None:
+            found = self._children[key] = metric.labels(*labels)
+        return found
+
     def upstream_error(self, node: str, kind: str, status: int | None) -> None:
-        self.upstream_errors.labels(node, "capacity" if status == 503 else kind).inc()
+        self.child(self.upstream_errors, node, "capacity" if status == 503 else kind).inc()
 
     def decided(self, action: str, reason: str) -> None:
-        """``turn_decisions_total`` (label children cached: this runs on every turn)."""
-        key = ("d", action, reason)
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.decisions.labels(action, reason)
-        child.inc()
+        self.child(self.decisions, action, reason).inc()
 
     def tokens(self, reused: int, recomputed: int) -> None:
-        for source, n in (("reused", reused), ("recomputed", recomputed)):
-            key = ("t", source)
-            child = self._children.get(key)
-            if child is None:
-                child = self._children[key] = self.prompt_tokens.labels(source)
-            child.inc(max(0, n))
+        self.child(self.prompt_tokens, "reused").inc(max(0, reused))
+        self.child(self.prompt_tokens, "recomputed").inc(max(0, recomputed))
 
     def request_done(self, endpoint: str, status: int) -> None:
-        key = ("r", endpoint, str(status))
-        child = self._children.get(key)
-        if child is None:
-            child = self._children[key] = self.requests.labels(endpoint, str(status))
-        child.inc()
+        self.child(self.requests, endpoint, str(status)).inc()
 
     def track_live_entries(self, count: Callable[[], int]) -> None:
         """Make ``live_entries`` read ``count()`` at scrape time."""

@@ -27,10 +27,9 @@ Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from kvrelay.core.costs import CostEstimates
@@ -175,17 +174,10 @@ class NodeRegistry:
 
     # -- load -------------------------------------------------------------------------------
 
-    @contextlib.contextmanager
-    def busy(self, node_id: str, prefill_tokens: int = 0) -> Iterator[None]:
-        """Count one request (and its prefill tokens) as outstanding on the node meanwhile."""
-        node = self._nodes[node_id]
-        node.outstanding_requests += 1
-        node.outstanding_prefill_tokens += prefill_tokens
-        try:
-            yield
-        finally:
-            node.outstanding_requests -= 1
-            node.outstanding_prefill_tokens -= prefill_tokens
+    def busy(self, node_id: str, prefill_tokens: int = 0) -> _Busy:
+        """Count one request (and its prefill tokens) as outstanding on the node while the
+        returned context is entered."""
+        return _Busy(self._nodes[node_id], prefill_tokens)
 
     # -- what nodes answer ------------------------------------------------------------------
 
@@ -346,6 +338,25 @@ class NodeRegistry:
         self._metrics.node_up.labels(node.config.node_id, node.config.role).set(
             1.0 if node.up else 0.0
         )
+
+
+class _Busy:
+    """``NodeRegistry.busy``'s context (a class: a generator context costs twice as much on
+    a path taken twice per turn)."""
+
+    __slots__ = ("_node", "_tokens")
+
+    def __init__(self, node: _Node, tokens: int) -> None:
+        self._node = node
+        self._tokens = tokens
+
+    def __enter__(self) -> None:
+        self._node.outstanding_requests += 1
+        self._node.outstanding_prefill_tokens += self._tokens
+
+    def __exit__(self, *exc: object) -> None:
+        self._node.outstanding_requests -= 1
+        self._node.outstanding_prefill_tokens -= self._tokens
 
 
 def _describe(error: UpstreamError) -> str:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import re
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
 from typing import Any, Literal
 
 import msgspec
@@ -64,8 +63,7 @@ _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 
 
-@dataclass(frozen=True)
-class TurnRequest:
+class TurnRequest(msgspec.Struct, frozen=True):
     """A validated client turn.
 
     ``body`` is what gets forwarded (no ``conversation_id``); ``prompt_token_ids`` is set

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import gc
 import logging
 import socket
 from collections.abc import Iterator
@@ -254,5 +255,6 @@ def serve(config: RouterConfig, **uvicorn_options: Any) -> None:
     sockets = [bind(config.host, config.port),
                bind(config.internal_host, config.listen_internal_port)]
     server = make_server(config, create_app(config), **uvicorn_options)
+    gc.freeze()  # start-up objects never become garbage: keep them out of every collection
     uvloop.run(server.serve(sockets=sockets))
     log.info("router stopped")

@@ -198,12 +198,18 @@ class StreamScan:
             return
         data = b"".join(self._batch)
         self._batch, self._batch_bytes = [], 0
-        payloads = [e[6:] for e in _split(data) if e.startswith(b"data: {")]
-        if not payloads:
-            return
-        try:
-            chunks = _CHUNKS.decode(b"[" + b",".join(p.rstrip(b"\n") for p in payloads) + b"]")
-        except (msgspec.DecodeError, msgspec.ValidationError):
+        if data.endswith(SSE_DONE):
+            data = data[: -len(SSE_DONE)]
+        chunks: list[_Chunk] | None = None
+        if data.startswith(b"data: {") and data.endswith(b"}\n\n"):
+            # vLLM's events are "data: {json}\n\n"; JSON never holds a raw newline, so the
+            # whole batch becomes one JSON list with two byte replacements.
+            try:
+                chunks = _CHUNKS.decode(b"[" + data[6:-2].replace(b"\n\ndata: ", b",") + b"]")
+            except (msgspec.DecodeError, msgspec.ValidationError):
+                chunks = None
+        if chunks is None:
+            payloads = [e[6:] for e in _split(data) if e.startswith(b"data: {")]
             chunks = [_safe_chunk(p) for p in payloads]
         for chunk in chunks:
             for choice in chunk.choices:

@@ -28,7 +28,7 @@ class TurnState(enum.Enum):
     FAILED = "failed"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Turn:
     """A planned turn (module docstring).
 

@@ -10,19 +10,24 @@ bidirectional transfer off). Only hosts in ``report_hosts`` (default: loopback) 
 
 The real connector posts from a background thread about 100 ms after the last chunk; the fake
 posts ``report_delay_s`` after the response completed (streamed: after ``data: [DONE]`` was
-written; aborted: when the connection went away). A crashed engine sends nothing.
+written; aborted: when the connection went away). A crashed engine sends nothing. Like the
+connector, reports that are due while a post is in flight go out together in the next one
+(a JSON list, ``core.report``), over one keep-alive connection.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import urllib.parse
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass
 
-import httpx
+import aiohttp
+import msgspec
 
 from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
+from kvrelay.core.report import MAX_REPORTS_PER_POST
 from kvrelay.testing.fake_latency import Sleep
 
 
@@ -48,7 +53,7 @@ def report_target(params: Mapping[str, object] | None) -> tuple[str, str] | None
 
 
 class Reporter:
-    """Posts reports of one engine from detached tasks; ``close()`` drops pending ones."""
+    """Posts reports of one engine (module docstring); ``close()`` drops pending ones."""
 
     def __init__(
         self, allowed_hosts: Collection[str], delay_s: float, sleep: Sleep = asyncio.sleep
@@ -56,8 +61,10 @@ class Reporter:
         self._allowed = frozenset(allowed_hosts)
         self._delay_s = delay_s
         self._sleep = sleep
-        self._client: httpx.AsyncClient | None = None
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._session: aiohttp.ClientSession | None = None
+        self._waiting: set[asyncio.Task[None]] = set()
+        self._due: list[ReportOutcome] = []
+        self._poster: asyncio.Task[None] | None = None
 
     def submit(self, outcome: ReportOutcome) -> None:
         """Post ``outcome.body`` to ``outcome.url`` after the delay. A host outside
@@ -66,34 +73,67 @@ class Reporter:
         if host not in self._allowed:
             outcome.error = f"host {host!r} not in report_hosts"
             return
-        task = asyncio.get_running_loop().create_task(self._post(outcome))
-        self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        if self._delay_s <= 0:
+            self._enqueue(outcome)
+            return
+        task = asyncio.get_running_loop().create_task(self._later(outcome))
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
 
     async def drain(self) -> None:
         """Wait until every submitted report was posted (or failed)."""
-        while self._tasks:
-            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        while self._waiting or self._poster is not None:
+            if self._waiting:
+                await asyncio.gather(*list(self._waiting), return_exceptions=True)
+            poster = self._poster
+            if poster is not None:
+                await asyncio.gather(poster, return_exceptions=True)
 
     async def close(self) -> None:
         """Cancel pending reports (the process died) and close the HTTP client."""
-        tasks = list(self._tasks)
+        tasks = [*self._waiting, *([self._poster] if self._poster else [])]
         for task in tasks:
             task.cancel()
         if tasks:
             await asyncio.gather(*tasks, return_exceptions=True)
-        client, self._client = self._client, None
-        if client is not None:
-            await client.aclose()
+        self._due.clear()
+        session, self._session = self._session, None
+        if session is not None:
+            await session.close()
 
-    async def _post(self, outcome: ReportOutcome) -> None:
-        if self._delay_s > 0:
-            await self._sleep(self._delay_s)
-        if self._client is None:
-            self._client = httpx.AsyncClient(timeout=2.0, trust_env=False)
+    async def _later(self, outcome: ReportOutcome) -> None:
+        await self._sleep(self._delay_s)
+        self._enqueue(outcome)
+
+    def _enqueue(self, outcome: ReportOutcome) -> None:
+        self._due.append(outcome)
+        if self._poster is None:
+            self._poster = asyncio.get_running_loop().create_task(self._post_due())
+
+    async def _post_due(self) -> None:
         try:
-            response = await self._client.post(outcome.url, json=outcome.body)
-            outcome.status = response.status_code
-        except httpx.HTTPError as exc:
-            outcome.error = f"{type(exc).__name__}: {exc}"
+            while self._due:
+                url = self._due[0].url
+                batch = [o for o in self._due if o.url == url][:MAX_REPORTS_PER_POST]
+                self._due = [o for o in self._due if o not in batch]
+                await self._post(url, batch)
+        finally:
+            self._poster = None
 
+    async def _post(self, url: str, batch: list[ReportOutcome]) -> None:
+        if self._session is None:
+            self._session = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=2.0), trust_env=False)
+        payload = batch[0].body if len(batch) == 1 else [o.body for o in batch]
+        try:
+            async with self._session.post(
+                url, data=msgspec.json.encode(payload),
+                headers={"Content-Type": "application/json"},
+            ) as response:
+                with contextlib.suppress(aiohttp.ClientError):
+                    await response.read()
+                for outcome in batch:
+                    outcome.status = response.status
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            for outcome in batch:
+                outcome.error = f"{type(exc).__name__}: {exc}"
