@@ -84,6 +84,8 @@ class RequestRecord:
     ``load_failure`` (a ``fake_kv.ReadFailure``) is set when the read failed; then
     ``recomputed_after_failure`` under policy ``recompute``, or the request failed.
     ``report`` is kvrelay's D-side report, when the request asked for one.
+    ``request_kv_transfer_params`` is the ``kv_transfer_params`` the request carried (what a
+    router asked this engine to do: read which blocks, report where), as received.
     """
 
     request_id: str
@@ -110,6 +112,7 @@ class RequestRecord:
     finish_reason: str | None = None
     kv_transfer_params: dict[str, object] | None = None
     report: ReportOutcome | None = None
+    request_kv_transfer_params: dict[str, object] | None = None
 
     @property
     def expected_pulled_token_ids(self) -> tuple[int, ...]:

@@ -207,6 +207,9 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
         max_tokens=inp.max_tokens,
         plan=plan.reason,
         local_cache_hit_tokens=local_hit,
+        request_kv_transfer_params=(
+            dict(inp.kv_transfer_params) if inp.kv_transfer_params is not None else None
+        ),
     )
     engine.add_record(record)
     st.running += 1
