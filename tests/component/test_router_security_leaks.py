@@ -31,6 +31,7 @@ from tests.component.router_process import (
     is_openai_error,
     openai_error_of,
     run_router,
+    until,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -174,7 +175,7 @@ async def test_a_decode_node_dying_mid_stream_is_an_error_event_without_internal
             lines = resp.aiter_lines()
             first = await anext(lines)
             assert first.startswith("data: {")  # the role chunk; D now holds token 1
-            assert sleep.held == 1
+            await until(lambda: sleep.held == 1, "D holding the stream at its first token")
             await d.crash()
             rest = [line async for line in lines if line]
     errors = [json.loads(line[6:]) for line in rest
