@@ -300,3 +300,20 @@ async def test_many_engines_in_one_process_on_distinct_ports() -> None:
         async with httpx.AsyncClient(trust_env=False) as http:
             for e in cluster.engines:
                 assert (await http.get(e.url + "/health")).status_code == 200
+
+
+async def test_health_requests_are_counted_and_request_params_recorded() -> None:
+    async with FakeCluster(1, 1, CONFIG) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        async with client() as http:
+            for _ in range(3):
+                assert (await http.get(p.url + "/health")).status_code == 200
+            p.faults.unhealthy = True
+            assert (await http.get(p.url + "/health")).status_code == 503
+        assert (p.num_health_requests, d.num_health_requests) == (4, 0)
+        sent = {"do_remote_decode": True, "kvrelay_turn_id": "t-1",
+                "kvrelay_report_url": "http://127.0.0.1:9/internal/kv-report"}
+        pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params=sent)
+        assert p.record(pr["id"]).request_kv_transfer_params == sent
+        plain = await chat(p, PROMPT, max_tokens=1)
+        assert p.record(plain["id"]).request_kv_transfer_params is None

@@ -5,6 +5,7 @@ dying mid-stream after k tokens."""
 from __future__ import annotations
 
 import asyncio
+import json
 from dataclasses import replace
 from typing import Any
 
@@ -224,3 +225,28 @@ async def test_unhealthy_and_fault_validation() -> None:
         assert state["unhealthy"] is False and state["slow_stream_s"] == 0.0
         async with client() as http:
             assert (await http.get(p.url + "/fake/faults")).json() == state
+
+
+async def test_non_streamed_request_is_aborted_when_its_client_disconnects() -> None:
+    """Like vLLM's ``with_cancellation``: the request stops at once and frees its blocks,
+    it does not run to completion for nobody."""
+    sleep = GatedSleep(open_=False)
+    async with FakeCluster(1, 0, CONFIG, sleep=sleep) as cluster:
+        p = cluster.prefill[0]
+        p.faults.slow_stream_s = 0.01  # every token waits on the (closed) gate
+        body = json.dumps({"messages": PROMPT, "max_tokens": 50}).encode()
+        reader, writer = await asyncio.open_connection(p.host, p.port)
+        writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nHost: fake\r\n"
+                     b"Content-Type: application/json\r\n"
+                     b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+        await until(lambda: bool(p.records) and len(sleep.requested) == 1,
+                    "the request is generating, held on its first token")
+        record = p.records[-1]
+        assert record.finish_reason is None and p.state.running == 1
+        writer.close()
+        await until(lambda: record.finish_reason == "abort", "the request was aborted")
+        assert p.state.running == 0 and p.held() == []
+        assert len(sleep.requested) == 1  # no token was produced after the disconnect
+        sleep.gate.set()
+        assert len(text_of(await chat(p, PROMPT, max_tokens=2))) == 2  # the engine lives on
+        assert await reader.read() == b""

@@ -90,7 +90,9 @@ class RequestRecord:
     ``recomputed_after_failure`` under policy ``recompute``, or the request failed.
     ``report`` is kvrelay's D-side report, when the request asked for one. ``guard`` is the
     reason of kvrelay's prefix guard on P (``core.guard``; ``None``: not run) and
-    ``verified_tokens`` the prefix it proved.
+    ``verified_tokens`` the prefix it proved. ``request_kv_transfer_params`` is the
+    ``kv_transfer_params`` the request carried (what a router asked this engine to do: read
+    which blocks, report where), as received.
     """
 
     request_id: str
@@ -119,6 +121,7 @@ class RequestRecord:
     report: ReportOutcome | None = None
     guard: str | None = None
     verified_tokens: int | None = None
+    request_kv_transfer_params: dict[str, object] | None = None
 
     @property
     def expected_pulled_token_ids(self) -> tuple[int, ...]:

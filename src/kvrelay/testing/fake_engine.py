@@ -73,6 +73,8 @@ class FakeEngine:
     ``faults`` holds the runtime fault knobs; ``records`` the last ``records_limit`` requests
     (see ``RequestRecord``); ``record(id)`` finds one by response id or internal request id;
     ``freed_reads`` lists reads other engines made of blocks this engine had already freed.
+    ``num_health_requests`` counts ``GET /health`` requests answered since the engine object
+    was made (restarts included), so a test can tell how often a router probed it.
     """
 
     def __init__(
@@ -98,6 +100,7 @@ class FakeEngine:
         self.clock = clock
         self._sleep = sleep
         self.faults = Faults()
+        self.num_health_requests = 0
         self.side_channel_host = side_channel_host or host
         self.side_channel_port = side_channel_port
         self.incarnation = 0

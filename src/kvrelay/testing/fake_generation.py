@@ -227,6 +227,9 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
         local_cache_hit_tokens=local_hit,
         guard=guard.reason if guard is not None else None,
         verified_tokens=guard.verified_tokens if guard is not None else None,
+        request_kv_transfer_params=(
+            dict(inp.kv_transfer_params) if inp.kv_transfer_params is not None else None
+        ),
     )
     engine.add_record(record)
     st.running += 1

@@ -12,6 +12,7 @@ chunk and ``[DONE]``).
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import time
@@ -58,6 +59,7 @@ def build_app(engine: FakeEngine) -> Starlette:
     """The ASGI app of one engine (routes close over ``engine``)."""
 
     async def health(request: Request) -> Response:
+        engine.num_health_requests += 1
         return Response(status_code=503 if engine.faults.unhealthy else 200)
 
     async def models(request: Request) -> Response:
@@ -95,7 +97,7 @@ def build_app(engine: FakeEngine) -> Starlette:
                 return StreamingResponse(
                     _stream(engine, parsed, client), media_type="text/event-stream"
                 )
-            return await _complete(engine, parsed, client)
+            return await _cancel_on_disconnect(request, _complete(engine, parsed, client))
 
         return handle
 
@@ -145,6 +147,30 @@ def build_app(engine: FakeEngine) -> Starlette:
             Route("/fake/requests/{request_id}", record, methods=["GET"]),
         ]
     )
+
+
+async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:
+    """vLLM's ``with_cancellation``: a non-streamed generation whose client disconnects is
+    cancelled (the request aborted, its blocks freed) instead of running to completion.
+    Streams need nothing: ``StreamingResponse`` already stops when the client goes away.
+    The body has been read, so every further ``receive()`` message is a disconnect."""
+
+    async def disconnected() -> None:
+        while (await request.receive())["type"] != "http.disconnect":
+            pass
+
+    handler = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({handler, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for task in (handler, watcher):
+            if not task.done():
+                task.cancel()
+        await asyncio.gather(handler, watcher, return_exceptions=True)
+    if handler.cancelled():
+        return Response(status_code=499)  # the client is gone: nobody reads this
+    return handler.result()
 
 
 async def _detach(engine: FakeEngine, action: Callable[[], Awaitable[None]]) -> None:

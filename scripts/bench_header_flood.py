@@ -1,0 +1,222 @@
+"""Does a header flood slow other clients down? (A benchmark, not a test; issue #12.)
+
+Starts ``kvrelay fake-engine --prefill 1 --decode 1`` and ``kvrelay route`` in front of it,
+each in its own process, then measures the time to first token (TTFT) of ``--clients``
+clients streaming multi-turn conversations through the router, twice for ``--seconds``:
+
+* ``quiet``: the clients alone;
+* ``flood``: the same, while ``--flood-connections`` connections (from a process of their
+  own) each send ``GET /health`` with one oversized header, in 64 KiB pieces, and open a new
+  connection whenever the router answers or closes one (a router without a header limit
+  gets the header ended after ``--flood-header-mib``).
+
+It prints TTFT p50/p99 of both phases side by side, what the flood sent and got back, and the
+acceptance check of issue #12: the flood phase's TTFT p99 within 2x of the quiet phase's.
+Run it holding the heavy lock; numbers depend on the machine:
+
+    flock /tmp/kvrelay-heavy.lock .venv/bin/python scripts/bench_header_flood.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import multiprocessing
+import os
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from kvrelay.bench.rawhttp import Conn
+from kvrelay.bench.soak import FOLLOW_UPS, USER, Sample, stream_turn
+from kvrelay.cluster.launcher import ServiceProcess, free_port_block
+
+PIECE = b"f" * (64 * 1024)
+
+
+@dataclass
+class Phase:
+    name: str
+    samples: list[Sample] = field(default_factory=list)
+    errors: list[str] = field(default_factory=list)
+    flood: dict[str, int] = field(default_factory=dict)
+
+    def pct(self, q: float) -> float:
+        values = sorted(s.ttft_s for s in self.samples)
+        if not values:
+            return float("nan")
+        return values[min(len(values) - 1, int(q * len(values)))]
+
+
+async def client(port: int, idx: int, stop_at: float, turns: int, max_tokens: int,
+                 phase: Phase) -> None:
+    """Conversations of ``turns`` streamed turns, new ones until ``stop_at``."""
+    loop = asyncio.get_running_loop()
+    n = 0
+    while loop.time() < stop_at:
+        conn = {"router": Conn("127.0.0.1", port)}
+        messages = [{"role": "user", "content": f"[{phase.name} {idx}.{n}] " + USER}]
+        try:
+            for t in range(turns):
+                if loop.time() >= stop_at:
+                    break
+                try:
+                    text, sample = await stream_turn(conn, "router", messages,
+                                                     f"{phase.name}-{idx}-{n}", max_tokens)
+                except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError) as exc:
+                    phase.errors.append(repr(exc))
+                    break
+                phase.samples.append(sample)
+                messages += [{"role": "assistant", "content": text},
+                             {"role": "user", "content": FOLLOW_UPS[t % len(FOLLOW_UPS)]}]
+        finally:
+            conn["router"].close()
+        n += 1
+
+
+async def clients(port: int, args: argparse.Namespace, phase: Phase) -> None:
+    stop_at = asyncio.get_running_loop().time() + args.seconds
+    await asyncio.gather(*(client(port, i, stop_at, args.turns, args.max_tokens, phase)
+                           for i in range(args.clients)))
+
+
+async def flood_connection(port: int, stop_at: float, header_bytes: int,
+                           stats: dict[str, int]) -> None:
+    """One flooding client: a header of up to ``header_bytes`` (then ended, to see what the
+    router answers), again and again on new connections."""
+    loop = asyncio.get_running_loop()
+
+    def count(key: str, n: int = 1) -> None:
+        stats[key] = stats.get(key, 0) + n
+
+    while loop.time() < stop_at:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            count("connect_errors")
+            await asyncio.sleep(0.01)
+            continue
+        count("connections")
+        answer = asyncio.ensure_future(reader.readline())
+        sent = 0
+        try:
+            writer.write(b"GET /health HTTP/1.1\r\nHost: flood\r\nX-Flood: ")
+            while loop.time() < stop_at and not answer.done() and sent < header_bytes:
+                writer.write(PIECE)
+                await writer.drain()
+                sent += len(PIECE)
+            if not answer.done() and sent >= header_bytes:
+                writer.write(b"\r\n\r\n")
+                await asyncio.wait_for(asyncio.shield(answer), max(0.1, stop_at - loop.time()))
+        except TimeoutError:
+            count("unanswered_at_the_end")
+        except OSError:
+            count("closed_by_router" if not answer.done() else "closed_after_answer")
+        finally:
+            count("bytes", sent)
+            if answer.done() and not answer.cancelled() and answer.exception() is None:
+                line = answer.result().split(b" ")
+                count(f"HTTP {line[1].decode('latin-1') if len(line) > 1 else 'none'}")
+            answer.cancel()
+            writer.close()
+
+
+def flood(port: int, seconds: float, connections: int, header_bytes: int,
+          out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+    """The flood, in a process of its own; puts its stats on ``out``."""
+
+    async def run() -> dict[str, int]:
+        stats: dict[str, int] = {}
+        stop_at = asyncio.get_running_loop().time() + seconds
+        await asyncio.gather(*(flood_connection(port, stop_at, header_bytes, stats)
+                               for _ in range(connections)))
+        return stats
+
+    out.put(asyncio.run(run()))
+
+
+def report(quiet: Phase, flooded: Phase, args: argparse.Namespace) -> str:
+    ms = 1000.0
+    lines = ["| phase | turns | errors | TTFT p50 ms | TTFT p99 ms |", "|---|---|---|---|---|"]
+    for p in (quiet, flooded):
+        lines.append(f"| {p.name} | {len(p.samples)} | {len(p.errors)} | "
+                     f"{p.pct(0.5) * ms:.1f} | {p.pct(0.99) * ms:.1f} |")
+    ratio = flooded.pct(0.99) / quiet.pct(0.99)
+    sent = flooded.flood.get("bytes", 0) / (1024 * 1024)
+    answers = {k: v for k, v in sorted(flooded.flood.items()) if k != "bytes"}
+    verdict = "PASS" if ratio <= 2.0 and not flooded.errors else "FAIL"
+    lines += [
+        "",
+        f"flood: {args.flood_connections} connections for {args.seconds:g} s sent "
+        f"{sent:.0f} MiB of header; {answers}",
+        f"TTFT p99 flood / quiet = {ratio:.2f} (issue #12 acceptance: <= 2.0) -> {verdict}",
+    ]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=10.0, help="length of each phase")
+    ap.add_argument("--clients", type=int, default=4, help="streaming clients")
+    ap.add_argument("--turns", type=int, default=4, help="turns per conversation")
+    ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--flood-connections", type=int, default=20)
+    ap.add_argument("--flood-header-mib", type=float, default=64.0,
+                    help="a flooding connection that got no answer ends its header after "
+                         "this much (default 64 MiB), then starts again")
+    ap.add_argument("--latency-preset", default="cpu", choices=["fast", "cpu"],
+                    help="the fake engines' simulated latency (default cpu)")
+    ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                    help="extra argument for kvrelay route (repeat)")
+    args = ap.parse_args()
+
+    base = free_port_block(3, start=23000)
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    p_url, d_url = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    router_port = base + 2
+    with tempfile.TemporaryDirectory(prefix="kvrelay-flood-") as tmp:
+        engines = ServiceProcess(
+            "fake-engines",
+            [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode",
+             "1", "--base-port", str(base), "--latency-preset", args.latency_preset],
+            [p_url + "/health", d_url + "/health"], Path(tmp) / "engines.log",
+            ready_timeout_s=120, env=env)
+        router = ServiceProcess(
+            "router",
+            [sys.executable, "-m", "kvrelay.cli", "route", "--prefill", p_url, "--decode", d_url,
+             "--port", str(router_port), "--block-size", "128", "--log-level", "warning",
+             *args.router_arg],
+            [f"http://127.0.0.1:{router_port}/health"], Path(tmp) / "router.log",
+            ready_timeout_s=120, env=env)
+        with engines, router:
+            print(f"clients {args.clients}, turns {args.turns}, max_tokens {args.max_tokens}, "
+                  f"{args.seconds:g} s per phase, flood {args.flood_connections} connections, "
+                  f"latency {args.latency_preset}, cpus {os.cpu_count()}", flush=True)
+            warm = Phase("warmup")
+            asyncio.run(clients(router_port, argparse.Namespace(
+                **{**vars(args), "seconds": min(2.0, args.seconds)}), warm))
+            quiet = Phase("quiet")
+            asyncio.run(clients(router_port, args, quiet))
+            flooded = Phase("flood")
+            ctx = multiprocessing.get_context("spawn")
+            out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+            header_bytes = int(args.flood_header_mib * 1024 * 1024)
+            flooder = ctx.Process(target=flood, args=(router_port, args.seconds,
+                                                      args.flood_connections, header_bytes, out))
+            flooder.start()
+            started = time.monotonic()
+            asyncio.run(clients(router_port, args, flooded))
+            flooded.flood = out.get(timeout=args.seconds + 120)
+            flooder.join(timeout=30)
+            print(f"(flood phase took {time.monotonic() - started:.1f} s)")
+            print(report(quiet, flooded, args))
+            alive = router.alive()
+            if not alive:
+                print("the router died during the flood", file=sys.stderr)
+            return 0 if alive and not quiet.errors else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
