@@ -233,11 +233,13 @@ def time_weighted_mean(samples: Sequence[tuple[float, float]], start: float, end
 async def sample_pinned(
     router_url: str, decode_urls: Sequence[str], num_blocks: int, started: float,
     samples: PinnedSamples, stop: asyncio.Event, interval_s: float,
+    transport: Any = None,
 ) -> None:
-    """Sample the gauges every ``interval_s`` until ``stop`` is set."""
+    """Sample the gauges every ``interval_s`` until ``stop`` is set (``transport``: an
+    ``httpx`` transport, for tests)."""
     import httpx
 
-    async with httpx.AsyncClient(timeout=5.0) as http:
+    async with httpx.AsyncClient(timeout=5.0, transport=transport) as http:
         while not stop.is_set():
             now = time.perf_counter() - started
             router: float | None = None

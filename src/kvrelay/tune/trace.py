@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -130,6 +130,15 @@ def read_turns(
             rows = _json_lines(path, f, on_bytes)
             yield from _records(path, _by_time(path, rows) if sort else rows, kind,
                                 time_unit_s, block_tokens)
+
+
+def turns_from_records(
+    records: Iterable[dict[str, Any]], fmt: Literal["chat", "mooncake"] = "chat",
+    *, origin: str = "<records>",
+) -> Iterator[TraceTurn]:
+    """Turns of already-parsed trace records (e.g. ``synth.synth_trace``), as if read from a
+    file of format ``fmt``."""
+    return _records(Path(origin), enumerate(records, start=1), fmt, None, None)
 
 
 def _by_time(path: Path, rows: Iterator[tuple[int, Any]]) -> Iterator[tuple[int, Any]]:
