@@ -44,14 +44,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import math
+import random
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, TextIO
 
 from kvrelay.bench.client import ChatClient, StatsDecisions
+from kvrelay.bench.fake_engines import FakeLatency
 from kvrelay.bench.metrics import TurnRecord
 from kvrelay.bench.progress import Progress
 from kvrelay.bench.report import ModeRun
@@ -178,9 +180,10 @@ def trace_workload(
     })
 
 
-def _fill(build: Any, count: CountTokens, target: int, index: int, k: int) -> str:
-    import random
-
+def _fill(
+    build: Callable[[str], Sequence[ChatMessage]], count: CountTokens, target: int, index: int,
+    k: int,
+) -> str:
     try:
         return fill_text(build, count, target, random.Random(f"trace/{index}/{k}"))
     except WorkloadError:
@@ -267,7 +270,7 @@ class ReplayOptions:
     """How the runs are done (see ``run_trace_replay``)."""
 
     time_scale: float
-    latency: str = "fast"
+    latency: FakeLatency = "fast"
     num_gpu_blocks: int = 1 << 16
     sample_interval_s: float = 0.25
     tenant: str = "default"
@@ -299,8 +302,7 @@ def run_ttl(
                      prefill_prefix_caching=False, decode_prefix_caching=True)
     urls = [f"http://{config.host}:{config.base_port + i}" for i in range(nodes)]
     engines_cmd = fake_engine_command(
-        config, options.latency, config.python,  # type: ignore[arg-type]
-        ttl_s=settings.engine_ttl_s,
+        config, options.latency, config.python, ttl_s=settings.engine_ttl_s,
         extra=["--report-delay-s", "0", "--num-gpu-blocks", str(options.num_gpu_blocks)],
     )
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -407,7 +409,7 @@ def compare(
     from kvrelay.tune.model import ModelParams, RetentionModel
     from kvrelay.tune.retention import RetentionBuilder
 
-    def model(tokens_of: Any) -> RetentionModel:
+    def model(tokens_of: Callable[[TraceTurn], int] | None) -> RetentionModel:
         builder = RetentionBuilder(decode_s_per_token=decode_s_per_token)
         for t in sorted(turns, key=lambda t: t.at_s):
             builder.add(t if tokens_of is None else replace(t, retained_tokens=tokens_of(t)))

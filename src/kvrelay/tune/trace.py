@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any, Literal
@@ -33,6 +33,8 @@ from typing import IO, Any, Literal
 from kvrelay.core.turnlog import TurnLogFormatError, TurnLogRecord
 
 TraceFormat = Literal["turnlog", "chat", "mooncake", "csv"]
+#: Progress callback: characters (~bytes) of the file read so far.
+OnBytes = Callable[[int], None]
 FORMATS: tuple[str, ...] = ("auto", "turnlog", "chat", "mooncake", "csv")
 #: Tokens per ``hash_ids`` block, by schema.
 DEFAULT_BLOCK_TOKENS = {"chat": 16, "mooncake": 512}
@@ -106,7 +108,7 @@ def read_turns(
     *,
     time_unit_s: float | None = None,
     block_tokens: int | None = None,
-    on_bytes: Any = None,
+    on_bytes: OnBytes | None = None,
     sort: bool = False,
 ) -> Iterator[TraceTurn]:
     """The turns of ``path`` in file order, or by arrival time with ``sort`` (which reads
@@ -156,7 +158,7 @@ def schema_of(record: dict[str, Any]) -> Literal["chat", "mooncake"]:
     return "chat" if "chat_id" in record else "mooncake"
 
 
-def _counted(f: IO[str], on_bytes: Any) -> Iterator[str]:
+def _counted(f: IO[str], on_bytes: OnBytes | None) -> Iterator[str]:
     """The lines of ``f``, reporting the characters read (~bytes) every 4096 lines."""
     if on_bytes is None:
         yield from f
@@ -170,7 +172,9 @@ def _counted(f: IO[str], on_bytes: Any) -> Iterator[str]:
     on_bytes(done)
 
 
-def _json_lines(path: Path, f: IO[str], on_bytes: Any) -> Iterator[tuple[int, Any]]:
+def _json_lines(
+    path: Path, f: IO[str], on_bytes: OnBytes | None
+) -> Iterator[tuple[int, Any]]:
     decode = json.JSONDecoder().raw_decode
     number = 0
     try:
@@ -187,7 +191,9 @@ def _json_lines(path: Path, f: IO[str], on_bytes: Any) -> Iterator[tuple[int, An
         raise TraceFormatError(f"{path}: line {number + 1} is not UTF-8: {exc}") from exc
 
 
-def _turnlog(path: Path, f: IO[str], unit: float, on_bytes: Any) -> Iterator[TraceTurn]:
+def _turnlog(
+    path: Path, f: IO[str], unit: float, on_bytes: OnBytes | None
+) -> Iterator[TraceTurn]:
     for number, data in _json_lines(path, f, on_bytes):
         try:
             rec = TurnLogRecord.from_json(data)
@@ -291,7 +297,7 @@ class MooncakeSessions:
 
 def _csv(
     path: Path, f: IO[str], time_unit_s: float | None, block_tokens: int | None,
-    on_bytes: Any, sort: bool,
+    on_bytes: OnBytes | None, sort: bool,
 ) -> Iterator[TraceTurn]:
     reader = csv.DictReader(_counted(f, on_bytes))
     if not reader.fieldnames or not {"timestamp", "input_length", "output_length"} <= set(
