@@ -139,3 +139,17 @@ def test_unreadable_trace_exits_2(tmp_path, capsys):
     bad.write_text('{"chat_id": 1}\n')
     assert main(["tune", str(bad), "--kv-bytes-per-token", "1", "--out", str(tmp_path)]) == 2
     assert "line 1" in capsys.readouterr().err
+
+
+def test_a_trace_without_follow_ups_gets_no_ttl(tmp_path):
+    path = tmp_path / "one.jsonl"
+    path.write_text('{"chat_id": 1, "parent_chat_id": -1, "timestamp": 5, "input_length": 100,'
+                    ' "output_length": 10}\n')
+    out = tmp_path / "out"
+    assert main(["tune", str(path), "--kv-bytes-per-token", "1", "--out", str(out),
+                 "--quiet"]) == 0
+    data = json.loads((out / "tune.json").read_text())
+    assert data["followups"] == 0 and data["recommendation"]["ttl_s"] is None
+    md = (out / "tune.md").read_text()
+    assert "TTL: no recommendation" in md and "the input has no follow-ups" in md
+    assert not (out / "tune_pinned_over_time.png").exists()

@@ -78,7 +78,8 @@ def markdown_report(result: TuneResult, charts: list[str] | None = None) -> str:
         lines.append(f"* **TTL: {format_ttl(rec.ttl_s)}** (`decoder_kv_blocks_ttl` on D, "
                      f"`kvrelay route --ttl-s {rec.ttl_s:g}`). " + " ".join(rec.reasoning))
     else:
-        lines.append("* **TTL: none fits.** " + " ".join(rec.reasoning))
+        head = "none fits" if rec.rule == "budget" else "no recommendation"
+        lines.append(f"* **TTL: {head}.** " + " ".join(rec.reasoning))
     if r.threshold_tokens is not None:
         n = r.threshold_tokens
         costs = r.params.costs
@@ -102,8 +103,10 @@ def markdown_report(result: TuneResult, charts: list[str] | None = None) -> str:
             "D's KV cache for retention, on top of what running requests need."
         )
     elif p is not None:
+        why = ("the input has no follow-ups" if r.ceiling.followups == 0 else
+               "too many follow-ups come after turns that retained no KV")
         lines.append(f"* **D memory for a {p.target_hit_rate:.0%} hit rate:** not reachable: "
-                     "too many follow-ups come after turns that retained no KV.")
+                     f"{why}.")
     lines += ["", "## By TTL", "", *ttl_table(r), ""]
     if charts:
         lines += ["## Charts", "", *(f"![{name}]({name})" for name in charts), ""]

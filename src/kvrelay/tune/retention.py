@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import math
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 from kvrelay.tune.trace import TraceOrderError, TraceTurn
@@ -118,7 +118,7 @@ class RetentionBuilder:
             at + duration, at, turn.input_tokens, retained, turn.hash_ids, decode
         )
 
-    def finish(self, decode_names: Sequence[str] | None = None) -> Retentions:
+    def finish(self) -> Retentions:
         """The retention rows (the last turn of every conversation is followed by nothing)."""
         for prev in self._last.values():
             self._emit(prev, math.inf, 0)
@@ -127,7 +127,7 @@ class RetentionBuilder:
         for name, index in self._names.items():
             names[index] = name
         if not names:
-            names = list(decode_names or (f"decode-{i}" for i in range(self.num_decode)))
+            names = [f"decode-{i}" for i in range(self.num_decode)]
         empty = self._start == array("d")
         return Retentions(
             start_s=self._start, tokens=self._tokens, decode=self._decode, gap_s=self._gap,
