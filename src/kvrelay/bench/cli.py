@@ -3,6 +3,7 @@
     kvrelay bench sweep --modes pull,recompute,local --model bench --lengths 2048 8192 16384
     kvrelay bench agent --conversations 16 --turns 10 --think-mean-s 30 --ttl-s 60
     kvrelay bench replay --file conversations.json --max-conversations 50
+    kvrelay bench replay --trace trace.jsonl --time-scale 30 --ttls 60,300,1200
     kvrelay bench agent --router-url http://127.0.0.1:8000 --mode-label mine
 
 Without ``--router-url`` every mode gets its own local cluster (the ``kvrelay up`` flags
@@ -48,8 +49,26 @@ def register(sub: Any) -> None:
     agent.add_argument("--user-tokens", type=int, default=150, help="user/tool turn tokens")
     agent.add_argument("--answer-tokens", type=int, default=300, help="max_tokens per answer")
 
-    replay = kinds.add_parser("replay", help="replay a conversations file (vLLM or ShareGPT)")
-    replay.add_argument("--file", type=Path, required=True)
+    replay = kinds.add_parser("replay", help="replay a conversations file (vLLM or ShareGPT), "
+                              "or a trace (--trace) against kvrelay tune's predictions")
+    source = replay.add_mutually_exclusive_group(required=True)
+    source.add_argument("--file", type=Path, help="conversations with their messages")
+    source.add_argument("--trace", type=Path,
+                        help="a trace or turn log (kvrelay tune's formats): its turns are sent "
+                             "with its sizes and gaps, time-scaled, on fake engines, once per "
+                             "--ttls; the report compares the hit rate with tune's prediction")
+    trace = replay.add_argument_group("--trace")
+    trace.add_argument("--time-scale", type=float, default=30.0,
+                       help="trace seconds per real second (default 30)")
+    trace.add_argument("--ttls", default="60,300,1200",
+                       help="D TTLs in trace seconds, one run each (default 60,300,1200)")
+    trace.add_argument("--trace-format", default="auto",
+                       choices=["auto", "turnlog", "chat", "mooncake", "csv"])
+    trace.add_argument("--decode-s-per-token", type=float, default=0.0,
+                       help="as for kvrelay tune: a trace's turn ends this x its output after "
+                            "it arrives")
+    trace.add_argument("--num-gpu-blocks", type=int, default=1 << 16,
+                       help="fake engines' KV blocks (128 tokens) each")
     replay.add_argument("--max-conversations", type=int, default=None)
     replay.add_argument("--max-turns", type=int, default=None)
     replay.add_argument("--max-answer-tokens", type=int, default=1024)
@@ -116,6 +135,8 @@ def _bench(args: argparse.Namespace) -> int:
     from kvrelay.bench.runner import BenchOptions
     from kvrelay.cluster.launcher import ServiceStartError
 
+    if args.bench_kind == "replay" and args.trace is not None:
+        return _trace(args)
     modes = parse_modes(args.modes)
     salt = args.salt if args.salt is not None else secrets.token_hex(3)
     workload = build_workload(args, salt)
@@ -167,6 +188,75 @@ def _bench(args: argparse.Namespace) -> int:
         print(f"error: no successful turn in mode(s) {empty}", file=sys.stderr)
         return 1
     return 0
+
+
+def _trace(args: argparse.Namespace) -> int:
+    """``bench replay --trace``: one fake-engine run per TTL, compared with tune's model."""
+    import json
+
+    from kvrelay.bench.report import BenchResults, write_report
+    from kvrelay.bench.tokens import default_counter
+    from kvrelay.bench.trace_replay import (
+        ReplayOptions,
+        compare,
+        comparison_markdown,
+        run_trace_replay,
+        trace_workload,
+    )
+    from kvrelay.cluster.cli import cluster_config_from_args
+    from kvrelay.cluster.launcher import ServiceStartError
+    from kvrelay.tune.cli import parse_ttls
+    from kvrelay.tune.trace import TraceFormatError, read_turns
+
+    if args.router_url:
+        raise ValueError("--trace runs its own fake engines and routers (no --router-url)")
+    ttls = parse_ttls(args.ttls)
+    salt = args.salt if args.salt is not None else secrets.token_hex(3)
+    try:
+        turns = list(read_turns(args.trace, args.trace_format, sort=True))
+    except TraceFormatError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    count = default_counter(args.model)
+    workload = trace_workload(turns, count, time_scale=args.time_scale,
+                              decode_s_per_token=args.decode_s_per_token,
+                              max_conversations=args.max_conversations, salt=salt,
+                              seed=args.seed)
+    out = args.out or Path("results") / f"bench-trace-{time.strftime('%Y%m%d-%H%M%S')}"
+    options = ReplayOptions(
+        time_scale=args.time_scale, latency=args.fake_latency,
+        num_gpu_blocks=args.num_gpu_blocks, tenant=args.tenant, id_prefix=f"{salt}-",
+        extra_body=None if args.allow_eos else {"ignore_eos": True},
+        timeout_s=args.timeout_s, router_args=tuple(getattr(args, "router_arg", None) or ()),
+    )
+    print(f"trace {args.trace}: {len(workload.conversations)} conversations, "
+          f"{workload.num_turns} turns, TTLs {ttls} at time scale {args.time_scale:g}; "
+          f"results in {out}", file=sys.stderr, flush=True)
+    try:
+        runs = run_trace_replay(workload, ttls, cluster_config_from_args(args),
+                                args.run_dir or out / "runs", options)
+    except ServiceStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    rows = compare(runs, turns, decode_s_per_token=args.decode_s_per_token,
+                   threshold_tokens=args.kv_recompute_threshold)
+    meta = {"model": args.model, "started": time.strftime("%Y-%m-%d %H:%M:%S"), "salt": salt,
+            "command": " ".join(sys.argv), "engines": f"fake ({args.fake_latency} latency)",
+            "trace": str(args.trace)}
+    results = BenchResults("trace", dict(workload.params), [r.run for r in runs], meta)
+    files = write_report(results, out, charts=not args.no_charts)
+    table = comparison_markdown(rows, args.time_scale)
+    files.markdown.write_text(files.markdown.read_text() + "\n" + "\n".join(table) + "\n")
+    (out / "trace_vs_tune.json").write_text(json.dumps({
+        "time_scale": args.time_scale, "trace": str(args.trace),
+        "ttls": [c.to_json() for c in rows],
+        "samples": {f"{r.settings.ttl_s:g}": {"router": r.samples.router,
+                                              "decode": r.samples.decode} for r in runs},
+    }, indent=1) + "\n")
+    print(files.markdown.read_text())
+    for path in (files.json, files.markdown, out / "trace_vs_tune.json", *files.charts):
+        print(f"wrote {path}", file=sys.stderr)
+    return 0 if all(c.followups for c in rows) else 1
 
 
 def build_workload(args: argparse.Namespace, salt: str) -> Any:

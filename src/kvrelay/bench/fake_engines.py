@@ -12,6 +12,7 @@ simulates nothing (tests).
 from __future__ import annotations
 
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal
@@ -24,15 +25,23 @@ from kvrelay.cluster.model import MODEL_SPECS
 FakeLatency = Literal["fast", "cpu"]
 
 
-def fake_engine_command(config: ClusterConfig, latency: FakeLatency, python: str) -> list[str]:
-    """The ``kvrelay fake-engine`` command line for ``config``."""
+def fake_engine_command(
+    config: ClusterConfig,
+    latency: FakeLatency,
+    python: str,
+    *,
+    ttl_s: float | None = None,
+    extra: Sequence[str] = (),
+) -> list[str]:
+    """The ``kvrelay fake-engine`` command line for ``config``; ``ttl_s`` (fractional
+    seconds allowed) overrides the config's TTL, ``extra`` is appended."""
     cmd = [
         python, "-m", "kvrelay.cli", "fake-engine",
         "--prefill", str(config.num_prefill), "--decode", str(config.num_decode),
         "--host", config.host, "--base-port", str(config.base_port),
         "--side-channel-base-port", str(config.side_channel_base_port),
         "--latency-preset", latency,
-        "--ttl-s", str(config.decoder_kv_blocks_ttl_s),
+        "--ttl-s", str(config.decoder_kv_blocks_ttl_s if ttl_s is None else ttl_s),
         "--threshold", str(config.kv_recompute_threshold),
         "--lease-s", str(config.kv_lease_duration_s),
         "--kv-load-failure-policy", config.kv_load_failure_policy,
@@ -49,7 +58,7 @@ def fake_engine_command(config: ClusterConfig, latency: FakeLatency, python: str
         cmd.append("--prefill-prefix-caching")
     if not config.decode_prefix_caching:
         cmd.append("--no-decode-prefix-caching")
-    return cmd
+    return cmd + list(extra)
 
 
 def served_name(config: ClusterConfig) -> str:

@@ -64,3 +64,47 @@ class Progress:
         if self._tty:
             self.stream.write("\n")
             self.stream.flush()
+
+
+class WorkProgress:
+    """A progress line for work measured in any unit (bytes read, rows, TTLs):
+    ``[read trace] ######---- 412/980 MB``. Same drawing rules as ``Progress``;
+    ``advance_to(done)`` sets the amount done so far."""
+
+    def __init__(
+        self, label: str, total: float, unit: str = "", stream: TextIO | None = None,
+        width: int = 24, scale: float = 1.0,
+    ) -> None:
+        self.label = label
+        self.total = max(total, 0.0)
+        self.unit = unit
+        self.scale = scale
+        self.stream = stream if stream is not None else sys.stderr
+        self.width = width
+        self.done = 0.0
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_tenth = -1
+
+    def advance_to(self, done: float) -> None:
+        self.done = min(max(done, 0.0), self.total) if self.total else done
+        if self._tty:
+            self.stream.write("\r" + self.line())
+            self.stream.flush()
+            return
+        tenth = int(10 * self.done / self.total) if self.total else 10
+        if tenth != self._last_tenth:
+            self._last_tenth = tenth
+            self.stream.write(self.line() + "\n")
+            self.stream.flush()
+
+    def line(self) -> str:
+        frac = min(1.0, self.done / self.total) if self.total else 1.0
+        filled = round(frac * self.width)
+        unit = f" {self.unit}" if self.unit else ""
+        return (f"[{self.label}] {'#' * filled}{'-' * (self.width - filled)} "
+                f"{self.done / self.scale:.0f}/{self.total / self.scale:.0f}{unit}")
+
+    def close(self) -> None:
+        if self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
