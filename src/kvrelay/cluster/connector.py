@@ -98,7 +98,12 @@ from kvrelay.core.params import (
     REPORT_URL_KEY,
     VERIFIED_TOKENS_KEY,
 )
-from kvrelay.core.report import DEFAULT_REPORT_HOSTS, MAX_REPORTS_PER_POST, report_body
+from kvrelay.core.report import (
+    DEFAULT_REPORT_HOSTS,
+    MAX_REPORTS_PER_POST,
+    report_body,
+    report_posts,
+)
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
 # outside that namespace has no handler in a vLLM process and its info lines are dropped.
@@ -239,21 +244,19 @@ class _Reporter:
                     due.append(self._queue.get_nowait())
                 except queue.Empty:
                     break
-            by_url: dict[str, list[dict[str, Any]]] = {}
+            by_url: dict[str, list[bytes]] = {}
             for url, report in due:
-                by_url.setdefault(url, []).append(report)
-            for url, reports in by_url.items():
-                for start in range(0, len(reports), MAX_REPORTS_PER_POST):
-                    batch = reports[start : start + MAX_REPORTS_PER_POST]
-                    self._post(connections, url, batch[0] if len(batch) == 1 else batch)
+                by_url.setdefault(url, []).append(json.dumps(report).encode())
+            for url, encoded in by_url.items():
+                for body, _ in report_posts(encoded):
+                    self._post(connections, url, body)
 
     def _post(
         self, connections: dict[tuple[str, str], http.client.HTTPConnection], url: str,
-        payload: object,
+        body: bytes,
     ) -> None:
         parts = urllib.parse.urlsplit(url)
         key = (parts.scheme, parts.netloc)
-        body = json.dumps(payload).encode()
         path = parts.path or "/"
         for attempt in (0, 1):
             conn = connections.get(key)

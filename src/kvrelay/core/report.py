@@ -36,9 +36,10 @@ from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_optional_remo
 DEFAULT_REPORT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
 """Hosts kvrelay's connector posts reports to unless configured (``kvrelay_report_hosts``)."""
 
-MAX_REPORT_BYTES = 4 * 1024 * 1024
+MAX_REPORT_BYTES = 1024 * 1024
 """Report bodies larger than this are refused unread (a 128k-token turn's report is about
-70 KiB; a batch splits to stay under it)."""
+90 KiB); senders split a batch to stay under ``MAX_BATCH_BYTES``."""
+MAX_BATCH_BYTES = 512 * 1024
 MAX_REPORTS_PER_POST = 64
 
 _NONCE_BYTES = 12
@@ -50,9 +51,12 @@ class ReportError(ValueError):
 
 
 class DecodeReport(msgspec.Struct, frozen=True):
+    """A parsed report; ``num_prompt_tokens`` is ``None`` when the report lacks it (then
+    it cannot match a turn whose prompt length is known)."""
+
     turn_id: str
     blocks: RemoteBlocks | None
-    num_prompt_tokens: int
+    num_prompt_tokens: int | None
     num_output_tokens: int
 
 
@@ -72,6 +76,29 @@ def report_body(
     }
 
 
+def report_posts(encoded: list[bytes]) -> list[tuple[bytes, int]]:
+    """Bodies to post for reports already encoded as JSON objects, in order, each with the
+    number of reports it carries: one report as itself, several as JSON lists of at most
+    ``MAX_REPORTS_PER_POST`` reports and ``MAX_BATCH_BYTES`` (a larger report goes alone)."""
+    posts: list[tuple[bytes, int]] = []
+    batch: list[bytes] = []
+    size = 0
+    for item in encoded:
+        if batch and (len(batch) >= MAX_REPORTS_PER_POST or size + len(item) > MAX_BATCH_BYTES):
+            posts.append(_post(batch))
+            batch, size = [], 0
+        batch.append(item)
+        size += len(item) + 1
+    if batch:
+        posts.append(_post(batch))
+    return posts
+
+
+def _post(batch: list[bytes]) -> tuple[bytes, int]:
+    body = batch[0] if len(batch) == 1 else b"[" + b",".join(batch) + b"]"
+    return body, len(batch)
+
+
 def report_items(raw: object) -> list[object]:
     """The reports of a body: one object, or a list of at most ``MAX_REPORTS_PER_POST``."""
     if isinstance(raw, list):
@@ -88,9 +115,12 @@ def parse_report(raw: object) -> DecodeReport:
     turn_id = raw.get("turn_id")
     if not isinstance(turn_id, str) or not turn_id:
         raise ReportError("turn_id must be a non-empty string")
-    counts = []
+    counts: list[int | None] = []
     for key in ("num_prompt_tokens", "num_output_tokens"):
         value = raw.get(key)
+        if value is None and key == "num_prompt_tokens":
+            counts.append(None)
+            continue
         if not isinstance(value, int) or isinstance(value, bool) or value < 0:
             raise ReportError(f"{key} must be a non-negative integer")
         counts.append(value)
@@ -100,7 +130,9 @@ def parse_report(raw: object) -> DecodeReport:
         raise ReportError(f"kv_transfer_params: {exc}") from None
     if blocks is not None and blocks.direction != "decode_to_prefill":
         raise ReportError("kv_transfer_params are not D's retained params")
-    return DecodeReport(turn_id, blocks, counts[0], counts[1])
+    output = counts[1]
+    assert output is not None
+    return DecodeReport(turn_id, blocks, counts[0], output)
 
 
 ReportVerdict = Literal[
@@ -139,6 +171,8 @@ def check_report(expect: ReportExpectation, report: DecodeReport) -> ReportVerdi
         return "mismatch_tokens"
     if blocks is None:
         return "ok"
+    if prompt is None:
+        return "mismatch_tokens"
     if expect.engine_id is not None and blocks.engine_id != expect.engine_id:
         return "mismatch_engine"
     if expect.side_channel is not None and (blocks.host, blocks.port) != expect.side_channel:

@@ -6,20 +6,23 @@ and graceful shutdown.
 one app that dispatches by port (``app.RouterApp``).
 
 **Request heads** are bounded while they are read, before anything else runs (no auth, no
-routing): a request line over ``max_header_line_bytes`` gets 414, a header line over it, a
-head over ``max_header_bytes`` or more than ``max_headers`` header lines get 431; the
-connection is closed at once, so a client sending a huge header costs the router at most
-that many bytes of buffering. uvicorn bounds only idle keep-alive connections, so a
-connection must also deliver a complete head within ``header_timeout_s`` of opening or of
-its previous response (else closed); a body has ``body_timeout_s`` (``asgi.read_body``).
+routing): a request line or header line over ``max_header_line_bytes``, a head over
+``max_header_bytes`` or more than ``max_headers`` header lines get 431 at once. The router
+then stops reading that connection and closes it ``_REJECT_LINGER_S`` later (closing with
+unread input would reset the connection and could destroy the 431 before the client reads
+it), so a client sending a huge header costs at most that many bytes of buffering.
+uvicorn bounds only idle keep-alive connections, so a connection must also deliver a
+complete head within ``header_timeout_s`` of opening or of its previous response (else
+closed); a body has ``body_timeout_s`` (``asgi.read_body``).
 
 **Graceful shutdown** (``RouterServer``): the first SIGTERM or SIGINT sets the router to
-draining (new public requests get 503), closes the public listening socket and idle
-keep-alive connections, and lets requests in flight, streams included, finish for up to
-``drain_timeout_s``. Turns still open then are cut: a stream gets an SSE error event and
-``data: [DONE]`` and ends cleanly, one log line each. The internal listener stays open until
-the end, so D's reports for finishing turns still arrive. Then the app shuts down and
-``kvrelay route`` exits 0. A second signal stops at once.
+draining: new public requests get 503 with ``Connection: close`` (``/metrics`` still
+answers), idle keep-alive connections are closed, and requests in flight, streams included,
+may finish for up to ``drain_timeout_s``. Turns still open then are cut: a stream gets an
+SSE error event and ``data: [DONE]`` and ends cleanly, one log line each. Both listeners stay
+open until then (so a scrape and D's reports for finishing turns still get through, and a
+load balancer sees a clear 503 rather than a refused connection); then they close, the app
+shuts down and ``kvrelay route`` exits 0. A second signal stops at once.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ import contextlib
 import gc
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import FrameType
 from typing import Any
 
@@ -44,6 +47,41 @@ from kvrelay.router.errors import error_json
 log = logging.getLogger("kvrelay.router")
 
 _CUT_GRACE_S = 2.0
+_REJECT_LINGER_S = 2.0
+
+
+class _LingeringTransport:
+    """A transport whose ``close()``, while the peer may still be sending (a request whose
+    body was not read to its end, a rejected head), stops reading and closes
+    ``_REJECT_LINGER_S`` later: closing a socket with unread input resets the connection,
+    and the peer may lose the answer it was about to read (a 413 for a body it is still
+    sending, a 431). Everything else is the wrapped transport's."""
+
+    __slots__ = ("_loop", "_transport", "_unread", "is_closing", "write")
+
+    def __init__(
+        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
+        unread: Callable[[], bool],
+    ) -> None:
+        self._transport = transport
+        self._loop = loop
+        self._unread = unread
+        self.write = transport.write
+        self.is_closing = transport.is_closing
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+    def close(self) -> None:
+        transport = self._transport
+        if transport.is_closing():
+            return
+        if not self._unread():
+            transport.close()
+            return
+        with contextlib.suppress(RuntimeError, OSError):
+            transport.pause_reading()
+        self._loop.call_later(_REJECT_LINGER_S, transport.close)
 
 
 class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
@@ -55,9 +93,11 @@ class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
     max_headers: int = 100
     _kvrelay_timer: asyncio.TimerHandle | None = None
     _kvrelay_head: bytearray | None = None
+    _kvrelay_rejected: bool = False
 
     def connection_made(self, transport: Any) -> None:
-        super().connection_made(transport)
+        lingering = _LingeringTransport(transport, self.loop, self._kvrelay_unread)
+        super().connection_made(lingering)  # type: ignore[arg-type]
         self._kvrelay_head = bytearray()
         self._kvrelay_arm()
 
@@ -71,9 +111,17 @@ class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         super().connection_lost(exc)
 
     def data_received(self, data: bytes) -> None:
+        if self._kvrelay_rejected:
+            return
         if self._kvrelay_head is not None and not self._kvrelay_head_ok(data):
             return
         super().data_received(data)
+
+    def _kvrelay_unread(self) -> bool:
+        """Whether the client may still be sending: a rejected head, or a body not read to
+        its end."""
+        cycle = self.cycle
+        return self._kvrelay_rejected or (cycle is not None and bool(cycle.more_body))
 
     def _kvrelay_head_ok(self, data: bytes) -> bool:
         head = self._kvrelay_head
@@ -83,31 +131,25 @@ class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         end = head.find(b"\r\n\r\n", start)
         size = end + 4 if end >= 0 else len(head)
         lines = bytes(head[: end if end >= 0 else len(head)]).split(b"\r\n")
-        status = 0
-        if len(lines[0]) > self.max_line_bytes:
-            status = 414
-        elif (
+        if (
             size > self.max_head_bytes
             or len(lines) - 1 > self.max_headers
-            or any(len(line) > self.max_line_bytes for line in lines[1:])
+            or any(len(line) > self.max_line_bytes for line in lines)
         ):
-            status = 431
-        if status:
-            self._kvrelay_reject(status)
+            self._kvrelay_reject()
             return False
         if end >= 0:
             self._kvrelay_head = None
         return True
 
-    def _kvrelay_reject(self, status: int) -> None:
+    def _kvrelay_reject(self) -> None:
+        self._kvrelay_rejected = True
         self._kvrelay_head = None
         self._kvrelay_disarm()
-        reason = {414: b"URI Too Long", 431: b"Request Header Fields Too Large"}[status]
-        message = {414: "Request line too long", 431: "Request header fields too large"}[status]
-        body = error_json(status, message)
+        body = error_json(431, "Request header fields too large")
         self.transport.write(
-            b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\n"
-            b"connection: close\r\n\r\n" % (status, reason, len(body)) + body
+            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
+            b"\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body
         )
         self.transport.close()
 
@@ -149,7 +191,6 @@ class RouterServer(uvicorn.Server):
         super().__init__(config)
         self.app = app
         self._install_signals = install_signals
-        self.public_servers = 1
 
     def begin_drain(self) -> None:
         """Refuse new work and start the graceful shutdown."""
@@ -188,16 +229,14 @@ class RouterServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         admission = self.app.ctx.admission
         admission.draining = True
-        for server in self.servers[: self.public_servers]:
-            server.close()
         for connection in list(self.server_state.connections):
             connection.shutdown()
         drain_s = self.app.ctx.config.drain_timeout_s
         if not await self._settled(drain_s) and not self.force_exit:
-            cut = admission.cut_all()
-            log.info("drain deadline (%g s) passed: cutting %d open turn(s)", drain_s, cut)
+            still = admission.cut_all()
+            log.info("drain: %d turn(s) still open after %g s", still, drain_s)
             await self._settled(_CUT_GRACE_S)
-        for server in self.servers[self.public_servers :]:
+        for server in self.servers:
             server.close()
         for task in list(self.server_state.tasks):
             if not task.done():

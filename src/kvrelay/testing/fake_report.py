@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
-from kvrelay.core.report import MAX_REPORTS_PER_POST
+from kvrelay.core.report import report_posts
 from kvrelay.testing.fake_latency import Sleep
 
 
@@ -114,21 +114,23 @@ class Reporter:
         try:
             while self._due:
                 url = self._due[0].url
-                batch = [o for o in self._due if o.url == url][:MAX_REPORTS_PER_POST]
-                self._due = [o for o in self._due if o not in batch]
-                await self._post(url, batch)
+                due = [o for o in self._due if o.url == url]
+                self._due = [o for o in self._due if o.url != url]
+                encoded = [msgspec.json.encode(o.body) for o in due]
+                start = 0
+                for body, count in report_posts(encoded):
+                    await self._post(url, body, due[start : start + count])
+                    start += count
         finally:
             self._poster = None
 
-    async def _post(self, url: str, batch: list[ReportOutcome]) -> None:
+    async def _post(self, url: str, body: bytes, batch: list[ReportOutcome]) -> None:
         if self._session is None:
             self._session = aiohttp.ClientSession(
                 timeout=aiohttp.ClientTimeout(total=2.0), trust_env=False)
-        payload = batch[0].body if len(batch) == 1 else [o.body for o in batch]
         try:
             async with self._session.post(
-                url, data=msgspec.json.encode(payload),
-                headers={"Content-Type": "application/json"},
+                url, data=body, headers={"Content-Type": "application/json"},
             ) as response:
                 with contextlib.suppress(aiohttp.ClientError):
                     await response.read()
