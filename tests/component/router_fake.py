@@ -101,18 +101,21 @@ async def routed(
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
                            **extra) as cluster:
         port = free_port()
-        defaults: dict[str, Any] = {"port": port, "health_interval_s": 3600.0,
-                                    "report_wait_s": 5.0}
+        defaults: dict[str, Any] = {"port": port, "internal_port": free_port(),
+                                    "health_interval_s": 3600.0, "report_wait_s": 5.0}
         config = RouterConfig.from_urls(
             cluster.prefill_urls, cluster.decode_urls,
             block_size=engine_config.block_size, **{**defaults, **settings},
         )
         app = create_app(config, clock=clock)
-        ctx: RouterContext = app.state.router
-        server = HttpServer(app, "127.0.0.1", port)
+        ctx: RouterContext = app.ctx
+        server = HttpServer(app.public, "127.0.0.1", port)
+        internal = HttpServer(app.internal, "127.0.0.1", config.listen_internal_port)
         await server.start()
+        await internal.start()
         try:
             yield Routed(cluster, ctx, f"http://127.0.0.1:{port}", clock)
         finally:
             await server.stop()
+            await internal.stop()
             await ctx.upstream.aclose()

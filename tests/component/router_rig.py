@@ -13,6 +13,7 @@ import httpx
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext
+from tests.component.httpx_transport import HttpxTransport
 from tests.component.router_mock import MockCluster
 
 
@@ -102,16 +103,18 @@ class Rig:
     def __post_init__(self) -> None:
         if self.config is None:
             self.config = self.cluster.config(**self.settings)
-        self.app = create_app(self.config, transport=self.cluster.transport, clock=self.clock)
-        self.cluster.router_app = self.app
+        self.app = create_app(
+            self.config, transport=HttpxTransport(self.cluster.transport), clock=self.clock
+        )
+        self.cluster.router_app = self.app.internal
         self.client = httpx.AsyncClient(
-            transport=httpx.ASGITransport(app=self.app), base_url="http://router", timeout=30
+            transport=httpx.ASGITransport(app=self.app.public), base_url="http://router",
+            timeout=30,
         )
 
     @property
     def ctx(self) -> RouterContext:
-        ctx: RouterContext = self.app.state.router
-        return ctx
+        return self.app.ctx
 
     async def close(self) -> None:
         await self.cluster.drain()
