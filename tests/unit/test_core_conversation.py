@@ -2,18 +2,24 @@ from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from kvrelay.core.conversation import (
     DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     ConversationEntry,
     ConversationKey,
-    entry_from_decode,
+    conversation_tag,
+    new_entry,
+    with_fingerprint,
 )
-from kvrelay.core.fingerprint import fingerprint_tokens, verified_prefix_tokens
+from kvrelay.core.fingerprint import (
+    fingerprint_tokens,
+    held_fingerprint,
+    verified_prefix_tokens,
+)
 from kvrelay.core.params import RemoteBlocks, parse_remote_blocks
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
@@ -35,6 +41,13 @@ def ids(n: int, seed: int) -> list[int]:
     return [rng.randrange(0, 32_000) for _ in range(n)]
 
 
+def entry(blocks: RemoteBlocks, **kw: object) -> ConversationEntry:
+    args: dict[str, object] = {"decode_node_id": "d0", "now_s": 100.0, "turn": 1,
+                               "conversation": "c0", "num_bytes": 8000}
+    args.update(kw)
+    return new_entry(blocks=blocks, **args)  # type: ignore[arg-type]
+
+
 def test_key_requires_a_conversation_id() -> None:
     with pytest.raises(ValueError):
         ConversationKey("tenant", "")
@@ -47,94 +60,82 @@ def test_key_hash_is_stable_short_and_scoped() -> None:
     assert "conv-1" not in key.hashed()
     assert key.hashed() != ConversationKey("other", "conv-1").hashed()
     assert ConversationKey("ab", "c").hashed() != ConversationKey("a", "bc").hashed()
+    assert key.hashed() == conversation_tag(b"acme", b"conv-1")
 
 
-def test_entry_from_real_decode_response() -> None:
-    blocks = decode_blocks()
+def test_entry_from_real_decode_response_with_ds_fingerprint() -> None:
     prompt, generated = ids(2025, 1), ids(32, 2)
-    entry = entry_from_decode(
-        decode_node_id="d0",
-        blocks=blocks,
-        prompt_token_ids=prompt,
-        generated_token_ids=generated,
-        now_s=100.0,
-    )
-    assert blocks.num_tokens == 2056 == len(prompt) + len(generated) - 1
-    assert entry.num_tokens == 2056
-    assert entry.decode_engine_id == "41372c68-38b0-4eb0-962c-ca9183ba49b5"
-    assert entry.decode_node_id == "d0"
-    assert entry.turn == 1
-    assert entry.created_at_s == 100.0
-    assert entry.expires_at_s == 100.0 + DEFAULT_DECODER_KV_BLOCKS_TTL_S - 10.0
-    assert entry.fingerprint == fingerprint_tokens((prompt + generated)[:2056])
-    next_prompt = prompt + generated + ids(50, 3)
-    assert verified_prefix_tokens(entry.fingerprint, next_prompt) == 2056
-
-
-def test_entry_caps_num_tokens_to_known_ids() -> None:
     blocks = decode_blocks()
-    prompt, generated = ids(2025, 1), ids(10, 2)
-    entry = entry_from_decode(
-        decode_node_id="d0",
-        blocks=blocks,
-        prompt_token_ids=prompt,
-        generated_token_ids=generated,
-        now_s=0.0,
-    )
-    assert entry.num_tokens == 2035
-    assert entry.blocks == blocks
+    fingerprint = held_fingerprint(prompt, generated, blocks.num_tokens)
+    made = entry(with_fingerprint(blocks, fingerprint))
+    assert blocks.num_tokens == 2056 == len(prompt) + len(generated) - 1
+    assert made.num_tokens == 2056
+    assert made.decode_engine_id == "41372c68-38b0-4eb0-962c-ca9183ba49b5"
+    assert made.decode_node_id == "d0"
+    assert made.turn == 1
+    assert made.created_at_s == 100.0
+    assert made.expires_at_s == 100.0 + DEFAULT_DECODER_KV_BLOCKS_TTL_S - 10.0
+    assert made.fingerprint == fingerprint_tokens((prompt + generated)[:2056])
+    next_prompt = prompt + generated + ids(50, 3)
+    assert verified_prefix_tokens(made.fingerprint, next_prompt) == 2056
+
+
+def test_fingerprint_of_fewer_known_ids_covers_only_them() -> None:
+    blocks = decode_blocks()
+    fingerprint = held_fingerprint(ids(2025, 1), ids(10, 2), blocks.num_tokens)
+    made = entry(with_fingerprint(blocks, fingerprint))
+    assert made.num_tokens == 2035
+    assert made.blocks.num_tokens == blocks.num_tokens
+
+
+def test_tokens_per_byte_turns_request_bytes_into_estimates() -> None:
+    blocks = with_fingerprint(decode_blocks(), fingerprint_tokens(ids(2056, 1)))
+    assert entry(blocks, num_bytes=8224).tokens_per_byte() == 0.25
+    assert entry(blocks, num_bytes=0).tokens_per_byte() == 0.25
+    assert entry(blocks, num_bytes=4112).tokens_per_byte() == 0.5
 
 
 def test_entry_ttl_and_margin() -> None:
-    entry = entry_from_decode(
-        decode_node_id="d0",
-        blocks=decode_blocks(),
-        prompt_token_ids=ids(2025, 1),
-        generated_token_ids=ids(32, 2),
-        now_s=50.0,
-        turn=3,
-        ttl_s=60.0,
-        safety_margin_s=5.0,
-    )
-    assert entry.expires_at_s == 105.0
-    assert entry.turn == 3
-    assert entry.seconds_left(100.0) == 5.0
-    assert not entry.is_expired(104.999)
-    assert entry.is_expired(105.0)
+    blocks = with_fingerprint(decode_blocks(), fingerprint_tokens(ids(2056, 1)))
+    made = entry(blocks, now_s=50.0, turn=3, ttl_s=60.0, safety_margin_s=5.0)
+    assert made.expires_at_s == 105.0
+    assert made.turn == 3
+    assert made.seconds_left(100.0) == 5.0
+    assert not made.is_expired(104.999)
+    assert made.is_expired(105.0)
 
 
 @pytest.mark.parametrize(("ttl_s", "margin_s"), [(0.0, 0.0), (10.0, 10.0), (10.0, -1.0)])
 def test_entry_rejects_bad_ttl(ttl_s: float, margin_s: float) -> None:
+    blocks = with_fingerprint(decode_blocks(), fingerprint_tokens([1, 2]))
     with pytest.raises(ValueError):
-        entry_from_decode(
-            decode_node_id="d0",
-            blocks=decode_blocks(),
-            prompt_token_ids=[1],
-            generated_token_ids=[2],
-            now_s=0.0,
-            ttl_s=ttl_s,
-            safety_margin_s=margin_s,
-        )
+        entry(blocks, ttl_s=ttl_s, safety_margin_s=margin_s)
 
 
-def test_entry_needs_blocks_held_on_decode() -> None:
+def test_entry_needs_blocks_held_on_decode_with_a_fingerprint() -> None:
     with pytest.raises(ValueError):
-        entry_from_decode(
-            decode_node_id="p0",
-            blocks=prefill_blocks(),
-            prompt_token_ids=ids(2025, 1),
-            generated_token_ids=[],
-            now_s=0.0,
-        )
+        entry(with_fingerprint(prefill_blocks(), fingerprint_tokens(ids(100, 1))))
+    with pytest.raises(ValueError):
+        entry(decode_blocks())
+
+
+def test_block_size_kept_only_when_consistent_with_the_blocks() -> None:
+    blocks = with_fingerprint(decode_blocks(), fingerprint_tokens(ids(2056, 1)))
+    assert entry(blocks, block_size=128).block_size == 128
+    assert entry(blocks, block_size=16).block_size is None
+    assert entry(blocks, block_size=None).block_size is None
 
 
 def test_entry_invariants() -> None:
-    blocks = decode_blocks()
     fp = fingerprint_tokens(ids(100, 1))
-    ConversationEntry("d0", blocks, fp, expires_at_s=1.0, created_at_s=0.0, turn=1)
+    blocks = with_fingerprint(decode_blocks(), fp)
+    ConversationEntry("d0", blocks, expires_at_s=1.0, created_at_s=0.0, turn=1,
+                      conversation="c")
     with pytest.raises(ValueError):
-        ConversationEntry("d0", blocks, fp, expires_at_s=1.0, created_at_s=0.0, turn=0)
+        ConversationEntry("d0", blocks, expires_at_s=1.0, created_at_s=0.0, turn=0,
+                          conversation="c")
     with pytest.raises(ValueError):
-        ConversationEntry(
-            "d0", replace(blocks, num_tokens=50), fp, expires_at_s=1.0, created_at_s=0.0, turn=1
-        )
+        with_fingerprint(replace(decode_blocks(), num_tokens=50), fp)
+    with pytest.raises(ValueError):
+        ConversationEntry("d0", replace(blocks, num_tokens=50), expires_at_s=1.0,
+                          created_at_s=0.0, turn=1, conversation="c")

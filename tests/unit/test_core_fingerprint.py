@@ -139,7 +139,7 @@ def test_zero_chunk_size_bytes_are_rejected() -> None:
         TokenFingerprint.from_bytes(b"KF\x01" + bytes(6))
 
 
-@pytest.mark.parametrize("text", ['not base85 "', "é", "abc"])
+@pytest.mark.parametrize("text", ['not base64 "', "é", "abc"])
 def test_malformed_text_is_rejected(text: str) -> None:
     with pytest.raises(FingerprintError):
         TokenFingerprint.from_str(text)
@@ -156,7 +156,8 @@ def test_size_budget_for_a_24k_token_context() -> None:
     held = tokens(24 * 1024)
     fp = fingerprint_tokens(held)
     assert len(fp.to_bytes()) <= 16 * 1024
-    assert len(fp.to_str().encode("ascii")) <= 16 * 1024
+    # base64 (C codec: it runs on every report and pull) is 4/3 of the bytes
+    assert len(fp.to_str().encode("ascii")) <= 17 * 1024
 
 
 def test_repr_does_not_dump_digests() -> None:

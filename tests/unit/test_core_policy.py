@@ -1,22 +1,25 @@
+"""The turn policy: exact mode (the router holds the prompt's ids: ``/tokenize`` fallback)
+and estimate mode (kvrelay's connector on P proves the tokens)."""
+
 from __future__ import annotations
 
 import json
 import random
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from msgspec.structs import replace
 
-from kvrelay.core.conversation import ConversationEntry, ConversationKey, entry_from_decode
+from kvrelay.core.conversation import ConversationEntry, new_entry, with_fingerprint
 from kvrelay.core.costs import BoundedEwma, CostEstimates, TransferEstimate
+from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.params import RemoteBlocks, parse_remote_blocks
-from kvrelay.core.policy import PolicyConfig, TurnDecision, decide_turn
+from kvrelay.core.policy import PolicyConfig, Prompt, TurnDecision, decide_turn
 from kvrelay.core.selection import NodeState
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
-KEY = ConversationKey("acme", "conv-1")
 CONFIG = PolicyConfig()
 COSTS = CostEstimates()
 CREATED_S = 1000.0
@@ -47,12 +50,14 @@ def make_entry(
     blocks: RemoteBlocks = BLOCKS,
     block_size: int | None = BLOCK_SIZE,
 ) -> ConversationEntry:
-    return entry_from_decode(
+    fingerprint = held_fingerprint(prompt, generated, blocks.num_tokens)
+    return new_entry(
         decode_node_id="d0",
-        blocks=blocks,
-        prompt_token_ids=prompt,
-        generated_token_ids=generated,
+        blocks=with_fingerprint(blocks, fingerprint),
         now_s=CREATED_S,
+        turn=1,
+        conversation="c0",
+        num_bytes=4 * blocks.num_tokens,
         block_size=block_size,
     )
 
@@ -67,17 +72,16 @@ def d0(up: bool = True, engine_id: str | None = ENGINE) -> NodeState:
 def decide(
     prompt: list[int],
     *,
-    key: ConversationKey | None = KEY,
     entry: ConversationEntry | None = ENTRY,
     now_s: float = CREATED_S + 5.0,
     node: NodeState | None = None,
     config: PolicyConfig = CONFIG,
     costs: CostEstimates = COSTS,
 ) -> TurnDecision:
+    """Exact mode: the router knows the prompt's ids."""
     return decide_turn(
-        key=key,
         entry=entry,
-        prompt_token_ids=prompt,
+        prompt=Prompt(len(prompt), token_ids=prompt),
         now_s=now_s,
         decode_node=d0() if node is None else node,
         config=config,
@@ -109,7 +113,9 @@ def assert_pull(decision: TurnDecision, verified: int) -> RemoteBlocks:
     assert sent.to_json()["remote_num_tokens"] == verified
     keep = -(-verified // BLOCK_SIZE)
     assert sent.block_ids == tuple(group[:keep] for group in BLOCKS.block_ids)
-    assert replace(sent, num_tokens=BLOCKS.num_tokens, block_ids=BLOCKS.block_ids) == BLOCKS
+    assert replace(sent, num_tokens=BLOCKS.num_tokens, block_ids=BLOCKS.block_ids,
+                   fingerprint=None) == BLOCKS
+    assert decision.exact
     return sent
 
 
@@ -170,7 +176,8 @@ def test_edited_early_message_is_prefix_mismatch(edited_at: int) -> None:
 
 
 def test_short_held_context_is_below_threshold() -> None:
-    entry = make_entry(PROMPT[:30], GENERATED[:11], replace(BLOCKS, num_tokens=40))
+    entry = make_entry(PROMPT[:30], GENERATED[:11], replace(BLOCKS, num_tokens=40),
+                       block_size=None)
     decision = decide(PROMPT[:30] + GENERATED[:11] + NEW_USER, entry=entry)
     assert_recompute(decision, "below_threshold")
     assert decision.verified_tokens == 40
@@ -197,10 +204,6 @@ def test_threshold_boundary() -> None:
     )
 
 
-def test_no_conversation_id() -> None:
-    assert_recompute(decide(next_turn_prompt(), key=None), "no_conversation_id")
-
-
 def test_no_entry() -> None:
     assert_recompute(decide(next_turn_prompt(), entry=None), "no_entry")
 
@@ -224,9 +227,8 @@ def test_node_down() -> None:
 
 def test_unknown_node_counts_as_down() -> None:
     decision = decide_turn(
-        key=KEY,
         entry=ENTRY,
-        prompt_token_ids=next_turn_prompt(),
+        prompt=Prompt(len(next_turn_prompt()), token_ids=next_turn_prompt()),
         now_s=CREATED_S,
         decode_node=None,
         config=CONFIG,
@@ -253,7 +255,7 @@ def test_checks_run_in_documented_order() -> None:
     diverged = next_turn_prompt()
     diverged[0] += 1
     down = d0(up=False, engine_id="other")
-    assert decide(diverged, key=None, entry=None).reason == "no_conversation_id"
+    assert decide(diverged, entry=None).reason == "no_entry"
     assert decide(diverged, now_s=EXPIRES_S, node=down).reason == "expired"
     assert decide(diverged, now_s=EXPIRES_S - 1, node=down).reason == "near_expiry"
     assert decide(diverged, node=down).reason == "node_down"
@@ -351,3 +353,53 @@ def test_never_sends_more_than_the_true_common_prefix(
         assert decision.reused_tokens >= max(threshold, 1)
     else:
         assert decision.blocks_to_send is None
+
+
+def estimate(
+    est_tokens: int,
+    est_new: int,
+    *,
+    entry: ConversationEntry | None = ENTRY,
+    config: PolicyConfig = CONFIG,
+    costs: CostEstimates = COSTS,
+) -> TurnDecision:
+    """Estimate mode: P's connector proves the tokens; the router knows sizes only."""
+    return decide_turn(
+        entry=entry,
+        prompt=Prompt(est_tokens, est_new),
+        now_s=CREATED_S + 5.0,
+        decode_node=d0(),
+        config=config,
+        costs=costs,
+    )
+
+
+def test_estimate_mode_sends_the_whole_entry_with_its_fingerprint_for_p_to_verify() -> None:
+    decision = estimate(2056 + 300, 300)
+    assert decision.action == "pull" and decision.reason == "pull"
+    assert not decision.exact
+    assert decision.verified_tokens == 0
+    assert decision.reused_tokens == 2056
+    assert decision.blocks_to_send == ENTRY.blocks
+    sent = decision.blocks_to_send.to_json()
+    assert sent["kvrelay_fingerprint"] == ENTRY.fingerprint.to_str()
+    assert sent["remote_num_tokens"] == 2056
+
+
+def test_estimate_mode_caps_the_expected_reuse_at_the_prompt_minus_its_last_token() -> None:
+    decision = estimate(1000, 0)
+    assert decision.action == "pull"
+    assert decision.reused_tokens == 999
+
+
+def test_estimate_mode_below_threshold_when_even_a_full_match_is_too_small() -> None:
+    entry = make_entry(PROMPT[:30], GENERATED[:11], replace(BLOCKS, num_tokens=40),
+                       block_size=None)
+    assert_recompute(estimate(400, 360, entry=entry), "below_threshold")
+
+
+def test_estimate_mode_direct_and_cost_model_use_the_estimates() -> None:
+    config = PolicyConfig(direct_enabled=True, direct_max_new_tokens=64)
+    assert estimate(2100, 44, config=config).action == "direct"
+    assert estimate(2300, 244, config=config).action == "pull"
+    assert_recompute(estimate(2300, 244, costs=huge_transfer_costs()), "cost_model")

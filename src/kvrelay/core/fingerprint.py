@@ -64,6 +64,9 @@ class TokenFingerprint(msgspec.Struct, frozen=True):
         if len(self.tail_digest) != (DIGEST_BYTES if tail_tokens else 0):
             raise ValueError("tail_digest length does not match num_tokens")
 
+    def __repr__(self) -> str:
+        return f"TokenFingerprint(num_tokens={self.num_tokens}, chunk_tokens={self.chunk_tokens})"
+
     def to_bytes(self) -> bytes:
         """Compact binary form (9-byte header + digests), e.g. for a Redis value."""
         header = _MAGIC + _HEADER.pack(self.chunk_tokens, self.num_tokens)

@@ -1,34 +1,30 @@
-"""The Redis store's explicit JSON form of a conversation entry: exact round trip, times moved
-through the wall clock, no conversation content, malformed input refused."""
+"""The Redis index's JSON form of an entry: exact round trip, times moved through the wall
+clock, no conversation content, malformed input refused."""
 
 from __future__ import annotations
 
 import json
-from dataclasses import replace
-from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
-from kvrelay.core.conversation import ConversationEntry, entry_from_decode
-from kvrelay.core.params import RemoteBlocks, parse_remote_blocks
-from kvrelay.router.store_redis import (
+from kvrelay.core.conversation import ConversationEntry, new_entry, with_fingerprint
+from kvrelay.core.fingerprint import fingerprint_tokens
+from kvrelay.core.params import RemoteBlocks
+from kvrelay.router.index_redis import (
     EntryFormatError,
     entry_from_json,
     entry_identity,
     entry_to_json,
 )
-
-DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
-BLOCKS = parse_remote_blocks(
-    json.loads((DATA / "chat_turn1.json").read_text())["d1"]["kv_transfer_params"]
-)
+from tests.unit.index_entries import BLOCKS
 
 
 def entry(blocks: RemoteBlocks = BLOCKS, block_size: int | None = None) -> ConversationEntry:
-    return entry_from_decode(decode_node_id="decode-0", blocks=blocks,
-                             prompt_token_ids=list(range(1000, 1000 + blocks.num_tokens)),
-                             generated_token_ids=[7] * 32, now_s=100.0, turn=3,
-                             block_size=block_size)
+    held = with_fingerprint(blocks, fingerprint_tokens(list(range(1000, 1000 +
+                                                                  blocks.num_tokens))))
+    return new_entry(decode_node_id="decode-0", blocks=held, now_s=100.0, turn=3,
+                     conversation="0123456789abcdef", num_bytes=9000, block_size=block_size)
 
 
 @pytest.mark.parametrize("e", [
@@ -36,6 +32,8 @@ def entry(blocks: RemoteBlocks = BLOCKS, block_size: int | None = None) -> Conve
     entry(block_size=128),
     entry(replace(BLOCKS, prefill_cached_tokens=64, remote_expiry_perf_counter_s=None)),
     entry(replace(BLOCKS, block_ids=((1, 2, 3), (4, 5, 6)), num_tokens=40, tp_size=2), 16),
+    entry(replace(BLOCKS, block_size=128, guard_version=1,
+                  vllm_extra=(("remote_registration_generation", "1"),))),
 ])
 def test_round_trip_is_exact_with_a_constant_offset(e: ConversationEntry) -> None:
     text = entry_to_json(e, wall_offset_s=1.7e9)
@@ -58,25 +56,25 @@ def test_identity_ignores_times_only() -> None:
     e = entry()
     assert entry_identity(e) == entry_identity(replace(e, expires_at_s=1.0, created_at_s=0.5))
     assert entry_identity(e) != entry_identity(replace(e, turn=4))
-    assert entry_identity(e) != entry_identity(replace(e, blocks=replace(BLOCKS, request_id="x")))
+    assert entry_identity(e) != entry_identity(
+        replace(e, blocks=replace(e.blocks, request_id="x")))
 
 
 def test_no_token_ids_only_digests() -> None:
     text = entry_to_json(entry(), wall_offset_s=0.0)
     assert "1000,1001,1002" not in text.replace(" ", "")
-    assert set(json.loads(text)["fingerprint"]) == {
-        "num_tokens", "chunk_tokens", "chunk_digests", "tail_digest"}
+    assert "kvrelay_fingerprint" in json.loads(text)["params"]
 
 
 @pytest.mark.parametrize("mutate", [
-    lambda d: d.pop("blocks"),
+    lambda d: d.pop("params"),
     lambda d: d.update(v=99),
     lambda d: d.update(turn="3"),
     lambda d: d.update(turn=True),
-    lambda d: d["blocks"].update(direction="prefill_to_decode"),
-    lambda d: d["blocks"].update(block_ids=[["1"]]),
-    lambda d: d["fingerprint"].update(chunk_digests="!!not base64!!"),
-    lambda d: d["fingerprint"].update(num_tokens=5),
+    lambda d: d["params"].update(do_remote_decode=False, do_remote_prefill=True),
+    lambda d: d["params"].update(remote_block_ids=[["1"]]),
+    lambda d: d["params"].update(kvrelay_fingerprint="!!not base64!!"),
+    lambda d: d["params"].pop("kvrelay_fingerprint"),
     lambda d: d.update(expires_wall_s=None),
 ])
 def test_malformed_entries_are_refused(mutate: object) -> None:

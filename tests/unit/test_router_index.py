@@ -1,0 +1,187 @@
+"""InMemoryIndex: lookups by digests (continuations, ambiguity, no stealing), single-use
+claims, drops, LRU caps per tenant and in total, TTL purge, retained tokens."""
+
+from __future__ import annotations
+
+import asyncio
+
+from kvrelay.core.identity import scope_of
+from kvrelay.router.index import ConversationIndex, EvictReason, InMemoryIndex
+from tests.unit.index_entries import (
+    BLOCKS,
+    assistant,
+    chat,
+    entry,
+    stored_at,
+    text,
+    text_stored_at,
+    user,
+)
+
+SYSTEM = user("You are a careful agent. " * 20)
+FIRST = user("Fix the failing test in repo X.")
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_follow_up_finds_the_entry_of_the_turn_it_continues() -> None:
+    index = InMemoryIndex()
+    assert isinstance(index, ConversationIndex)
+    turn1 = chat(SYSTEM, FIRST)
+    e = entry()
+    await index.put(stored_at(turn1, "I will look."), e, tenant="t")
+    follow = chat(SYSTEM, FIRST, assistant("I will look."), user("Go on."))
+    found = await index.lookup(follow)
+    assert found is not None and found.entry == e
+    assert found.ref == stored_at(turn1, "I will look.")
+    assert found.probe.covered_bytes < follow.prompt_bytes
+    tool_turn = chat(SYSTEM, FIRST, assistant("I will look."), user("tool output"), user("x"))
+    assert await index.lookup(tool_turn) is not None
+
+
+async def test_the_answer_must_be_the_one_d_gave() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    await index.put(stored_at(turn1, "I will look."), entry(), tenant="t")
+    assert await index.lookup(chat(SYSTEM, FIRST, assistant("Something else."), user("?"))) \
+        is None
+    same_up_to_space = chat(SYSTEM, FIRST, assistant("  I will look.\n"), user("Go on."))
+    assert await index.lookup(same_up_to_space) is not None
+
+
+async def test_many_conversations_sharing_a_prefix_each_find_their_own() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    entries = {f"answer {i}": entry(turn=i + 1) for i in range(8)}
+    for answer, e in entries.items():
+        await index.put(stored_at(turn1, answer), e, tenant="t")
+    for answer, e in entries.items():
+        found = await index.lookup(chat(SYSTEM, FIRST, assistant(answer), user("next")))
+        assert found is not None and found.entry == e
+
+
+async def test_a_request_sharing_only_a_prefix_never_finds_the_entry() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    await index.put(stored_at(turn1, "I will look."), entry(), tenant="t")
+    assert await index.lookup(chat(SYSTEM, user("Another task."))) is None
+    assert await index.lookup(chat(SYSTEM, FIRST)) is None  # the same request again
+    assert await index.lookup(chat(SYSTEM, user("Another task."), assistant("I will look."),
+                                   user("Go on."))) is None
+
+
+async def test_the_longest_continued_turn_wins() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    turn2 = chat(SYSTEM, FIRST, assistant("a1"), user("u2"))
+    older, newer = entry(turn=1), entry(turn=2)
+    await index.put(stored_at(turn1, "a1"), older, tenant="t")
+    await index.put(stored_at(turn2, "a2"), newer, tenant="t")
+    found = await index.lookup(chat(SYSTEM, FIRST, assistant("a1"), user("u2"),
+                                    assistant("a2"), user("u3")))
+    assert found is not None and found.entry == newer
+    retried = await index.lookup(chat(SYSTEM, FIRST, assistant("a1"), user("u2 edited")))
+    assert retried is not None and retried.entry == older
+
+
+async def test_scopes_are_separate() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST, scope=scope_of("t", "conv-1"))
+    await index.put(stored_at(turn1, "a"), entry(), tenant="t")
+    follow = [SYSTEM, FIRST, assistant("a"), user("b")]
+    assert await index.lookup(chat(*follow, scope=scope_of("t", "conv-1"))) is not None
+    assert await index.lookup(chat(*follow, scope=scope_of("t", "conv-2"))) is None
+    assert await index.lookup(chat(*follow, scope=scope_of("t", None))) is None
+    assert await index.lookup(chat(*follow, scope=scope_of("u", "conv-1"))) is None
+    assert await index.drop_scope(scope_of("t", "conv-1")) == 1
+    assert len(index) == 0
+
+
+async def test_completions_continue_by_text() -> None:
+    index = InMemoryIndex()
+    prompt = "Once upon a time " * 200
+    turn1 = text(prompt)
+    e = entry()
+    await index.put(text_stored_at(turn1, " there was a river."), e, tenant="t")
+    found = await index.lookup(text(prompt + " there was a river." + " And then?"))
+    assert found is not None and found.entry == e
+    assert await index.lookup(text(prompt + " there was a mountain." + " And then?")) is None
+    assert await index.lookup(text(prompt + " there was a river.")) is None  # nothing new
+    assert await index.lookup(text(prompt[:-5] + "XXXXX there was a river. More")) is None
+
+
+async def test_claim_is_single_use_even_when_racing() -> None:
+    index = InMemoryIndex()
+    ref, e = stored_at(chat(SYSTEM, FIRST), "a"), entry()
+    await index.put(ref, e, tenant="t")
+    results = await asyncio.gather(*(index.claim(ref, e) for _ in range(10)))
+    assert results.count(True) == 1
+    assert len(index) == 0
+    await index.put(ref, e, tenant="t")
+    newer = entry(now=200.0)
+    await index.put(ref, newer, tenant="t")
+    assert await index.claim(ref, e) is False  # replaced: the old entry is gone
+    assert await index.claim(ref, newer) is True
+
+
+async def test_drops() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    await index.put(stored_at(turn1, "1"), entry("d0"), tenant="t")
+    await index.put(stored_at(turn1, "2"), entry("d0", engine="new"), tenant="t")
+    await index.put(stored_at(turn1, "3"), entry("d1"), tenant="t")
+    assert await index.drop(stored_at(turn1, "3"), entry("d1", now=1.0)) is False
+    assert await index.drop_engine("d0", BLOCKS.engine_id) == 1
+    assert await index.drop_node("d0") == 1
+    assert len(index) == 1
+    assert await index.drop(stored_at(turn1, "3")) is True and len(index) == 0
+
+
+async def test_caps_evict_the_least_recently_used_per_tenant_and_in_total() -> None:
+    evicted: list[EvictReason] = []
+    index = InMemoryIndex(3, max_per_tenant=2, on_evict=lambda e, why: evicted.append(why))
+    turn1 = chat(SYSTEM, FIRST)
+    await index.put(stored_at(turn1, "a1"), entry(), tenant="a")
+    await index.put(stored_at(turn1, "a2"), entry(), tenant="a")
+    await index.lookup(chat(SYSTEM, FIRST, assistant("a1"), user("x")))  # a2 is now LRU
+    await index.put(stored_at(turn1, "a3"), entry(), tenant="a")
+    assert await index.lookup(chat(SYSTEM, FIRST, assistant("a2"), user("x"))) is None
+    assert await index.lookup(chat(SYSTEM, FIRST, assistant("a1"), user("x"))) is not None
+    await index.put(stored_at(turn1, "b1"), entry(), tenant="b")
+    await index.put(stored_at(turn1, "b2"), entry(), tenant="b")
+    assert len(index) == 3
+    assert evicted == ["capacity", "capacity"]
+
+
+async def test_expired_entries_stay_visible_then_are_purged() -> None:
+    clock = Clock()
+    evicted: list[EvictReason] = []
+    index = InMemoryIndex(clock=clock, expired_retention_s=60, sweep_interval_s=1,
+                          on_evict=lambda e, why: evicted.append(why))
+    e = entry(now=clock.now)  # expires at 100 + 470
+    await index.put(stored_at(chat(SYSTEM, FIRST), "a"), e, tenant="t")
+    follow = chat(SYSTEM, FIRST, assistant("a"), user("b"))
+    clock.now = e.expires_at_s + 30  # expired, still visible: the policy says "expired"
+    assert index.retained_tokens(clock.now) == {}
+    found = await index.lookup(follow)
+    assert found is not None and found.entry == e
+    clock.now = e.expires_at_s + 61
+    assert await index.lookup(follow) is None
+    assert evicted == ["expired"]
+
+
+async def test_retained_tokens_count_live_entries_per_node() -> None:
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    await index.put(stored_at(turn1, "1"), entry("d0"), tenant="t")
+    await index.put(stored_at(turn1, "2"), entry("d0"), tenant="t")
+    await index.put(stored_at(turn1, "3"), entry("d1"), tenant="t")
+    assert index.retained_tokens(101.0) == {"d0": 2 * 2056, "d1": 2056}
+    await index.claim(stored_at(turn1, "1"), entry("d0"))
+    assert index.retained_tokens(101.0) == {"d0": 2056, "d1": 2056}
