@@ -20,7 +20,7 @@ BLOCKS = RemoteBlocks(
 
 
 def test_a_continuing_prompt_pulls_everything_held() -> None:
-    check = check_pull(BLOCKS, HELD + [1, 2, 3], threshold=64)
+    check = check_pull(BLOCKS, [*HELD, 1, 2, 3], threshold=64)
     assert check.reason == "pull" and check.verified_tokens == 1000
     assert check.usable_tokens == 1000 and check.blocks == BLOCKS
 
@@ -34,7 +34,7 @@ def test_a_divergence_cuts_the_pull_and_the_block_list() -> None:
 
 
 def test_too_little_is_never_pulled() -> None:
-    assert check_pull(BLOCKS, [0] + HELD[1:], threshold=64).reason == "prefix_mismatch"
+    assert check_pull(BLOCKS, [0, *HELD[1:]], threshold=64).reason == "prefix_mismatch"
     assert check_pull(BLOCKS, HELD[:50], threshold=64).reason == "below_threshold"
     assert check_pull(replace(BLOCKS, fingerprint=None), HELD, threshold=1).reason == \
         "no_fingerprint"
@@ -46,7 +46,7 @@ def test_partial_reuse_needs_a_block_size() -> None:
         "partial_reuse_unsafe"
     assert check_pull(unknown, HELD[:500] + [0] * 10, threshold=1, block_size=128).reason == \
         "pull"
-    assert check_pull(unknown, HELD + [1], threshold=1).reason == "pull"
+    assert check_pull(unknown, [*HELD, 1], threshold=1).reason == "pull"
 
 
 def test_the_prompt_keeps_its_last_token() -> None:

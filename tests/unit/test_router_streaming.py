@@ -8,9 +8,10 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
+from kvrelay.router.streaming import SSE_DONE, Collected, collect, relay_chunk, sse_data, strip
+
 from kvrelay.core.params import parse_remote_blocks
 from kvrelay.router.blocks import LayoutError, infer_block_size, retained_layout
-from kvrelay.router.streaming import SSE_DONE, Collected, collect, relay_chunk, sse_data, strip
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
 
