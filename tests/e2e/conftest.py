@@ -16,7 +16,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -42,10 +42,13 @@ class RealCluster:
     model: str
     run_dir: Path
     ttl_s: float
+    #: Every line ``kvrelay up`` has printed so far (appended to while the session runs).
+    output: list[str] = field(default_factory=list)
 
 
-def _reader(stream: object, lines: queue.Queue[str]) -> None:
+def _reader(stream: object, lines: queue.Queue[str], output: list[str]) -> None:
     for line in stream:  # type: ignore[attr-defined]
+        output.append(line)
         lines.put(line)
 
 
@@ -62,7 +65,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    output: list[str] = []
+    threading.Thread(target=_reader, args=(proc.stdout, lines, output), daemon=True).start()
     seen: list[str] = []
     urls: dict[str, str] = {}
     model = ""
@@ -81,7 +85,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         if m := re.match(r"model (\S+); Ctrl-C to stop", line):
             model = m.group(1)
     yield RealCluster(urls["prefill-0"], urls["decode-0"], urls["router"], model, run_dir,
-                      TTL_S)
+                      TTL_S, output)
 
     proc.send_signal(signal.SIGINT)
     try:
@@ -94,7 +98,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         if any(f"--port {port}" in " ".join(p.info["cmdline"] or [])
                for port in (base_port, base_port + 1, router_port))
     ]
-    tail = "".join(seen[-40:])
+    tail = "".join(output[-40:])
     assert rc == 0, f"kvrelay up exited with {rc}:\n{tail}"
     assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"
 

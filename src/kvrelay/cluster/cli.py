@@ -13,10 +13,12 @@ from typing import Any
 from kvrelay.cluster.config import (
     DEFAULT_NIXL_PROGRESS_DELAY_US,
     ClusterConfig,
+    RestartPolicy,
     block_size_of,
     router_command,
 )
 from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, ServiceProcess
+from kvrelay.cluster.supervisor import GaveUp, NodeUnit, ServiceUnit, Supervised, Supervisor
 
 
 def register(sub: Any) -> None:
@@ -62,6 +64,21 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let each CPU server's API server and engine core float over all "
                              "cores (reproduces P's slowdown while D retains blocks)")
     parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    parser.add_argument(
+        "--max-restarts", type=int, default=d.restart.max_attempts, metavar="N",
+        help="restart a node or the router that exits, up to N times in a row with backoff "
+             "(0: stop the cluster instead)")
+    parser.add_argument(
+        "--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
+        help="vLLM tool-call parser for auto tool choice: auto (from the model's model_type; "
+             "the default models use hermes), none (off), or any vLLM parser name")
+    for flag, role in (("--engine-arg", "every node"), ("--prefill-engine-arg", "P nodes"),
+                       ("--decode-engine-arg", "D nodes")):
+        parser.add_argument(
+            flag, action="append", default=[], metavar="ARGS",
+            help=f"one extra vLLM server argument for {role}, passed as is (repeatable: "
+                 f"{flag}=--max-num-seqs=8, or {flag}=--max-num-seqs {flag}=8); they come "
+                 "last and override kvrelay's")
     parser.add_argument("--run-dir", type=Path, default=None, help="where node logs go")
     parser.add_argument("--router-port", type=int, default=8000,
                         help="port of the kvrelay router started in front of the cluster")
@@ -93,6 +110,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         restore_affinity=not args.no_restore_affinity,
         pin_processes=not args.no_pin_processes,
         startup_timeout_s=args.startup_timeout_s,
+        tool_call_parser=args.tool_call_parser,
+        restart=RestartPolicy(max_attempts=args.max_restarts),
+        engine_args=tuple(args.engine_arg),
+        prefill_engine_args=tuple(args.prefill_engine_arg),
+        decode_engine_args=tuple(args.decode_engine_arg),
     )
 
 
@@ -141,18 +163,20 @@ def _up(args: argparse.Namespace) -> int:
                   f"cores {','.join(map(str, node.spec.cores)) or '-'}", flush=True)
         if router is not None:
             print(f"{'router':>10}  {router.url}  (OpenAI API: {router.url}/v1)", flush=True)
+        parser = cluster.config.tool_call_parser
+        print("tool calls: " + (f"auto tool choice with the {parser} parser" if parser != "none"
+                                else "off (no parser known for this model; --tool-call-parser)"),
+              flush=True)
         print(f"model {cluster.served_model_name}; Ctrl-C to stop", flush=True)
+        units: list[Supervised] = [NodeUnit(cluster, node) for node in cluster.nodes]
+        if router is not None:
+            units.append(ServiceUnit(router))
+        supervisor = Supervisor(units, config.restart, config.startup_timeout_s,
+                                say=lambda line: print(line, flush=True))
         while not stop.wait(1.0):
-            for node in cluster.nodes:
-                if not node.alive():
-                    print(f"error: {node.spec.name} exited ({node.process.returncode}); "
-                          f"last lines:\n{cluster.log_tail(node)}", file=sys.stderr)
-                    return 1
-            if router is not None and not router.alive():
-                print(f"error: router exited; see {router.log_path}", file=sys.stderr)
-                return 1
+            supervisor.poll()
         return 0
-    except ClusterStartError as exc:
+    except (ClusterStartError, GaveUp) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
