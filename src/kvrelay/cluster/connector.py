@@ -44,21 +44,24 @@ Report: D's retained params to the router (``kvrelay_report_url`` in a request's
     decode request's ``kv_transfer_params`` carry ``kvrelay_report_url`` and
     ``kvrelay_turn_id`` (the router adds them), this connector POSTs, from a background
     thread of the scheduler process, ``{"turn_id", "kv_transfer_params", "num_prompt_tokens",
-    "num_output_tokens"}`` to that URL when the request finishes. Only hosts listed in
+    "num_output_tokens"}`` to that URL when the request finishes. Only hosts allowed by
     ``kvrelay_report_hosts`` (default: loopback) are contacted, so a client that talks to D
-    directly cannot make it call arbitrary addresses.
+    directly cannot make it call arbitrary addresses. Entries are host names, IP addresses
+    or IP networks (``"10.244.0.0/16"``): router replicas that report their pod IP (one per
+    replica, assigned by Kubernetes) are allowed by the pod network's CIDR (docs/deploy.md).
 """
 
 from __future__ import annotations
 
 import contextlib
+import ipaddress
 import json
 import os
 import queue
 import threading
 import urllib.parse
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -94,7 +97,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             )
             os.sched_setaffinity(0, saved)
         hosts = transfer_config.get_from_extra_config(REPORT_HOSTS_KEY, DEFAULT_REPORT_HOSTS)
-        self._reporter = _Reporter(frozenset(hosts)) if not is_worker else None
+        self._reporter = _Reporter(hosts) if not is_worker else None
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -133,18 +136,41 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         )
 
 
+class ReportHosts:
+    """Which hosts reports may go to: exact names or addresses, and IP networks."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.names: set[str] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in entries:
+            entry = str(entry).strip()
+            if "/" in entry:
+                self.networks.append(ipaddress.ip_network(entry, strict=False))
+            else:
+                self.names.add(entry.lower())
+
+    def allows(self, host: str) -> bool:
+        if host.lower() in self.names:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return str(address) in self.names or any(address in net for net in self.networks)
+
+
 class _Reporter:
     """Posts reports from one daemon thread so the scheduler never waits on the network."""
 
-    def __init__(self, allowed_hosts: frozenset[str]) -> None:
-        self._allowed_hosts = allowed_hosts
+    def __init__(self, allowed_hosts: Iterable[str]) -> None:
+        self._allowed_hosts = ReportHosts(allowed_hosts)
         self._queue: queue.Queue[tuple[str, bytes]] = queue.Queue(maxsize=10_000)
         self._thread: threading.Thread | None = None
         self._failures = 0
 
     def submit(self, url: str, report: dict[str, Any]) -> None:
         host = urllib.parse.urlsplit(url).hostname or ""
-        if host not in self._allowed_hosts:
+        if not self._allowed_hosts.allows(host):
             logger.warning("kvrelay: not reporting to %s: host not in %s", host, REPORT_HOSTS_KEY)
             return
         if self._thread is None:
