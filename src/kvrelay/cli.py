@@ -18,6 +18,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvrelay.router.cli",
     "kvrelay.bench.cli",
     "kvrelay.bench.demo_command",
+    "kvrelay.deploy.cli",
 )
 
 
