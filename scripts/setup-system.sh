@@ -5,11 +5,14 @@
 # package to install and carries on, and the tests that need it fail with a setup error.
 #
 #   redis-server  shared conversation state tests (tests/component/test_router_replicas.py)
+#   prometheus    the dashboard test (tests/component/test_monitoring_prometheus.py) and
+#                 `kvrelay up --monitoring`
 set -euo pipefail
 
 # "debian-package:binary" pairs; the binary is what the tests look up on PATH or /usr/bin.
 REQUIRED=(
   "redis-server:redis-server"
+  "prometheus:prometheus"
 )
 
 missing=()

@@ -90,6 +90,10 @@ def check_deployment(docs: list[Doc]) -> None:
         assert components == ["decode", "prefill", "router"]
         for endpoint in monitor["spec"]["endpoints"]:
             assert endpoint["path"] == "/metrics"
+            # the dashboard's queries select P and D by a `component` label
+            assert {"sourceLabels": [
+                "__meta_kubernetes_service_label_app_kubernetes_io_component"],
+                "targetLabel": "component"} in endpoint["relabelings"]
             assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
                        for s in chosen)
 

@@ -17,7 +17,12 @@ from kvrelay.cluster.config import (
     block_size_of,
     router_command,
 )
-from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, ServiceProcess
+from kvrelay.cluster.launcher import (
+    ClusterStartError,
+    LocalCluster,
+    ServiceProcess,
+    ServiceStartError,
+)
 from kvrelay.cluster.supervisor import GaveUp, NodeUnit, ServiceUnit, Supervised, Supervisor
 
 
@@ -30,6 +35,10 @@ def register(sub: Any) -> None:
 
     up = sub.add_parser("up", help="start a local vLLM P/D cluster (Ctrl-C stops it)")
     add_cluster_arguments(up)
+    up.add_argument("--monitoring", action="store_true",
+                    help="also start Prometheus (Debian package prometheus) scraping the "
+                         "router, P and D; docs/monitoring.md shows how to add Grafana")
+    up.add_argument("--prometheus-port", type=int, default=9090)
     up.set_defaults(func=_up)
 
 
@@ -87,6 +96,7 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="extra argument for `kvrelay route` (repeatable)")
 
 
+
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
     return ClusterConfig(
@@ -140,6 +150,35 @@ def start_router(
                           url=url).start()
 
 
+def start_monitoring(config: ClusterConfig, cluster: LocalCluster,
+                     router: ServiceProcess | None, port: int) -> ServiceProcess:
+    """Start Prometheus scraping the cluster, write the Grafana dashboard next to it, and say
+    where both are. Raises ``ServiceStartError`` when Prometheus is not installed or does
+    not start."""
+    from kvrelay.deploy.grafana import dashboard_text
+    from kvrelay.deploy.prometheus import (
+        PROMETHEUS_PACKAGE,
+        ScrapeTarget,
+        find_prometheus,
+        prometheus_service,
+    )
+
+    binary = find_prometheus()
+    if binary is None:
+        raise ServiceStartError(f"--monitoring needs the `prometheus` binary: install the "
+                                f"Debian package {PROMETHEUS_PACKAGE} (`make setup` does)")
+    targets = [ScrapeTarget(n.spec.role, n.url) for n in cluster.nodes]
+    if router is not None and router.url:
+        targets.append(ScrapeTarget("router", router.url))
+    service = prometheus_service(binary, targets, cluster.run_dir / "monitoring", config.host,
+                                 port).start()
+    dashboard = cluster.run_dir / "monitoring" / "grafana-dashboard.json"
+    dashboard.write_text(dashboard_text())
+    print(f"{'prometheus':>10}  {service.url}  (scrapes the router, P and D every 5 s; "
+          f"Grafana dashboard: {dashboard}, see docs/monitoring.md)", flush=True)
+    return service
+
+
 def _up(args: argparse.Namespace) -> int:
     config = cluster_config_from_args(args)
     cluster = LocalCluster(config, args.run_dir)
@@ -154,6 +193,7 @@ def _up(args: argparse.Namespace) -> int:
         cluster.stop()
         return 130
     router: ServiceProcess | None = None
+    prometheus: ServiceProcess | None = None
     stop = install_stop_signals()
     try:
         if not args.no_router:
@@ -167,10 +207,13 @@ def _up(args: argparse.Namespace) -> int:
         print("tool calls: " + (f"auto tool choice with the {parser} parser" if parser != "none"
                                 else "off (no parser known for this model; --tool-call-parser)"),
               flush=True)
-        print(f"model {cluster.served_model_name}; Ctrl-C to stop", flush=True)
         units: list[Supervised] = [NodeUnit(cluster, node) for node in cluster.nodes]
         if router is not None:
             units.append(ServiceUnit(router))
+        if args.monitoring:
+            prometheus = start_monitoring(config, cluster, router, args.prometheus_port)
+            units.append(ServiceUnit(prometheus))
+        print(f"model {cluster.served_model_name}; Ctrl-C to stop", flush=True)
         supervisor = Supervisor(units, config.restart, config.startup_timeout_s,
                                 say=lambda line: print(line, flush=True))
         while not stop.wait(1.0):
@@ -182,6 +225,8 @@ def _up(args: argparse.Namespace) -> int:
     finally:
         print("stopping cluster", flush=True)
         started = time.monotonic()
+        if prometheus is not None:
+            prometheus.stop()
         if router is not None:
             router.stop()
         cluster.stop()

@@ -28,6 +28,29 @@ def register(sub: Any) -> None:
     add_k8s_arguments(k8s)
     k8s.set_defaults(func=_k8s)
 
+    dash = deploy_sub.add_parser(
+        "dashboard", help="the Grafana dashboard (JSON, provisionable; docs/monitoring.md)")
+    dash.add_argument("-o", "--output", type=Path, default=None, metavar="FILE")
+    dash.set_defaults(func=_dashboard)
+
+    prom = deploy_sub.add_parser(
+        "prometheus-config", help="prometheus.yml scraping a router and its P and D nodes")
+    prom.add_argument("--router", action="append", default=[], metavar="URL")
+    prom.add_argument("--prefill", action="append", default=[], metavar="URL")
+    prom.add_argument("--decode", action="append", default=[], metavar="URL")
+    prom.add_argument("--interval-s", type=float, default=5.0)
+    prom.add_argument("-o", "--output", type=Path, default=None, metavar="FILE")
+    prom.set_defaults(func=_prometheus_config)
+
+    png = deploy_sub.add_parser(
+        "dashboard-png", help="draw the dashboard's panels from a Prometheus into a PNG")
+    png.add_argument("--prometheus", default="http://127.0.0.1:9090", metavar="URL")
+    png.add_argument("--minutes", type=float, default=30.0, help="the last N minutes")
+    png.add_argument("--rate-window", default="1m", help="what $__rate_interval becomes")
+    png.add_argument("--title", default="kvrelay")
+    png.add_argument("-o", "--output", type=Path, required=True, metavar="FILE")
+    png.set_defaults(func=_dashboard_png)
+
 
 def add_k8s_arguments(parser: argparse.ArgumentParser) -> None:
     d = DeployConfig()
@@ -113,10 +136,54 @@ def _k8s(args: argparse.Namespace) -> int:
     except DeployConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
-    text = to_yaml(render(config))
-    if args.output:
-        args.output.write_text(text)
-        print(f"wrote {args.output}", file=sys.stderr)
+    _write(to_yaml(render(config)), args.output)
+    return 0
+
+
+def _write(text: str, output: Path | None) -> None:
+    if output:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(text)
+        print(f"wrote {output}", file=sys.stderr)
     else:
         sys.stdout.write(text)
+
+
+def _dashboard(args: argparse.Namespace) -> int:
+    from kvrelay.deploy.grafana import dashboard_text
+
+    _write(dashboard_text(), args.output)
+    return 0
+
+
+def _prometheus_config(args: argparse.Namespace) -> int:
+    from kvrelay.deploy.prometheus import ScrapeTarget, scrape_config
+
+    targets = [ScrapeTarget(component, url)
+               for component, urls in (("router", args.router), ("prefill", args.prefill),
+                                       ("decode", args.decode))
+               for url in urls]
+    if not targets:
+        print("error: give at least one --router, --prefill or --decode URL", file=sys.stderr)
+        return 2
+    _write(scrape_config(targets, args.interval_s), args.output)
+    return 0
+
+
+def _dashboard_png(args: argparse.Namespace) -> int:
+    import time
+
+    from kvrelay.deploy.dashboard_png import render_png
+    from kvrelay.deploy.prometheus import PrometheusClient, PrometheusError
+
+    end_s = time.time()
+    start_s = end_s - args.minutes * 60
+    step_s = max(1.0, args.minutes * 60 / 300)
+    try:
+        render_png(PrometheusClient(args.prometheus), args.output, start_s, end_s, step_s,
+                   args.rate_window, args.title)
+    except PrometheusError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    print(f"wrote {args.output}", file=sys.stderr)
     return 0

@@ -22,9 +22,7 @@ import json
 
 from kvrelay.cluster.config import KvTransferSettings, Role
 from kvrelay.deploy.config import DeployConfig
-
-JsonValue = str | int | float | bool | None | list["JsonValue"] | dict[str, "JsonValue"]
-Manifest = dict[str, JsonValue]
+from kvrelay.deploy.jsontypes import JsonValue, Manifest
 
 #: Label on the Services Prometheus scrapes (the ServiceMonitor selects it).
 METRICS_LABEL = "kvrelay.io/metrics"
@@ -369,7 +367,16 @@ def _service_monitor(config: DeployConfig) -> Manifest:
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/part-of": config.name,
                                          METRICS_LABEL: "true"}},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": "15s"}],
+            # ``component`` (router, prefill, decode) is the label the dashboard's queries
+            # use (kvrelay.deploy.panels), as the local scrape config sets it.
+            "endpoints": [{
+                "port": "http", "path": "/metrics", "interval": "15s",
+                "relabelings": [{
+                    "sourceLabels": [
+                        "__meta_kubernetes_service_label_app_kubernetes_io_component"],
+                    "targetLabel": "component",
+                }],
+            }],
         },
     }
 
