@@ -34,17 +34,19 @@ def render_png(client: PrometheusClient, out: Path, start_s: float, end_s: float
     columns = 2
     rows = math.ceil(len(panels) / columns)
     fig, axes = plt.subplots(rows, columns, figsize=(15, 3.3 * rows), squeeze=False)
-    fig.suptitle(title, fontsize=14, x=0.01, ha="left")
+    fig.suptitle(title, fontsize=13, x=0.01, ha="left")
     for ax, panel in zip(axes.flat, panels, strict=False):
-        drawn = 0
+        drawn = labelled = 0
         for query in panel.queries:
             series: list[RangeSeries] = client.query_range(
                 query.for_prometheus(rate_window), start_s, end_s, step_s)
             for s in series:
                 xs = [(t - start_s) / 60 for t, _ in s.points]
                 ys = [v for _, v in s.points]
-                ax.plot(xs, ys, linewidth=1.4, label=legend(query.legend, s.labels) or None)
+                label = legend(query.legend, s.labels)
+                ax.plot(xs, ys, linewidth=1.4, label=label or None)
                 drawn += 1
+                labelled += bool(label)
         ax.set_title(panel.title, fontsize=10, loc="left")
         ax.grid(alpha=0.3)
         ax.set_xlim(0, (end_s - start_s) / 60)
@@ -55,15 +57,15 @@ def render_png(client: PrometheusClient, out: Path, start_s: float, end_s: float
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g} s"))
         elif panel.unit == "reqps":
             ax.yaxis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}/s"))
-        if drawn:
+        if labelled:
             ax.legend(fontsize=7, loc="upper left", ncol=2, framealpha=0.6)
-        else:
+        if not drawn:
             ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
     for ax in list(axes.flat)[len(panels):]:
         ax.axis("off")
     for ax in axes[-1]:
         ax.set_xlabel("minutes", fontsize=8)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 1, 1 - 0.1 / rows))
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, dpi=90)
     plt.close(fig)
