@@ -7,9 +7,14 @@ PIP := $(PY) -m pip
 STAMP := $(VENV)/.kvrelay-setup
 SETUP_INPUTS := pyproject.toml Makefile scripts/setup-venv.sh
 
-.PHONY: setup test test-fast lint typecheck check-vllm demo up bench-pull clean
+.PHONY: setup system-packages test test-fast lint typecheck check-vllm demo up bench-pull clean
 
-setup: $(STAMP)
+## The venv (rebuilt when its inputs change) and the Debian packages the tests need (checked
+## every time: the venv's stamp says nothing about packages removed since).
+setup: system-packages $(STAMP)
+
+system-packages:
+	@bash scripts/setup-system.sh
 
 $(STAMP): $(SETUP_INPUTS)
 	PYTHON=$(PYTHON) VENV=$(VENV) bash scripts/setup-venv.sh

@@ -19,6 +19,7 @@ COMMAND_MODULES: tuple[str, ...] = (
     "kvrelay.bench.cli",
     "kvrelay.bench.demo_command",
     "kvrelay.tune.cli",
+    "kvrelay.deploy.cli",
 )
 
 

@@ -1,7 +1,8 @@
 """A real ``redis-server`` on a free loopback port for the shared-state tests.
 
 No mock and no fakeredis: the scripts, TTLs and reconnects under test are Redis's own. A
-missing ``redis-server`` fails the test (``.ci/run`` installs the Debian package).
+missing ``redis-server`` is a setup error of every test that needs it, never a pass or a skip
+(``make setup`` installs the Debian package when it can, else says which one to install).
 """
 
 from __future__ import annotations
@@ -66,11 +67,13 @@ class RedisServer:
 
 
 def redis_binary() -> str:
-    """The ``redis-server`` binary, or a clear test failure (never a skip)."""
+    """The ``redis-server`` binary, or a clear failure of the calling fixture (pytest reports
+    it as a setup error of the test, never as a skip or a pass)."""
     found = shutil.which("redis-server") or (
         "/usr/bin/redis-server" if Path("/usr/bin/redis-server").exists() else None
     )
     if found is None:
         pytest.fail("redis-server not found: install the Debian package redis-server "
-                    "(.ci/run does) to run the shared-state tests", pytrace=False)
+                    "(`make setup` does when run as root) to run the shared-state tests",
+                    pytrace=False)
     return found

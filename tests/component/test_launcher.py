@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cluster.config import ClusterConfig, NodeSpec, process_cores
+from kvrelay.cluster.config import ClusterConfig, NodeSpec, RestartPolicy, process_cores
 from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, spawn_supervised
+from kvrelay.cluster.supervisor import NodeUnit, Supervisor
 from tests.ports import free_port_block
 
 STUB = Path(__file__).with_name("stub_server.py")
@@ -148,3 +149,35 @@ def test_cpu_nodes_are_pinned_unless_disabled():
     assert process_cores(ClusterConfig(), node) == (1,)
     assert process_cores(ClusterConfig(pin_processes=False), node) is None
     assert process_cores(ClusterConfig(device="cuda"), node) is None
+
+
+def test_supervisor_restarts_a_killed_node_and_leaves_the_others_alone(tmp_path, monkeypatch):
+    """kill -9 of one node's whole process group: the supervisor starts it again on the same
+    port (a new process, logged), the other node keeps its process."""
+    monkeypatch.setenv("STUB_CHILD", "1")
+    monkeypatch.setenv("STUB_PID_DIR", str(tmp_path))
+    config = ClusterConfig(model=fake_model(tmp_path), base_port=free_port_block(2),
+                           startup_timeout_s=60)
+    cluster = LocalCluster(config, tmp_path / "run", command=stub_command).start()
+    said: list[str] = []
+    try:
+        p, d = cluster.nodes
+        p_pid, d_pid = p.process.pid, d.process.pid
+        policy = RestartPolicy(initial_backoff_s=0.1)
+        supervisor = Supervisor([NodeUnit(cluster, n) for n in cluster.nodes], policy, 60,
+                                say=said.append)
+        os.killpg(d_pid, signal.SIGKILL)
+        deadline = time.monotonic() + 60
+        while not any(line.startswith("decode-0: back") for line in said):
+            assert time.monotonic() < deadline, said
+            supervisor.poll()
+            time.sleep(0.1)
+        assert said[0] == "decode-0: exited with status -9; restarting in 0 s (attempt 1/5)"
+        assert d.process.pid != d_pid and d.alive() and cluster.healthy(d)
+        assert p.process.pid == p_pid and p.alive()
+        log = d.log_path.read_text()
+        assert log.count("stub: serving") == 2
+        assert "--- kvrelay up: decode-0: restarting (attempt 1/5) ---" in log
+    finally:
+        cluster.stop()
+    assert wait_dead(pids_in(tmp_path, "child")) == []

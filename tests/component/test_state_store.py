@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import redis.asyncio as aioredis
+from kvrelay.router.store import ConversationStore, InMemoryStore, StoreUnavailable
+from kvrelay.router.store_redis import RedisStore
 
 from kvrelay.core.conversation import ConversationEntry, ConversationKey, entry_from_decode
 from kvrelay.core.params import parse_remote_blocks
-from kvrelay.router.store import ConversationStore, InMemoryStore, StoreUnavailable
-from kvrelay.router.store_redis import RedisStore
 from tests.component.redis_server import RedisServer
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"

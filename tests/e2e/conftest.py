@@ -1,6 +1,7 @@
 """One real local vLLM P/D cluster per test session, started with ``kvrelay up``.
 
-Starting it through the CLI makes the whole session an end-to-end test of ``kvrelay up``:
+Started with ``--monitoring``, so a Prometheus scrapes it all session. Starting it through the
+CLI makes the whole session an end-to-end test of ``kvrelay up``:
 teardown sends SIGINT and fails the session if the command does not exit 0 or leaves any
 server process behind.
 """
@@ -16,7 +17,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import psutil
@@ -42,10 +43,15 @@ class RealCluster:
     model: str
     run_dir: Path
     ttl_s: float
+    #: The Prometheus ``kvrelay up --monitoring`` started beside the cluster.
+    prometheus_url: str
+    #: Every line ``kvrelay up`` has printed so far (appended to while the session runs).
+    output: list[str] = field(default_factory=list)
 
 
-def _reader(stream: object, lines: queue.Queue[str]) -> None:
+def _reader(stream: object, lines: queue.Queue[str], output: list[str]) -> None:
     for line in stream:  # type: ignore[attr-defined]
+        output.append(line)
         lines.put(line)
 
 
@@ -55,14 +61,17 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     base_port = free_port_block(2, start=18100)
     side_port = free_port_block(2, start=15600)
     router_port = free_port_block(1, start=18000)
+    prometheus_port = free_port_block(1, start=19090)
     cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--prefill", "1", "--decode", "1",
            "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
            "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
-           "--router-port", str(router_port), "--ttl-s", str(TTL_S)]
+           "--router-port", str(router_port), "--ttl-s", str(TTL_S),
+           "--monitoring", "--prometheus-port", str(prometheus_port)]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
-    threading.Thread(target=_reader, args=(proc.stdout, lines), daemon=True).start()
+    output: list[str] = []
+    threading.Thread(target=_reader, args=(proc.stdout, lines, output), daemon=True).start()
     seen: list[str] = []
     urls: dict[str, str] = {}
     model = ""
@@ -76,12 +85,12 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         except queue.Empty:
             continue
         seen.append(line)
-        if m := re.match(r"\s*(prefill-0|decode-0|router)\s+(http://\S+)", line):
+        if m := re.match(r"\s*(prefill-0|decode-0|router|prometheus)\s+(http://\S+)", line):
             urls[m.group(1)] = m.group(2)
         if m := re.match(r"model (\S+); Ctrl-C to stop", line):
             model = m.group(1)
     yield RealCluster(urls["prefill-0"], urls["decode-0"], urls["router"], model, run_dir,
-                      TTL_S)
+                      TTL_S, urls["prometheus"], output)
 
     proc.send_signal(signal.SIGINT)
     try:
@@ -93,8 +102,9 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         p.pid for p in psutil.process_iter(["cmdline"])
         if any(f"--port {port}" in " ".join(p.info["cmdline"] or [])
                for port in (base_port, base_port + 1, router_port))
+        or any(f"127.0.0.1:{prometheus_port}" in a for a in (p.info["cmdline"] or []))
     ]
-    tail = "".join(seen[-40:])
+    tail = "".join(output[-40:])
     assert rc == 0, f"kvrelay up exited with {rc}:\n{tail}"
     assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"
 

@@ -12,6 +12,7 @@ from kvrelay.cluster.config import (
     plan_nodes,
     server_command,
     server_env,
+    tool_call_parser_for,
 )
 
 
@@ -57,7 +58,7 @@ def test_kv_transfer_config_per_role():
 
 
 def test_server_command_and_env():
-    config = ClusterConfig(model="tiny", python="/py")
+    config = ClusterConfig(model="tiny", python="/py", tool_call_parser="none")
     p, d = plan_nodes(config, [0, 1])
     cmd = server_command(config, p, Path("/models/tiny-abc"))
     assert cmd[:3] == ["/py", "-m", "vllm.entrypoints.openai.api_server"]
@@ -73,7 +74,59 @@ def test_server_command_and_env():
 
 
 def test_local_model_dir_keeps_its_name():
-    config = ClusterConfig(model="/models/my-llama")
+    config = ClusterConfig(model="/models/my-llama", tool_call_parser="none")
     p = plan_nodes(config, [0, 1])[0]
     cmd = server_command(config, p, Path("/models/my-llama"))
     assert cmd[cmd.index("--served-model-name") + 1] == "my-llama"
+
+
+def test_tool_call_parser_follows_the_model_family_unless_overridden():
+    assert tool_call_parser_for("auto", "qwen3") == "hermes"
+    assert tool_call_parser_for("auto", "llama") == "llama3_json"
+    assert tool_call_parser_for("auto", "some_new_arch") is None
+    assert tool_call_parser_for("auto", None) is None
+    assert tool_call_parser_for("none", "qwen3") is None
+    assert tool_call_parser_for("pythonic", "qwen3") == "pythonic"
+
+
+def test_auto_tool_choice_flags_and_engine_args_per_role():
+    config = ClusterConfig(tool_call_parser="hermes", engine_args=("--max-num-seqs", "8"),
+                           prefill_engine_args=("--seed=1",),
+                           decode_engine_args=("--enable-prefix-caching", "--seed=2"))
+    p, d = plan_nodes(config, [0, 1])
+    cp, cd = server_command(config, p, Path("/m")), server_command(config, d, Path("/m"))
+    for cmd in (cp, cd):
+        i = cmd.index("--enable-auto-tool-choice")
+        assert cmd[i + 1 : i + 3] == ["--tool-call-parser", "hermes"]
+    # Passed-through flags come last, so they win over kvrelay's own.
+    assert cp[-3:] == ["--max-num-seqs", "8", "--seed=1"]
+    assert cd[-4:] == ["--max-num-seqs", "8", "--enable-prefix-caching", "--seed=2"]
+    off = server_command(ClusterConfig(tool_call_parser="none"), p, Path("/m"))
+    assert "--enable-auto-tool-choice" not in off and "--tool-call-parser" not in off
+    with pytest.raises(ValueError, match="resolved"):
+        server_command(ClusterConfig(), p, Path("/m"))
+
+
+def test_engine_arg_flags_pass_each_value_as_one_argument():
+    from kvrelay.cli import build_parser
+    from kvrelay.cluster.cli import cluster_config_from_args
+
+    json_value = '--structured-outputs-config={"disable_any_whitespace": true}'
+    args = build_parser().parse_args([
+        "up", "--engine-arg=--max-num-seqs=8", f"--engine-arg={json_value}",
+        "--decode-engine-arg=--enable-prefix-caching", "--prefill-engine-arg=--seed",
+        "--prefill-engine-arg=3", "--tool-call-parser", "none", "--max-restarts", "2"])
+    config = cluster_config_from_args(args)
+    assert config.engine_args == ("--max-num-seqs=8", json_value)
+    assert config.prefill_engine_args == ("--seed", "3")
+    assert config.decode_engine_args == ("--enable-prefix-caching",)
+    assert config.tool_call_parser == "none"
+    assert config.restart.max_attempts == 2
+
+
+def test_default_models_are_qwen3_so_they_get_the_hermes_parser(tmp_path):
+    from kvrelay.cluster.launcher import model_type_of
+    from kvrelay.cluster.model import ensure_model
+
+    path = ensure_model("tiny", tmp_path)
+    assert tool_call_parser_for("auto", model_type_of(path)) == "hermes"

@@ -8,6 +8,7 @@ import threading
 import types
 
 from kvrelay.cluster import connector
+from kvrelay.core.report import ReportHosts
 
 
 def serve_reports():
@@ -38,6 +39,30 @@ def test_reporter_posts_to_allowed_hosts_only():
         reporter.submit(f"http://127.0.0.1:{port}/r", {"turn_id": "t1"})
         assert done.wait(10)
         assert got == [{"turn_id": "t1"}]
+    finally:
+        server.shutdown()
+
+
+def test_report_hosts_take_names_addresses_and_networks():
+    hosts = ReportHosts(["localhost", "10.244.0.0/16", "fd00::/8", "192.0.2.7",
+                                   "Router.NS.svc"])
+    assert hosts.allows("localhost") and hosts.allows("LOCALHOST")
+    assert hosts.allows("router.ns.svc")
+    assert hosts.allows("10.244.3.17") and not hosts.allows("10.245.0.1")
+    assert hosts.allows("fd00::12") and not hosts.allows("fe80::1")
+    assert hosts.allows("192.0.2.7") and not hosts.allows("192.0.2.8")
+    assert not hosts.allows("evil.example") and not hosts.allows("")
+
+
+def test_reporter_posts_to_hosts_inside_an_allowed_network():
+    server, got, done = serve_reports()
+    try:
+        port = server.server_address[1]
+        reporter = connector._Reporter(["127.0.0.0/8"])
+        reporter.submit(f"http://localhost:{port}/r", {"turn_id": "blocked"})
+        reporter.submit(f"http://127.0.0.1:{port}/r", {"turn_id": "t2"})
+        assert done.wait(10)
+        assert got == [{"turn_id": "t2"}]
     finally:
         server.shutdown()
 

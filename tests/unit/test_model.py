@@ -60,22 +60,105 @@ def test_chat_template_renders_every_role(tiny):
     messages = [
         {"role": "system", "content": "sys"},
         {"role": "user", "content": [{"type": "text", "text": "part one"}]},
-        {"role": "assistant", "content": "",
-         "tool_calls": [{"id": "c1", "type": "function",
-                         "function": {"name": "ls", "arguments": "{\"path\": \"/\"}"}}]},
-        {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
-        {"role": "assistant", "content": "done"},
+        {"role": "assistant", "content": "sure"},
+        {"role": "user", "content": "more"},
     ]
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    # The format (and so the token ids) of conversations without tools is the one kvrelay
+    # had before tools were supported: cached entries and benchmark prompts stay valid.
     assert text == (
         "<|im_start|>system\nsys<|im_end|>\n"
         "<|im_start|>user\npart one<|im_end|>\n"
-        '<|im_start|>assistant\n<tool_call>{"name": "ls", "arguments": {"path": "/"}}'
+        "<|im_start|>assistant\nsure<|im_end|>\n"
+        "<|im_start|>user\nmore<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+TOOLS = [{"type": "function", "function": {
+    "name": "ls", "description": "List a directory",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}}}}}]
+
+TOOL_CONVERSATION = [
+    {"role": "system", "content": "sys"},
+    {"role": "user", "content": "list /"},
+    {"role": "assistant", "content": None,
+     "tool_calls": [{"id": "c1", "type": "function",
+                     "function": {"name": "ls", "arguments": "{\"path\": \"/\"}"}},
+                    {"id": "c2", "type": "function",
+                     "function": {"name": "ls", "arguments": {"path": "/tmp"}}}]},
+    {"role": "tool", "tool_call_id": "c1", "content": "a.txt"},
+    {"role": "tool", "tool_call_id": "c2", "content": [{"type": "text", "text": "b.txt"}]},
+    {"role": "assistant", "content": "done"},
+]
+
+
+def test_chat_template_renders_tools_as_qwen3_does(tiny):
+    """Tools in the system prompt, ``<tool_call>`` JSON per call, consecutive tool results as
+    one user turn of ``<tool_response>`` blocks: Qwen3's format, which vLLM's ``hermes``
+    parser reads."""
+    _, tok, _ = tiny
+    text = tok.apply_chat_template(TOOL_CONVERSATION, tools=TOOLS, tokenize=False,
+                                   add_generation_prompt=True)
+    assert text == (
+        "<|im_start|>system\nsys\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        + json.dumps(TOOLS[0]) + "\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments "
+        "within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nlist /<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "ls", "arguments": {"path": "/"}}\n'
+        '</tool_call>\n<tool_call>\n{"name": "ls", "arguments": {"path": "/tmp"}}\n'
         "</tool_call><|im_end|>\n"
-        "<|im_start|>tool\na.txt<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\na.txt\n</tool_response>\n"
+        "<tool_response>\nb.txt\n</tool_response><|im_end|>\n"
         "<|im_start|>assistant\ndone<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
+    no_system = tok.apply_chat_template(TOOL_CONVERSATION[1:2], tools=TOOLS, tokenize=False)
+    assert no_system.startswith("<|im_start|>system\n# Tools\n\n")
+
+
+def test_tool_tags_are_single_tokens_that_survive_decoding(tiny):
+    _, tok, _ = tiny
+    ids = tok.encode("<tool_call>\n{}\n</tool_call><|im_end|>", add_special_tokens=False)
+    assert ids[0] == tok.convert_tokens_to_ids("<tool_call>") and len(ids) == 7
+    assert tok.decode(ids, skip_special_tokens=True) == "<tool_call>\n{}\n</tool_call>"
+    assert tok.convert_tokens_to_ids(["<|im_start|>", "<|im_end|>"]) == [257, 258]
+
+
+def test_hermes_parser_reads_back_the_tool_calls_the_template_writes(tiny):
+    """What the template renders for an assistant's tool calls is what a model trained on it
+    emits; vLLM's ``hermes`` parser (the one ``kvrelay up`` enables) must recover the calls."""
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+    from vllm.tool_parsers.hermes_tool_parser import Hermes2ProToolParser
+
+    _, tok, _ = tiny
+    prompt = tok.apply_chat_template(TOOL_CONVERSATION[:2], tools=TOOLS, tokenize=False,
+                                     add_generation_prompt=True)
+    full = tok.apply_chat_template(TOOL_CONVERSATION[:3], tools=TOOLS, tokenize=False)
+    completion = full[len(prompt):].removesuffix("<|im_end|>\n")
+    request = ChatCompletionRequest(model="tiny", messages=TOOL_CONVERSATION[:2], tools=TOOLS)
+    parsed = Hermes2ProToolParser(tok).extract_tool_calls(completion, request)
+    assert parsed.tools_called
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in parsed.tool_calls] == [
+        ("ls", {"path": "/"}), ("ls", {"path": "/tmp"})]
+
+
+def test_cache_key_changes_with_anything_that_shapes_the_files(monkeypatch):
+    from kvrelay.cluster import model
+
+    spec = MODEL_SPECS["tiny"]
+    before = spec.fingerprint()
+    monkeypatch.setattr(model, "CHAT_TEMPLATE", model.CHAT_TEMPLATE + " ")
+    assert spec.fingerprint() != before
+    monkeypatch.undo()
+    monkeypatch.setattr(model, "TAG_TOKENS", (*model.TAG_TOKENS, "<extra>"))
+    assert spec.fingerprint() != before
+    monkeypatch.undo()
+    assert spec.fingerprint() == before
 
 
 def _prompts() -> list[list[int]]:

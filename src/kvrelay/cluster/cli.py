@@ -13,10 +13,17 @@ from typing import Any
 from kvrelay.cluster.config import (
     DEFAULT_NIXL_PROGRESS_DELAY_US,
     ClusterConfig,
+    RestartPolicy,
     block_size_of,
     router_command,
 )
-from kvrelay.cluster.launcher import ClusterStartError, LocalCluster, ServiceProcess
+from kvrelay.cluster.launcher import (
+    ClusterStartError,
+    LocalCluster,
+    ServiceProcess,
+    ServiceStartError,
+)
+from kvrelay.cluster.supervisor import GaveUp, NodeUnit, ServiceUnit, Supervised, Supervisor
 
 
 def register(sub: Any) -> None:
@@ -28,6 +35,10 @@ def register(sub: Any) -> None:
 
     up = sub.add_parser("up", help="start a local vLLM P/D cluster (Ctrl-C stops it)")
     add_cluster_arguments(up)
+    up.add_argument("--monitoring", action="store_true",
+                    help="also start Prometheus (Debian package prometheus) scraping the "
+                         "router, P and D; docs/monitoring.md shows how to add Grafana")
+    up.add_argument("--prometheus-port", type=int, default=9090)
     up.set_defaults(func=_up)
 
 
@@ -62,12 +73,28 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
                         help="let each CPU server's API server and engine core float over all "
                              "cores (reproduces P's slowdown while D retains blocks)")
     parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
+    parser.add_argument(
+        "--max-restarts", type=int, default=d.restart.max_attempts, metavar="N",
+        help="restart a node or the router that exits, up to N times in a row with backoff "
+             "(0: stop the cluster instead)")
+    parser.add_argument(
+        "--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
+        help="vLLM tool-call parser for auto tool choice: auto (from the model's model_type; "
+             "the default models use hermes), none (off), or any vLLM parser name")
+    for flag, role in (("--engine-arg", "every node"), ("--prefill-engine-arg", "P nodes"),
+                       ("--decode-engine-arg", "D nodes")):
+        parser.add_argument(
+            flag, action="append", default=[], metavar="ARGS",
+            help=f"one extra vLLM server argument for {role}, passed as is (repeatable: "
+                 f"{flag}=--max-num-seqs=8, or {flag}=--max-num-seqs {flag}=8); they come "
+                 "last and override kvrelay's")
     parser.add_argument("--run-dir", type=Path, default=None, help="where node logs go")
     parser.add_argument("--router-port", type=int, default=8000,
                         help="port of the kvrelay router started in front of the cluster")
     parser.add_argument("--no-router", action="store_true", help="start the engines only")
     parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                         help="extra argument for `kvrelay route` (repeatable)")
+
 
 
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
@@ -93,6 +120,11 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         restore_affinity=not args.no_restore_affinity,
         pin_processes=not args.no_pin_processes,
         startup_timeout_s=args.startup_timeout_s,
+        tool_call_parser=args.tool_call_parser,
+        restart=RestartPolicy(max_attempts=args.max_restarts),
+        engine_args=tuple(args.engine_arg),
+        prefill_engine_args=tuple(args.prefill_engine_arg),
+        decode_engine_args=tuple(args.decode_engine_arg),
     )
 
 
@@ -118,6 +150,35 @@ def start_router(
                           url=url).start()
 
 
+def start_monitoring(config: ClusterConfig, cluster: LocalCluster,
+                     router: ServiceProcess | None, port: int) -> ServiceProcess:
+    """Start Prometheus scraping the cluster, write the Grafana dashboard next to it, and say
+    where both are. Raises ``ServiceStartError`` when Prometheus is not installed or does
+    not start."""
+    from kvrelay.deploy.grafana import dashboard_text
+    from kvrelay.deploy.prometheus import (
+        PROMETHEUS_PACKAGE,
+        ScrapeTarget,
+        find_prometheus,
+        prometheus_service,
+    )
+
+    binary = find_prometheus()
+    if binary is None:
+        raise ServiceStartError(f"--monitoring needs the `prometheus` binary: install the "
+                                f"Debian package {PROMETHEUS_PACKAGE} (`make setup` does)")
+    targets = [ScrapeTarget(n.spec.role, n.url) for n in cluster.nodes]
+    if router is not None and router.url:
+        targets.append(ScrapeTarget("router", router.url))
+    service = prometheus_service(binary, targets, cluster.run_dir / "monitoring", config.host,
+                                 port).start()
+    dashboard = cluster.run_dir / "monitoring" / "grafana-dashboard.json"
+    dashboard.write_text(dashboard_text())
+    print(f"{'prometheus':>10}  {service.url}  (scrapes the router, P and D every 5 s; "
+          f"Grafana dashboard: {dashboard}, see docs/monitoring.md)", flush=True)
+    return service
+
+
 def _up(args: argparse.Namespace) -> int:
     config = cluster_config_from_args(args)
     cluster = LocalCluster(config, args.run_dir)
@@ -132,6 +193,7 @@ def _up(args: argparse.Namespace) -> int:
         cluster.stop()
         return 130
     router: ServiceProcess | None = None
+    prometheus: ServiceProcess | None = None
     stop = install_stop_signals()
     try:
         if not args.no_router:
@@ -141,23 +203,30 @@ def _up(args: argparse.Namespace) -> int:
                   f"cores {','.join(map(str, node.spec.cores)) or '-'}", flush=True)
         if router is not None:
             print(f"{'router':>10}  {router.url}  (OpenAI API: {router.url}/v1)", flush=True)
+        parser = cluster.config.tool_call_parser
+        print("tool calls: " + (f"auto tool choice with the {parser} parser" if parser != "none"
+                                else "off (no parser known for this model; --tool-call-parser)"),
+              flush=True)
+        units: list[Supervised] = [NodeUnit(cluster, node) for node in cluster.nodes]
+        if router is not None:
+            units.append(ServiceUnit(router))
+        if args.monitoring:
+            prometheus = start_monitoring(config, cluster, router, args.prometheus_port)
+            units.append(ServiceUnit(prometheus))
         print(f"model {cluster.served_model_name}; Ctrl-C to stop", flush=True)
+        supervisor = Supervisor(units, config.restart, config.startup_timeout_s,
+                                say=lambda line: print(line, flush=True))
         while not stop.wait(1.0):
-            for node in cluster.nodes:
-                if not node.alive():
-                    print(f"error: {node.spec.name} exited ({node.process.returncode}); "
-                          f"last lines:\n{cluster.log_tail(node)}", file=sys.stderr)
-                    return 1
-            if router is not None and not router.alive():
-                print(f"error: router exited; see {router.log_path}", file=sys.stderr)
-                return 1
+            supervisor.poll()
         return 0
-    except ClusterStartError as exc:
+    except (ClusterStartError, GaveUp) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     finally:
         print("stopping cluster", flush=True)
         started = time.monotonic()
+        if prometheus is not None:
+            prometheus.stop()
         if router is not None:
             router.stop()
         cluster.stop()

@@ -13,12 +13,76 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
 
+from kvrelay.cluster.model import MODEL_SPECS
+
 Role = Literal["prefill", "decode"]
 
 #: NIXL/UCX progress-thread delay in microseconds. The nixl Python API hard-codes 0, which
 #: makes the progress thread busy-poll a whole core; see docs/cpu-notes.md for the sweep
 #: behind this default.
 DEFAULT_NIXL_PROGRESS_DELAY_US = 1000
+
+
+#: vLLM ``--tool-call-parser`` per Hugging Face ``model_type``, for the families whose chat
+#: template and parser vLLM's tool-calling docs pair unambiguously. Qwen2.5 and Qwen3 (and
+#: kvrelay's generated default models, which are Qwen3) write ``<tool_call>`` JSON: ``hermes``.
+TOOL_CALL_PARSERS: dict[str, str] = {
+    "qwen2": "hermes",
+    "qwen2_moe": "hermes",
+    "qwen3": "hermes",
+    "qwen3_moe": "hermes",
+    "qwen3_next": "hermes",
+    "llama": "llama3_json",
+    "llama4": "llama4_pythonic",
+    "mistral": "mistral",
+    "mixtral": "mistral",
+    "granite": "granite",
+    "internlm2": "internlm",
+    "deepseek_v3": "deepseek_v3",
+    "glm4_moe": "glm45",
+    "gpt_oss": "openai",
+    "jamba": "jamba",
+    "kimi_k2": "kimi_k2",
+}
+
+
+def tool_call_parser_for(requested: str, model_type: str | None) -> str | None:
+    """The vLLM tool-call parser to enable, ``None`` for none.
+
+    ``requested`` is ``ClusterConfig.tool_call_parser``: ``"auto"`` looks ``model_type`` up in
+    ``TOOL_CALL_PARSERS`` (unknown family: ``None``), ``"none"`` is ``None``, anything else
+    is a parser name given explicitly.
+    """
+    if requested == "none":
+        return None
+    if requested == "auto":
+        return TOOL_CALL_PARSERS.get(model_type or "")
+    return requested
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """How ``kvrelay up`` restarts a node that exits while the cluster is serving.
+
+    Restart ``n`` (1-based) of a node waits ``min(initial_backoff_s * 2**(n-1),
+    max_backoff_s)`` after the exit. A node that fails ``max_attempts`` restarts in a row
+    (exits, or is not healthy within the startup timeout) is given up on, and ``kvrelay up``
+    stops. A node that stays healthy for ``reset_after_s`` has its count reset, so one that
+    crashes once a day is restarted every day.
+    """
+
+    max_attempts: int = 5
+    initial_backoff_s: float = 1.0
+    max_backoff_s: float = 30.0
+    reset_after_s: float = 300.0
+
+    def __post_init__(self) -> None:
+        if self.max_attempts < 0 or self.initial_backoff_s < 0 or self.max_backoff_s < 0:
+            raise ValueError("restart attempts and backoffs must not be negative")
+
+    def backoff_s(self, attempt: int) -> float:
+        """Seconds to wait before restart number ``attempt`` (1-based)."""
+        return float(min(self.initial_backoff_s * 2 ** max(0, attempt - 1), self.max_backoff_s))
 
 
 @dataclass(frozen=True)
@@ -52,7 +116,16 @@ class ClusterConfig:
     restore_affinity: bool = True
     pin_processes: bool = True
     startup_timeout_s: float = 300.0
-    extra_args: tuple[str, ...] = ()
+    #: vLLM's ``--tool-call-parser``: ``"auto"`` picks it from the model's ``model_type``
+    #: (``LocalCluster.start`` resolves it, see ``tool_call_parser_for``), ``"none"`` turns
+    #: auto tool choice off, any other value is passed to vLLM as is.
+    tool_call_parser: str = "auto"
+    #: Extra vLLM server flags for every node, then for P only and D only; they come after
+    #: kvrelay's own flags, so they can override them.
+    engine_args: tuple[str, ...] = ()
+    prefill_engine_args: tuple[str, ...] = ()
+    decode_engine_args: tuple[str, ...] = ()
+    restart: RestartPolicy = field(default_factory=RestartPolicy)
     python: str = field(default_factory=lambda: sys.executable)
 
     def __post_init__(self) -> None:
@@ -128,31 +201,68 @@ def assign_cores(num_nodes: int, cores: list[int]) -> list[tuple[int, ...]]:
     return out
 
 
+@dataclass(frozen=True)
+class KvTransferSettings:
+    """The kv-transfer settings kvrelay's pull mode needs on P and D, wherever they run
+    (``kvrelay up`` locally, ``kvrelay deploy k8s`` on a cluster).
+
+    ``report_hosts``: where D's connector may post its reports (``kvrelay_report_hosts``:
+    names, addresses, IP networks); empty keeps the connector's default, loopback.
+    ``restore_affinity`` and ``nixl_progress_delay_us`` are the CPU fixes of
+    ``kvrelay.cluster.connector`` (no effect on GPUs; 0 keeps vLLM's progress thread).
+    """
+
+    device: Literal["cpu", "cuda"] = "cpu"
+    bidirectional: bool = True
+    decoder_kv_blocks_ttl_s: int = 480
+    kv_recompute_threshold: int = 64
+    kv_lease_duration_s: int = 30
+    kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
+    restore_affinity: bool = True
+    nixl_progress_delay_us: int = DEFAULT_NIXL_PROGRESS_DELAY_US
+    report_hosts: tuple[str, ...] = ()
+
+    def for_role(self, role: Role) -> dict[str, object]:
+        """The ``--kv-transfer-config`` object of a node of ``role``."""
+        extra: dict[str, object] = {
+            "bidirectional_kv_xfer": self.bidirectional,
+            "decoder_kv_blocks_ttl": self.decoder_kv_blocks_ttl_s,
+            "kv_recompute_threshold": self.kv_recompute_threshold,
+            "kv_lease_duration": self.kv_lease_duration_s,
+            "kvrelay_restore_affinity": self.restore_affinity,
+            "kvrelay_nixl_progress_delay_us": self.nixl_progress_delay_us,
+        }
+        if self.report_hosts and role == "decode":
+            extra["kvrelay_report_hosts"] = list(self.report_hosts)
+        return {
+            "kv_connector": "NixlConnector",
+            "kv_connector_module_path": "kvrelay.cluster.connector",
+            "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
+            "kv_buffer_device": "cpu" if self.device == "cpu" else "cuda",
+            "kv_load_failure_policy": self.kv_load_failure_policy,
+            "kv_connector_extra_config": extra,
+        }
+
+
 def kv_transfer_config(config: ClusterConfig, node: NodeSpec) -> dict[str, object]:
     """The ``--kv-transfer-config`` object of ``node``."""
-    extra: dict[str, object] = {
-        "bidirectional_kv_xfer": config.bidirectional,
-        "decoder_kv_blocks_ttl": config.decoder_kv_blocks_ttl_s,
-        "kv_recompute_threshold": config.kv_recompute_threshold,
-        "kv_lease_duration": config.kv_lease_duration_s,
-        "kvrelay_restore_affinity": config.restore_affinity,
-        "kvrelay_nixl_progress_delay_us": config.nixl_progress_delay_us,
-    }
-    return {
-        "kv_connector": "NixlConnector",
-        "kv_connector_module_path": "kvrelay.cluster.connector",
-        "kv_role": "kv_producer" if node.role == "prefill" else "kv_consumer",
-        "kv_buffer_device": "cpu" if config.device == "cpu" else "cuda",
-        "kv_load_failure_policy": config.kv_load_failure_policy,
-        "kv_connector_extra_config": extra,
-    }
+    return KvTransferSettings(
+        device=config.device,
+        bidirectional=config.bidirectional,
+        decoder_kv_blocks_ttl_s=config.decoder_kv_blocks_ttl_s,
+        kv_recompute_threshold=config.kv_recompute_threshold,
+        kv_lease_duration_s=config.kv_lease_duration_s,
+        kv_load_failure_policy=config.kv_load_failure_policy,
+        restore_affinity=config.restore_affinity,
+        nixl_progress_delay_us=config.nixl_progress_delay_us,
+    ).for_role(node.role)
 
 
 def served_model_name(config: ClusterConfig, model_path: Path) -> str:
     """``--served-model-name``: explicit, else the default size's name, else the dir name."""
     if config.served_model_name:
         return config.served_model_name
-    return config.model if config.model in ("tiny", "bench") else model_path.name
+    return config.model if config.model in MODEL_SPECS else model_path.name
 
 
 def server_command(config: ClusterConfig, node: NodeSpec, model_path: Path) -> list[str]:
@@ -174,7 +284,15 @@ def server_command(config: ClusterConfig, node: NodeSpec, model_path: Path) -> l
     ]
     if config.device == "cpu":
         cmd.append("--enforce-eager")
-    return cmd + list(config.extra_args)
+    if config.tool_call_parser == "auto":
+        raise ValueError("tool_call_parser 'auto' must be resolved against the model first "
+                         "(tool_call_parser_for; LocalCluster.start does it)")
+    if config.tool_call_parser != "none":
+        cmd += ["--enable-auto-tool-choice", "--tool-call-parser", config.tool_call_parser]
+    role_args = (
+        config.prefill_engine_args if node.role == "prefill" else config.decode_engine_args
+    )
+    return cmd + list(config.engine_args) + list(role_args)
 
 
 def router_command(

@@ -63,10 +63,12 @@ Report: D's retained params to the router (``kvrelay_report_url`` in a request's
     decode request's ``kv_transfer_params`` carry ``kvrelay_report_url`` and
     ``kvrelay_turn_id`` (the router adds them), this connector POSTs, from a background
     thread of the scheduler process, the report (``kvrelay.core.report``) to that URL when
-    the request finishes. Only hosts listed in ``kvrelay_report_hosts`` (default: loopback)
+    the request finishes. Only hosts allowed by ``kvrelay_report_hosts`` (default: loopback)
     are contacted, so a client that talks to D directly cannot make it call arbitrary
-    addresses. Reports queued together are posted together (one JSON list), over one
-    keep-alive connection.
+    addresses. Entries are host names, IP addresses or IP networks (``"10.244.0.0/16"``):
+    router replicas that report their pod IP (one per replica, assigned by Kubernetes) are
+    allowed by the pod network's CIDR (docs/deploy.md). Reports queued together are posted
+    together (one JSON list), over one keep-alive connection.
 """
 
 from __future__ import annotations
@@ -78,7 +80,7 @@ import os
 import queue
 import threading
 import urllib.parse
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -101,6 +103,7 @@ from kvrelay.core.params import (
 from kvrelay.core.report import (
     DEFAULT_REPORT_HOSTS,
     MAX_REPORTS_PER_POST,
+    ReportHosts,
     report_body,
     report_posts,
 )
@@ -134,7 +137,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             )
             os.sched_setaffinity(0, saved)
         hosts = transfer_config.get_from_extra_config(REPORT_HOSTS_KEY, DEFAULT_REPORT_HOSTS)
-        self._reporter = _Reporter(frozenset(hosts)) if not is_worker else None
+        self._reporter = _Reporter(hosts) if not is_worker else None
         self._block_size = int(vllm_config.cache_config.block_size)
 
     def get_num_new_matched_tokens(
@@ -218,15 +221,15 @@ class _Reporter:
     Reports queued while a post is in flight go out together in the next post (a JSON list,
     ``kvrelay.core.report``), over one keep-alive connection per router address."""
 
-    def __init__(self, allowed_hosts: frozenset[str]) -> None:
-        self._allowed_hosts = allowed_hosts
+    def __init__(self, allowed_hosts: Iterable[str]) -> None:
+        self._allowed_hosts = ReportHosts(allowed_hosts)
         self._queue: queue.Queue[tuple[str, dict[str, Any]]] = queue.Queue(maxsize=10_000)
         self._thread: threading.Thread | None = None
         self._failures = 0
 
     def submit(self, url: str, report: dict[str, Any]) -> None:
         host = urllib.parse.urlsplit(url).hostname or ""
-        if host not in self._allowed_hosts:
+        if not self._allowed_hosts.allows(host):
             logger.warning("kvrelay: not reporting to %s: host not in %s", host, REPORT_HOSTS_KEY)
             return
         if self._thread is None:

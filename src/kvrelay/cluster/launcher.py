@@ -14,7 +14,10 @@ from __future__ import annotations
 import atexit
 import contextlib
 import ctypes
+import dataclasses
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -35,6 +38,7 @@ from kvrelay.cluster.config import (
     served_model_name,
     server_command,
     server_env,
+    tool_call_parser_for,
 )
 from kvrelay.cluster.model import MODEL_SPECS, ensure_model
 
@@ -75,6 +79,16 @@ def resolve_model(model: str) -> Path:
     return path
 
 
+def model_type_of(model_path: Path) -> str | None:
+    """``model_type`` from the model directory's ``config.json`` (``None`` if unreadable)."""
+    try:
+        data = json.loads((model_path / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    model_type = data.get("model_type") if isinstance(data, dict) else None
+    return model_type if isinstance(model_type, str) else None
+
+
 def default_run_dir() -> Path:
     stamp = time.strftime("%Y%m%d-%H%M%S")
     return Path("runs") / f"cluster-{stamp}-{os.getpid()}"
@@ -101,7 +115,7 @@ class LocalCluster:
         self._command = command
         self.nodes: list[RunningNode] = []
         self.model_path: Path | None = None
-        self._log_files: list[IO[bytes]] = []
+        self._log_files: dict[str, IO[bytes]] = {}
         self._stopped = False
 
     @property
@@ -118,8 +132,14 @@ class LocalCluster:
         return served_model_name(self.config, self.model_path)
 
     def start(self) -> LocalCluster:
-        """Spawn every node and wait until all are healthy (see the module contract)."""
+        """Spawn every node and wait until all are healthy (see the module contract).
+
+        Resolves ``tool_call_parser="auto"`` against the model first, so ``self.config``
+        holds the parser every node runs with (``"none"`` when the family has none known).
+        """
         self.model_path = resolve_model(self.config.model)
+        parser = tool_call_parser_for(self.config.tool_call_parser, model_type_of(self.model_path))
+        self.config = dataclasses.replace(self.config, tool_call_parser=parser or "none")
         self.run_dir.mkdir(parents=True, exist_ok=True)
         atexit.register(self.stop)
         try:
@@ -146,10 +166,26 @@ class LocalCluster:
             _signal_group(node.process, signal.SIGKILL)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 node.process.wait(timeout=5)
-        for f in self._log_files:
+        for f in self._log_files.values():
             f.close()
         self._log_files.clear()
         atexit.unregister(self.stop)
+
+    def respawn(self, node: RunningNode) -> None:
+        """Start ``node`` again with the same spec, ports and log file, and return at once.
+
+        What is left of its previous process group (a vLLM engine core whose API server
+        died, say) is killed first, so the ports and the KV cache memory are free. The
+        caller waits for ``/health`` (``kvrelay up``'s supervisor does).
+        """
+        if self._stopped or self.model_path is None:
+            raise RuntimeError("respawn() needs a started, not stopped, cluster")
+        stop_group(node.process, timeout_s=0.0)
+        old_log = self._log_files.pop(node.spec.name, None)
+        if old_log is not None:
+            old_log.close()
+        fresh = self._spawn(node.spec, self.model_path)
+        node.process = fresh.process
 
     def __enter__(self) -> LocalCluster:
         return self.start()
@@ -157,15 +193,19 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    def healthy(self, node: RunningNode) -> bool:
+        """``node`` answers ``GET /health`` with 200 right now."""
+        return _healthy(node.url)
+
     def log_tail(self, node: RunningNode, num_lines: int = 40) -> str:
-        return _tail(node.log_path, num_lines)
+        return log_tail(node.log_path, num_lines)
 
     def _spawn(self, spec: NodeSpec, model_path: Path) -> RunningNode:
         log_path = self.run_dir / f"{spec.name}.log"
         cmd = self._command(self.config, spec, model_path)
         env = server_env(self.config, spec, dict(os.environ))
         process, log = spawn_supervised(cmd, log_path, env, process_cores(self.config, spec))
-        self._log_files.append(log)
+        self._log_files[spec.name] = log
         url = f"http://{self.config.host}:{spec.http_port}"
         return RunningNode(spec=spec, process=process, log_path=log_path, url=url)
 
@@ -175,9 +215,12 @@ class LocalCluster:
         while pending:
             for node in list(pending):
                 if not node.alive():
+                    tail = self.log_tail(node)
+                    headline = error_line(tail)
                     raise ClusterStartError(
                         f"{node.spec.name} exited with status {node.process.returncode} "
-                        f"during startup; last lines of {node.log_path}:\n{self.log_tail(node)}"
+                        f"during startup{': ' + headline if headline else ''}\n"
+                        f"last lines of {node.log_path}:\n{tail}"
                     )
                 if _healthy(node.url):
                     pending.remove(node)
@@ -219,16 +262,30 @@ class ServiceProcess:
         self._log: IO[bytes] | None = None
 
     def start(self) -> ServiceProcess:
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        self.process, self._log = spawn_supervised(
-            self.command, self.log_path, self._env or dict(os.environ)
-        )
+        self.spawn()
+        assert self.process is not None
         try:
             self._wait_ready(self.process)
         except BaseException:
             self.stop()
             raise
         return self
+
+    def spawn(self) -> None:
+        """Start the process (after killing what is left of a previous one) and return at
+        once; ``ready()`` says when it answers."""
+        if self.process is not None:
+            stop_group(self.process, timeout_s=0.0)
+        if self._log is not None:
+            self._log.close()
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        self.process, self._log = spawn_supervised(
+            self.command, self.log_path, self._env or dict(os.environ)
+        )
+
+    def ready(self) -> bool:
+        """Every URL in ``ready_urls`` answers 200 right now."""
+        return all(_get_ok(url) for url in self.ready_urls)
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
@@ -253,7 +310,7 @@ class ServiceProcess:
             if process.poll() is not None:
                 raise ServiceStartError(
                     f"{self.name} exited with {process.returncode}; "
-                    f"log {self.log_path}:\n{_tail(self.log_path, 30)}"
+                    f"log {self.log_path}:\n{log_tail(self.log_path, 30)}"
                 )
             if _get_ok(pending[0]):
                 pending.pop(0)
@@ -261,7 +318,7 @@ class ServiceProcess:
             if time.monotonic() > deadline:
                 raise ServiceStartError(
                     f"{self.name} not ready after {self.ready_timeout_s:.0f} s ({pending[0]}); "
-                    f"log {self.log_path}:\n{_tail(self.log_path, 30)}"
+                    f"log {self.log_path}:\n{log_tail(self.log_path, 30)}"
                 )
             time.sleep(0.2)
 
@@ -355,7 +412,22 @@ def _die_with_parent() -> None:
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
-def _tail(path: Path, num_lines: int) -> str:
+def error_line(log_text: str, max_lines: int = 4) -> str | None:
+    """The server's own words for why it failed: the last line of its log that states an
+    error (``api_server.py: error: ...`` from argparse, ``ValueError: ...`` ending a
+    traceback) and the few lines after it (pydantic puts the reason there), or ``None``."""
+    lines = log_text.splitlines()
+    for i in range(len(lines) - 1, -1, -1):
+        if _ERROR_LINE.search(lines[i]):
+            return "\n".join(line.rstrip() for line in lines[i : i + max_lines])
+    return None
+
+
+_ERROR_LINE = re.compile(r"(\berror: |^\w*(Error|Exception): )")
+
+
+def log_tail(path: Path, num_lines: int) -> str:
+    """The last ``num_lines`` lines of a log file (at most its last 64 KiB)."""
     try:
         with open(path, "rb") as f:
             f.seek(0, os.SEEK_END)

@@ -30,18 +30,31 @@ from pathlib import Path
 #: Bytes the model may generate: printable ASCII and newline.
 PRINTABLE_BYTES: tuple[int, ...] = (10, *range(32, 127))
 
-SPECIAL_TOKENS: tuple[str, ...] = (
-    "<|endoftext|>",
-    "<|im_start|>",
-    "<|im_end|>",
+#: Tokens added to the 256 byte tokens, in id order (256, 257, ...), as Qwen3 has them: the
+#: chat markers are special (skipped when decoding), the tool and thinking tags are not, so
+#: they survive in generated text where vLLM's ``hermes`` tool parser looks for them.
+SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
+TAG_TOKENS: tuple[str, ...] = (
     "<think>",
     "</think>",
     "<tool_call>",
     "</tool_call>",
+    "<tool_response>",
+    "</tool_response>",
 )
 
-#: Qwen-style chat template covering system, user, assistant (with tool calls) and tool turns.
-#: Message content may be a string or a list of OpenAI content parts.
+#: vLLM's ``--tool-call-parser`` for the default models: their chat template renders tools
+#: and tool calls exactly as Qwen3's does, which is the format of the ``hermes`` parser.
+TOOL_CALL_PARSER = "hermes"
+
+#: Qwen3's chat template for system, user and assistant turns, tools and tool calls, minus
+#: thinking. As in Qwen3: ``tools`` go into the system prompt (merged with a leading system
+#: message), an assistant's ``tool_calls`` render as ``<tool_call>\n{"name": ..., "arguments":
+#: ...}\n</tool_call>`` (what the ``hermes`` parser reads back), and consecutive ``tool``
+#: messages form one user turn of ``<tool_response>`` blocks. Conversations without tools,
+#: tool calls or tool messages render exactly as before tools were supported (same token ids).
+#: Message content may be a string or a list of OpenAI content parts. A newline right after a
+#: block tag is written as ``{{ '\\n' }}``: chat templates render with ``trim_blocks``.
 CHAT_TEMPLATE = (
     "{% macro text(content) %}"
     "{% if content is string %}{{ content }}"
@@ -50,25 +63,41 @@ CHAT_TEMPLATE = (
     "{% endfor %}"
     "{% endif %}"
     "{% endmacro %}"
-    "{% if tools %}<|im_start|>system\n# Tools\n"
-    "{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}<|im_end|>\n{% endif %}"
+    "{% if tools %}<|im_start|>system\n"
+    "{% if messages and messages[0].role == 'system' %}"
+    "{{ text(messages[0].content) }}\n\n{% endif %}"
+    "# Tools\n\nYou may call one or more functions to assist with the user query.\n\n"
+    "You are provided with function signatures within <tools></tools> XML tags:\n<tools>"
+    "{% for tool in tools %}{{ '\\n' }}{{ tool | tojson }}{% endfor %}"
+    "{{ '\\n' }}</tools>\n\nFor each function call, return a json object with function name and "
+    "arguments within <tool_call></tool_call> XML tags:\n<tool_call>\n"
+    '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+    "{% endif %}"
     "{% for message in messages %}"
-    "{% if message.role == 'assistant' %}"
-    "<|im_start|>assistant\n{{ text(message.content) }}"
+    "{% if message.role == 'system' and loop.first and tools %}"
+    "{% elif message.role == 'assistant' %}"
+    "{% set content = text(message.content) %}"
+    "<|im_start|>assistant\n{{ content }}"
     "{% if message.tool_calls %}{% for call in message.tool_calls %}"
+    "{% if (loop.first and content) or not loop.first %}{{ '\\n' }}{% endif %}"
     "{% set fn = call.function if call.function is defined else call %}"
-    '<tool_call>{"name": "{{ fn.name }}", "arguments": '
+    '<tool_call>\n{"name": "{{ fn.name }}", "arguments": '
     "{% if fn.arguments is string %}{{ fn.arguments }}"
-    "{% else %}{{ fn.arguments | tojson }}{% endif %}}</tool_call>"
+    "{% else %}{{ fn.arguments | tojson }}{% endif %}}\n</tool_call>"
     "{% endfor %}{% endif %}<|im_end|>\n"
     "{% elif message.role == 'tool' %}"
-    "<|im_start|>tool\n{{ text(message.content) }}<|im_end|>\n"
+    "{% if loop.first or loop.previtem.role != 'tool' %}<|im_start|>user{% endif %}"
+    "{{ '\\n' }}<tool_response>\n{{ text(message.content) }}\n</tool_response>"
+    "{% if loop.last or loop.nextitem.role != 'tool' %}<|im_end|>\n{% endif %}"
     "{% else %}"
     "<|im_start|>{{ message.role }}\n{{ text(message.content) }}<|im_end|>\n"
     "{% endif %}"
     "{% endfor %}"
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
+
+#: Bump when the way files are generated changes in a way ``ModelSpec`` does not capture.
+GENERATOR_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -95,9 +124,20 @@ class ModelSpec:
     margin: float = 16.0
 
     def fingerprint(self) -> str:
-        """Stable short hash of everything that determines the generated files."""
+        """Stable short hash of everything that determines the generated files: the spec, the
+        tokenizer's added tokens, the printable set, the chat template and the generator's
+        version. It names the cache directory, so changing any of them builds a new model
+        instead of reusing a stale one."""
         payload = json.dumps(
-            {"spec": asdict(self), "template": CHAT_TEMPLATE, "v": 1}, sort_keys=True
+            {
+                "spec": asdict(self),
+                "special_tokens": SPECIAL_TOKENS,
+                "tag_tokens": TAG_TOKENS,
+                "printable": PRINTABLE_BYTES,
+                "template": CHAT_TEMPLATE,
+                "v": GENERATOR_VERSION,
+            },
+            sort_keys=True,
         )
         return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
@@ -166,7 +206,7 @@ def _spec(size: str) -> ModelSpec:
 
 def build_tokenizer() -> object:
     """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     byte_to_char = _bytes_to_unicode()
@@ -175,6 +215,7 @@ def build_tokenizer() -> object:
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
+    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",

@@ -26,7 +26,8 @@ import base64
 import binascii
 import hashlib
 import hmac
-from collections.abc import Mapping
+import ipaddress
+from collections.abc import Iterable, Mapping
 from typing import Literal
 
 import msgspec
@@ -44,6 +45,29 @@ MAX_REPORTS_PER_POST = 64
 
 _NONCE_BYTES = 12
 _MAC_BYTES = 12
+
+
+class ReportHosts:
+    """Which hosts reports may go to: exact names or addresses, and IP networks."""
+
+    def __init__(self, entries: Iterable[str]) -> None:
+        self.names: set[str] = set()
+        self.networks: list[ipaddress.IPv4Network | ipaddress.IPv6Network] = []
+        for entry in entries:
+            entry = str(entry).strip()
+            if "/" in entry:
+                self.networks.append(ipaddress.ip_network(entry, strict=False))
+            else:
+                self.names.add(entry.lower())
+
+    def allows(self, host: str) -> bool:
+        if host.lower() in self.names:
+            return True
+        try:
+            address = ipaddress.ip_address(host)
+        except ValueError:
+            return False
+        return str(address) in self.names or any(address in net for net in self.networks)
 
 
 class ReportError(ValueError):

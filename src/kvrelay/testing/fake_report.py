@@ -27,7 +27,7 @@ import aiohttp
 import msgspec
 
 from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
-from kvrelay.core.report import report_posts
+from kvrelay.core.report import ReportHosts, report_posts
 from kvrelay.testing.fake_latency import Sleep
 
 
@@ -58,7 +58,7 @@ class Reporter:
     def __init__(
         self, allowed_hosts: Collection[str], delay_s: float, sleep: Sleep = asyncio.sleep
     ) -> None:
-        self._allowed = frozenset(allowed_hosts)
+        self._allowed = ReportHosts(allowed_hosts)
         self._delay_s = delay_s
         self._sleep = sleep
         self._session: aiohttp.ClientSession | None = None
@@ -70,7 +70,7 @@ class Reporter:
         """Post ``outcome.body`` to ``outcome.url`` after the delay. A host outside
         ``allowed_hosts`` is not contacted (``outcome.error`` says so)."""
         host = urllib.parse.urlsplit(outcome.url).hostname or ""
-        if host not in self._allowed:
+        if not self._allowed.allows(host):
             outcome.error = f"host {host!r} not in report_hosts"
             return
         if self._delay_s <= 0:

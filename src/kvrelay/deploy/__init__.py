@@ -1,0 +1,1 @@
+"""Deployments beyond one machine: ``kvrelay deploy k8s`` renders Kubernetes manifests."""

@@ -1,0 +1,177 @@
+"""What a kvrelay deployment on Kubernetes is made of: pure, typed settings.
+
+``DeployConfig`` comes from defaults, then a TOML file (keys are the field names), then
+command-line flags (``kvrelay deploy k8s``); later layers win. ``from_settings`` rejects
+unknown keys and wrong types with a message that names them, so a typo in a TOML file is an
+error rather than a silently ignored setting.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import tomllib
+
+#: Kubernetes object names (DNS-1035 label): the StatefulSets' pod DNS names derive from them.
+_NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
+
+
+class DeployConfigError(ValueError):
+    """A setting is unknown, has the wrong type, or is out of range."""
+
+
+@dataclass(frozen=True)
+class DeployConfig:
+    """A kvrelay deployment: P and D vLLM StatefulSets on GPUs, N router replicas sharing a
+    Redis, Services, probes, PodDisruptionBudgets and a Prometheus ServiceMonitor.
+
+    Sizes are Kubernetes quantities (``"8"``, ``"64Gi"``). ``redis_url`` set means an
+    external Redis (nothing is deployed for it). ``pod_cidrs`` are the pod networks the
+    router replicas' addresses come from: D's connector posts reports only there.
+    """
+
+    name: str = "kvrelay"
+    namespace: str | None = None
+    #: vLLM with kvrelay installed (P, D: ``kv_connector_module_path: kvrelay.cluster.connector``).
+    image: str = "kvrelay-vllm:latest"
+    #: The router needs only kvrelay; default: ``image``.
+    router_image: str | None = None
+    image_pull_policy: str = "IfNotPresent"
+    model: str = "Qwen/Qwen3-8B"
+    served_model_name: str | None = None
+    max_model_len: int | None = None
+    prefill: int = 1
+    decode: int = 1
+    router_replicas: int = 2
+    gpus_per_node: int = 1
+    gpu_resource: str = "nvidia.com/gpu"
+    engine_cpu: str = "8"
+    engine_memory: str = "64Gi"
+    router_cpu: str = "2"
+    router_memory: str = "2Gi"
+    #: ``/dev/shm`` size of P and D (NCCL with tensor parallelism needs it large).
+    shm_size: str = "16Gi"
+    engine_port: int = 8000
+    side_channel_port: int = 5600
+    router_port: int = 8000
+    #: The router's listener for D's reports; default ``router_port + 1``.
+    internal_port: int | None = None
+    ttl_s: int = 480
+    kv_recompute_threshold: int = 64
+    kv_lease_duration_s: int = 30
+    #: vLLM's KV block size on the GPUs (16 is vLLM's CUDA default).
+    block_size: int = 16
+    prefill_prefix_caching: bool = False
+    decode_prefix_caching: bool = True
+    #: vLLM ``--tool-call-parser`` (``hermes`` for Qwen2.5/Qwen3); none: no auto tool choice.
+    tool_call_parser: str | None = None
+    redis_url: str | None = None
+    redis_image: str = "redis:7.2-alpine"
+    pod_cidrs: tuple[str, ...] = ("10.0.0.0/8",)
+    #: Secret with key ``HF_TOKEN`` for gated models (optional).
+    hf_token_secret: str | None = None
+    engine_args: tuple[str, ...] = ()
+    prefill_engine_args: tuple[str, ...] = ()
+    decode_engine_args: tuple[str, ...] = ()
+    router_args: tuple[str, ...] = ()
+    service_monitor: bool = True
+    #: Extra labels for the ServiceMonitor (``release=prometheus`` for kube-prometheus-stack).
+    service_monitor_labels: tuple[str, ...] = ()
+    drain_timeout_s: int = 30
+
+    def __post_init__(self) -> None:
+        if not _NAME.match(self.name):
+            raise DeployConfigError(
+                f"name {self.name!r}: use lowercase letters, digits and '-', start with a "
+                "letter, at most 40 characters")
+        for key in ("prefill", "decode", "router_replicas", "gpus_per_node"):
+            if getattr(self, key) < 1:
+                raise DeployConfigError(f"{key} must be at least 1")
+        for key in ("engine_port", "side_channel_port", "router_port"):
+            _check_port(key, getattr(self, key))
+        _check_port("internal_port", self.router_internal_port)
+        if self.router_internal_port == self.router_port:
+            raise DeployConfigError("internal_port must differ from router_port")
+        if self.engine_port == self.side_channel_port:
+            raise DeployConfigError("side_channel_port must differ from engine_port")
+        for label in self.service_monitor_labels:
+            if "=" not in label:
+                raise DeployConfigError(f"service_monitor_labels: {label!r} is not KEY=VALUE")
+        if self.ttl_s <= 0 or self.block_size <= 0 or self.kv_recompute_threshold < 0:
+            raise DeployConfigError("ttl_s and block_size must be positive, "
+                                    "kv_recompute_threshold not negative")
+
+    @property
+    def router_internal_port(self) -> int:
+        return self.internal_port if self.internal_port is not None else self.router_port + 1
+
+    @property
+    def router_image_or_default(self) -> str:
+        return self.router_image or self.image
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model
+
+
+def _check_port(key: str, port: int) -> None:
+    if not 1 <= port <= 65535:
+        raise DeployConfigError(f"{key} {port} is not a TCP port")
+
+
+def from_settings(*layers: Mapping[str, object]) -> DeployConfig:
+    """A ``DeployConfig`` from layers of settings (later layers win); keys are field names."""
+    hints = {f.name: str(f.type) for f in dataclasses.fields(DeployConfig)}
+    merged: dict[str, object] = {}
+    for layer in layers:
+        for key, value in layer.items():
+            if key not in hints:
+                known = ", ".join(sorted(hints))
+                raise DeployConfigError(f"unknown setting {key!r}; known: {known}")
+            merged[key] = _coerce(key, value, hints[key])
+    return DeployConfig(**merged)  # type: ignore[arg-type]
+
+
+def load_toml(path: Path) -> dict[str, object]:
+    """The settings of a TOML file (a ``[k8s]`` table, or the top level)."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except (OSError, tomllib.TOMLDecodeError) as exc:
+        raise DeployConfigError(f"cannot read {path}: {exc}") from exc
+    table = data.get("k8s", data)
+    if not isinstance(table, dict):
+        raise DeployConfigError(f"{path}: [k8s] must be a table")
+    return dict(table)
+
+
+def _coerce(key: str, value: object, hint: str) -> object:
+    """Check ``value`` against the field's annotation, a string (``int | None``, ...): the
+    module uses postponed annotations."""
+    optional = "None" in hint
+    if value is None:
+        if optional:
+            return None
+        raise DeployConfigError(f"{key} must not be empty")
+    if hint.startswith("tuple"):
+        if isinstance(value, str) or not isinstance(value, list | tuple):
+            raise DeployConfigError(f"{key} must be a list of strings")
+        if not all(isinstance(v, str) for v in value):
+            raise DeployConfigError(f"{key} must be a list of strings")
+        return tuple(value)
+    if hint.startswith("bool"):
+        if not isinstance(value, bool):
+            raise DeployConfigError(f"{key} must be true or false")
+        return value
+    if hint.startswith("int"):
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise DeployConfigError(f"{key} must be an integer")
+        return value
+    if not isinstance(value, str):
+        raise DeployConfigError(f"{key} must be a string")
+    return value
+

@@ -1,0 +1,166 @@
+"""A real Prometheus (Debian's ``prometheus``) scraping a real router (shared state in a real
+Redis) in front of fake P/D engines: after a short multi-turn run with an upstream error and a
+Redis outage, every query of the dashboard returns data, so no panel refers to a metric, label
+or PromQL function that does not exist. The same data renders into the dashboard PNG."""
+
+from __future__ import annotations
+
+import math
+import shutil
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from kvrelay.cluster.config import router_command
+from kvrelay.cluster.launcher import ServiceProcess
+from kvrelay.deploy.dashboard_png import render_png
+from kvrelay.deploy.panels import (
+    RETAINED_TOKENS,
+    TURN_DECISIONS,
+    VLLM_PROMPT_TOKENS_BY_SOURCE,
+    all_queries,
+)
+from kvrelay.deploy.prometheus import (
+    PrometheusClient,
+    ScrapeTarget,
+    find_prometheus,
+    prometheus_service,
+)
+from tests.component.redis_server import RedisServer
+from tests.ports import free_port, free_port_block
+
+RATE_WINDOW = "2m"
+SCRAPE_INTERVAL_S = 1.0
+ROUNDS = 4
+DATA_DEADLINE_S = 90.0
+#: Metrics the dashboard shows that the router does not export yet (the lead adds
+#: ``kvrelay_router_retained_tokens{node}``). The test checks they are still missing, so it
+#: fails the day one appears: then delete it here and its panel is checked like the others.
+AWAITING_ROUTER_METRICS = frozenset({RETAINED_TOKENS})
+
+
+def prometheus_binary() -> str:
+    found = find_prometheus()
+    if found is None:
+        pytest.fail("prometheus not found: install the Debian package prometheus "
+                    "(`make setup` does when run as root)", pytrace=False)
+    return found
+
+
+class Rig:
+    def __init__(self, router: str, prefill: str, decode: str, prometheus: str) -> None:
+        self.router, self.prefill, self.decode = router, prefill, decode
+        self.prometheus = PrometheusClient(prometheus)
+
+    def turn(self, messages: list[dict[str, str]], conversation_id: str,
+             stream: bool) -> tuple[int, str]:
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "stream": stream,
+                "conversation_id": conversation_id}
+        with httpx.stream("POST", f"{self.router}/v1/chat/completions", json=body,
+                          timeout=60) as resp:
+            resp.read()
+            return resp.status_code, resp.headers.get("x-kvrelay-action", "")
+
+
+@pytest.fixture
+def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
+    binary = prometheus_binary()
+    base = free_port_block(2, start=31000)
+    side = free_port_block(2, start=33000)
+    engines = ServiceProcess(
+        "fake-engines",
+        [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
+         "--base-port", str(base), "--side-channel-base-port", str(side),
+         "--latency-preset", "fast", "--report-delay-s", "0"],
+        [f"http://127.0.0.1:{base}/health", f"http://127.0.0.1:{base + 1}/health"],
+        tmp_path / "engines.log", ready_timeout_s=120)
+    prefill, decode = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
+    router_port = free_port()
+    router_url = f"http://127.0.0.1:{router_port}"
+    router = ServiceProcess(
+        "router",
+        router_command([prefill], [decode], host="127.0.0.1", port=router_port, ttl_s=480,
+                       block_size=128,
+                       extra=["--state", redis_server.url, "--health-interval-s", "1",
+                              "--state-timeout-ms", "500"]),
+        [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
+    targets = [ScrapeTarget("prefill", prefill), ScrapeTarget("decode", decode),
+               ScrapeTarget("router", router_url)]
+    prometheus = prometheus_service(binary, targets, tmp_path / "prometheus", "127.0.0.1",
+                                    free_port(), interval_s=SCRAPE_INTERVAL_S)
+    with engines, router, prometheus:
+        assert prometheus.url is not None
+        yield Rig(router_url, prefill, decode, prometheus.url)
+    shutil.rmtree(tmp_path / "prometheus", ignore_errors=True)
+
+
+def run_traffic(rig: Rig, redis_server: RedisServer) -> None:
+    """Multi-turn conversations, streamed and not (pulls and recomputes), one D failure and
+    one Redis outage. Spread over several scrapes: ``rate()`` sees a counter grow only between
+    two samples, and a series is born at its first value."""
+    deadline = time.monotonic() + DATA_DEADLINE_S
+    while len([s for s in rig.prometheus.query("up") if s.value == 1.0]) < 3:
+        assert time.monotonic() < deadline, "Prometheus never scraped all three targets"
+        time.sleep(0.5)
+    conversations: list[list[dict[str, str]]] = []
+    for round_ in range(ROUNDS):
+        # Each round starts a conversation (a recompute) and continues the others (pulls).
+        conversations.append([
+            {"role": "system", "content": f"You are agent {round_}. " + "Think. " * 60},
+            {"role": "user", "content": "Start."}])
+        for c, messages in enumerate(conversations):
+            status, _ = rig.turn(messages, f"conv-{c}", stream=c != round_ - 1)
+            assert status == 200
+            messages += [{"role": "assistant", "content": "ok"},
+                         {"role": "user", "content": f"Round {round_}."}]
+        time.sleep(SCRAPE_INTERVAL_S * 1.5)
+    httpx.post(f"{rig.decode}/fake/faults", json={"error_status": 500, "error_count": 1},
+               timeout=10).raise_for_status()
+    rig.turn([{"role": "user", "content": "Fail once. " * 40}], "conv-fault", stream=True)
+    redis_server.stop()
+    status, action = rig.turn([{"role": "user", "content": "No Redis. " * 40}],
+                              "conv-0", stream=False)
+    assert (status, action) == (200, "recompute")
+    redis_server.start()
+
+
+def finite(values: list[float]) -> bool:
+    return any(math.isfinite(v) for v in values)
+
+
+def test_every_dashboard_query_returns_data_from_a_real_prometheus(rig, redis_server,
+                                                                    tmp_path):
+    started = time.time()
+    run_traffic(rig, redis_server)
+    exported = httpx.get(f"{rig.router}/metrics", timeout=10).text
+    pending = {q.expr: q for _, q in all_queries()
+               if not any(m in q.expr for m in AWAITING_ROUTER_METRICS)}
+    deadline = time.monotonic() + DATA_DEADLINE_S
+    while pending and time.monotonic() < deadline:
+        for expr, query in list(pending.items()):
+            samples = rig.prometheus.query(query.for_prometheus(RATE_WINDOW))
+            if finite([s.value for s in samples]):
+                del pending[expr]
+        time.sleep(1.0)
+    assert not pending, "dashboard queries without data:\n" + "\n".join(
+        f"{expr}\n  -> {rig.prometheus.query(q.for_prometheus(RATE_WINDOW))}"
+        for expr, q in pending.items())
+    for metric in AWAITING_ROUTER_METRICS:
+        assert metric not in exported, (
+            f"the router exports {metric} now: remove it from AWAITING_ROUTER_METRICS")
+
+    # The P/D panels show both roles; the decisions panel both actions.
+    components = {s.labels.get("component") for s in rig.prometheus.query(
+        f"sum by (component) (rate({VLLM_PROMPT_TOKENS_BY_SOURCE}[{RATE_WINDOW}]))")}
+    assert components == {"prefill", "decode"}
+    actions = {s.labels["action"] for s in rig.prometheus.query(
+        f"sum by (action) ({TURN_DECISIONS})")}
+    assert {"pull", "recompute"} <= actions
+
+    out = tmp_path / "dashboard.png"
+    render_png(rig.prometheus, out, started - 30, time.time(), 2.0, RATE_WINDOW)
+    assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000

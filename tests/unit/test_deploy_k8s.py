@@ -1,0 +1,273 @@
+"""``kvrelay deploy k8s``: the rendered manifests validate offline against the Kubernetes API
+schemas (kubernetes-validate's bundled ones, strict: unknown fields are errors), and hang
+together: Services, PDBs and the ServiceMonitor select what exists, probes name real ports,
+the router addresses every P and D pod, and every engine and router command line parses
+with vLLM's and kvrelay's own argument parsers."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from kvrelay.cli import build_parser, main
+from kvrelay.deploy.config import DeployConfig, DeployConfigError, from_settings
+
+K8S_VERSION = "1.30"
+#: Flags the router gains with its internal report listener (docs/deploy.md); until it has
+#: them, they are the only arguments its parser may not know.
+INTERNAL_LISTENER_FLAGS = ("--internal-host", "--internal-port", "--internal-url")
+
+Doc = dict[str, Any]
+
+
+def render(capsys: pytest.CaptureFixture[str], *argv: str) -> list[Doc]:
+    assert main(["deploy", "k8s", *argv]) == 0
+    return [d for d in yaml.safe_load_all(capsys.readouterr().out) if d]
+
+
+def by_kind(docs: list[Doc], kind: str) -> dict[str, Doc]:
+    return {d["metadata"]["name"]: d for d in docs if d["kind"] == kind}
+
+
+def workloads(docs: list[Doc]) -> list[Doc]:
+    return [d for d in docs if d["kind"] in ("Deployment", "StatefulSet")]
+
+
+def container(workload: Doc) -> Doc:
+    (c,) = workload["spec"]["template"]["spec"]["containers"]
+    return c
+
+
+def selects(selector: dict[str, str], labels: dict[str, str]) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def check_deployment(docs: list[Doc]) -> None:
+    """Schema validity plus the cross-references a schema cannot see."""
+    for doc in docs:
+        if doc["kind"] == "ServiceMonitor":
+            continue  # a CRD: no bundled schema; checked structurally below
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    pods = {w["metadata"]["name"]: w["spec"]["template"]["metadata"]["labels"]
+            for w in workloads(docs)}
+    for w in workloads(docs):
+        assert selects(w["spec"]["selector"]["matchLabels"], pods[w["metadata"]["name"]])
+        c = container(w)
+        port_names = {p["name"] for p in c["ports"]}
+        for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+            if probe in c:
+                action = c[probe].get("httpGet") or c[probe]["tcpSocket"]
+                assert action["port"] in port_names, (w["metadata"]["name"], probe)
+        env_names = {e["name"] for e in c.get("env", [])}
+        for arg in c.get("args", []):
+            if "$(" in arg:
+                assert arg.split("$(")[1].split(")")[0] in env_names, arg
+    services = by_kind(docs, "Service")
+    for name, svc in services.items():
+        targets = [labels for labels in pods.values() if selects(svc["spec"]["selector"], labels)]
+        assert len(targets) == 1, f"service {name} selects {len(targets)} workloads"
+        (target,) = [w for w in workloads(docs)
+                     if selects(svc["spec"]["selector"], pods[w["metadata"]["name"]])]
+        target_ports = {p["name"] for p in container(target)["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= target_ports
+    for sts in by_kind(docs, "StatefulSet").values():
+        assert services[sts["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    for pdb in by_kind(docs, "PodDisruptionBudget").values():
+        assert sum(selects(pdb["spec"]["selector"]["matchLabels"], labels)
+                   for labels in pods.values()) == 1
+    for monitor in by_kind(docs, "ServiceMonitor").values():
+        assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+        chosen = [s for s in services.values()
+                  if selects(monitor["spec"]["selector"]["matchLabels"],
+                             s["metadata"]["labels"])]
+        components = sorted(s["metadata"]["labels"]["app.kubernetes.io/component"]
+                            for s in chosen)
+        assert components == ["decode", "prefill", "router"]
+        for endpoint in monitor["spec"]["endpoints"]:
+            assert endpoint["path"] == "/metrics"
+            # the dashboard's queries select P and D by a `component` label
+            assert {"sourceLabels": [
+                "__meta_kubernetes_service_label_app_kubernetes_io_component"],
+                "targetLabel": "component"} in endpoint["relabelings"]
+            assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
+                       for s in chosen)
+
+
+def router_argv(docs: list[Doc]) -> list[str]:
+    (router,) = [w for w in workloads(docs)
+                 if w["metadata"]["labels"]["app.kubernetes.io/component"] == "router"]
+    c = container(router)
+    assert c["command"][-1] == "route"
+    return list(c["args"])
+
+
+def flag_values(argv: list[str], flag: str) -> list[str]:
+    return [argv[i + 1] for i, a in enumerate(argv) if a == flag]
+
+
+def engine(docs: list[Doc], role: str) -> Doc:
+    (sts,) = [d for d in by_kind(docs, "StatefulSet").values()
+              if d["metadata"]["labels"]["app.kubernetes.io/component"] == role]
+    return sts
+
+
+def test_two_p_two_d_three_routers_with_a_redis(capsys):
+    docs = render(capsys, "--prefill", "2", "--decode", "2", "--router-replicas", "3",
+                  "--tool-call-parser", "hermes")
+    check_deployment(docs)
+    kinds = sorted(d["kind"] for d in docs)
+    assert kinds == sorted(["Deployment"] * 2 + ["Service"] * 4 + ["StatefulSet"] * 2
+                           + ["PodDisruptionBudget"] * 3 + ["ServiceMonitor"])
+    assert engine(docs, "prefill")["spec"]["replicas"] == 2
+    assert engine(docs, "decode")["spec"]["replicas"] == 2
+    router = by_kind(docs, "Deployment")["kvrelay-router"]
+    assert router["spec"]["replicas"] == 3
+    argv = router_argv(docs)
+    assert flag_values(argv, "--prefill") == [
+        "http://kvrelay-prefill-0.kvrelay-prefill:8000",
+        "http://kvrelay-prefill-1.kvrelay-prefill:8000"]
+    assert flag_values(argv, "--decode") == [
+        "http://kvrelay-decode-0.kvrelay-decode:8000",
+        "http://kvrelay-decode-1.kvrelay-decode:8000"]
+    assert flag_values(argv, "--state") == ["redis://kvrelay-redis:6379/0"]
+    assert "kvrelay-redis" in by_kind(docs, "Service")
+    # Each replica names its own pod IP for D's reports, on the internal port.
+    assert flag_values(argv, "--internal-url") == ["http://$(POD_IP):8001"]
+    assert flag_values(argv, "--internal-host") == ["0.0.0.0"]
+    ports = {p["name"]: p["containerPort"] for p in container(router)["ports"]}
+    assert ports == {"http": 8000, "internal": 8001}
+    env = {e["name"]: e for e in container(router)["env"]}
+    assert env["POD_IP"]["valueFrom"]["fieldRef"]["fieldPath"] == "status.podIP"
+
+
+def test_engines_get_the_kv_transfer_config_and_nixl_side_channel_they_need(capsys):
+    docs = render(capsys, "--tool-call-parser", "hermes", "--gpus-per-node", "2",
+                  "--pod-cidr", "10.244.0.0/16", "--pod-cidr", "fd00::/8")
+    check_deployment(docs)
+    for role, kv_role in (("prefill", "kv_producer"), ("decode", "kv_consumer")):
+        c = container(engine(docs, role))
+        assert c["command"] == ["vllm", "serve"]
+        args = c["args"]
+        kv = json.loads(flag_values(args, "--kv-transfer-config")[0])
+        assert kv["kv_connector"] == "NixlConnector"
+        assert kv["kv_connector_module_path"] == "kvrelay.cluster.connector"
+        assert kv["kv_role"] == kv_role and kv["kv_buffer_device"] == "cuda"
+        assert kv["kv_load_failure_policy"] == "recompute"
+        extra = kv["kv_connector_extra_config"]
+        assert extra["bidirectional_kv_xfer"] is True
+        assert extra["decoder_kv_blocks_ttl"] == 480
+        assert extra["kv_recompute_threshold"] == 64
+        assert extra.get("kvrelay_report_hosts") == (
+            ["10.244.0.0/16", "fd00::/8"] if role == "decode" else None)
+        env = {e["name"]: e for e in c["env"]}
+        assert (env["VLLM_NIXL_SIDE_CHANNEL_HOST"]["valueFrom"]["fieldRef"]["fieldPath"]
+                == "status.podIP")
+        assert env["VLLM_NIXL_SIDE_CHANNEL_PORT"]["value"] == "5600"
+        assert c["resources"]["requests"]["nvidia.com/gpu"] == "2"
+        assert c["resources"]["limits"]["nvidia.com/gpu"] == "2"
+        assert flag_values(args, "--tensor-parallel-size") == ["2"]
+        assert flag_values(args, "--tool-call-parser") == ["hermes"]
+        assert c["readinessProbe"]["httpGet"]["path"] == "/health"
+        assert c["livenessProbe"]["httpGet"]["path"] == "/health"
+    p_args = container(engine(docs, "prefill"))["args"]
+    d_args = container(engine(docs, "decode"))["args"]
+    assert "--no-enable-prefix-caching" in p_args and "--enable-prefix-caching" in d_args
+
+
+def test_external_redis_deploys_none(capsys):
+    docs = render(capsys, "--redis-url", "redis://redis.shared.svc:6379/3",
+                  "--namespace", "llm", "--no-service-monitor")
+    check_deployment(docs)
+    assert not any("redis" in d["metadata"]["name"] for d in docs)
+    assert flag_values(router_argv(docs), "--state") == ["redis://redis.shared.svc:6379/3"]
+    assert {d["metadata"]["namespace"] for d in docs} == {"llm"}
+    assert "ServiceMonitor" not in {d["kind"] for d in docs}
+
+
+def test_toml_input_with_flags_on_top(capsys, tmp_path: Path):
+    config = tmp_path / "deploy.toml"
+    config.write_text(
+        '[k8s]\nname = "agents"\nmodel = "Qwen/Qwen3-32B"\nprefill = 3\ndecode = 4\n'
+        'router_replicas = 2\ngpus_per_node = 4\nttl_s = 900\ntool_call_parser = "hermes"\n'
+        'decode_engine_args = ["--max-num-seqs=64"]\nservice_monitor_labels = ["release=prom"]\n'
+        'engine_memory = "200Gi"\n')
+    docs = render(capsys, "--config", str(config), "--decode", "5")
+    check_deployment(docs)
+    assert engine(docs, "prefill")["spec"]["replicas"] == 3
+    assert engine(docs, "decode")["spec"]["replicas"] == 5  # the flag wins
+    argv = router_argv(docs)
+    assert len(flag_values(argv, "--decode")) == 5
+    assert flag_values(argv, "--ttl-s") == ["900"]
+    assert flag_values(argv, "--deployment") == ["agents"]
+    d = container(engine(docs, "decode"))
+    assert d["args"][0] == "Qwen/Qwen3-32B" and d["args"][-1] == "--max-num-seqs=64"
+    assert d["resources"]["limits"]["memory"] == "200Gi"
+    kv = json.loads(flag_values(d["args"], "--kv-transfer-config")[0])
+    assert kv["kv_connector_extra_config"]["decoder_kv_blocks_ttl"] == 900
+    assert by_kind(docs, "ServiceMonitor")["agents"]["metadata"]["labels"]["release"] == "prom"
+    assert all(d["metadata"]["name"].startswith("agents") for d in docs)
+
+
+def test_one_p_one_d_single_router(capsys):
+    docs = render(capsys, "--prefill", "1", "--decode", "1", "--router-replicas", "1",
+                  "--internal-port", "9100", "--router-port", "9000")
+    check_deployment(docs)
+    argv = router_argv(docs)
+    assert flag_values(argv, "--prefill") == ["http://kvrelay-prefill-0.kvrelay-prefill:8000"]
+    assert flag_values(argv, "--decode") == ["http://kvrelay-decode-0.kvrelay-decode:8000"]
+    assert flag_values(argv, "--internal-url") == ["http://$(POD_IP):9100"]
+    assert by_kind(docs, "Deployment")["kvrelay-router"]["spec"]["replicas"] == 1
+
+
+def test_commands_parse_with_the_servers_own_parsers(capsys):
+    """Every engine argument is one vLLM's server accepts (its own parser and checks), and
+    every router argument one ``kvrelay route`` accepts (or the internal-listener flags)."""
+    from vllm.entrypoints.launchers.cli_args import (
+        make_arg_parser,
+        validate_parsed_serve_args,
+    )
+    from vllm.utils.argparse_utils import FlexibleArgumentParser
+
+    docs = render(capsys, "--prefill", "2", "--decode", "2", "--tool-call-parser", "hermes",
+                  "--max-model-len", "32768", "--engine-arg=--max-num-seqs=32")
+    for role in ("prefill", "decode"):
+        args = make_arg_parser(FlexibleArgumentParser()).parse_args(
+            container(engine(docs, role))["args"])
+        validate_parsed_serve_args(args)
+        assert args.model_tag == "Qwen/Qwen3-8B" and args.max_num_seqs == 32
+        assert args.tool_call_parser == "hermes" and args.enable_auto_tool_choice
+    parsed, unknown = build_parser().parse_known_args(["route", *router_argv(docs)])
+    assert parsed.state == "redis://kvrelay-redis:6379/0"
+    assert [a for a in unknown if a.startswith("--")] in (
+        [], list(INTERNAL_LISTENER_FLAGS)), unknown
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"prefill": 0}, "prefill must be at least 1"),
+    ({"name": "Bad_Name"}, "lowercase"),
+    ({"decode": "2"}, "decode must be an integer"),
+    ({"replicas": 2}, "unknown setting 'replicas'"),
+    ({"internal_port": 8000}, "internal_port must differ"),
+    ({"pod_cidrs": "10.0.0.0/8"}, "list of strings"),
+    ({"service_monitor_labels": ["release"]}, "KEY=VALUE"),
+])
+def test_bad_settings_are_named(settings, message):
+    with pytest.raises(DeployConfigError, match=message):
+        from_settings(settings)
+
+
+def test_bad_flag_is_a_clear_error_not_a_traceback(capsys, tmp_path: Path):
+    bad = tmp_path / "bad.toml"
+    bad.write_text("decode = 'two'\n")
+    assert main(["deploy", "k8s", "--config", str(bad)]) == 2
+    assert "decode must be an integer" in capsys.readouterr().err
+
+
+def test_defaults_render_valid_manifests(capsys):
+    check_deployment(render(capsys))
+    assert DeployConfig().router_internal_port == 8001
