@@ -33,16 +33,18 @@ class Replicas:
     async def settle(self) -> None:
         await self.cluster.drain_reports()
         for _ in range(2000):
-            if all(len(c.reports) == 0 for c in self.ctxs):
+            if all(len(c.desk) == 0 for c in self.ctxs):
                 return
             await asyncio.sleep(0.005)
         raise AssertionError("reports still pending")
 
     async def turn(self, replica: int, messages: list[dict[str, Any]],
-                   conversation: str) -> tuple[str, str, str]:
-        """One chat turn through ``replica``: (action, reason, reply text)."""
-        body = {"model": "tiny", "messages": messages, "max_tokens": 16,
-                "conversation_id": conversation}
+                   conversation: str | None) -> tuple[str, str, str]:
+        """One chat turn through ``replica`` (``conversation``: its id, or ``None`` to send
+        none): (action, reason, reply text)."""
+        body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 16}
+        if conversation is not None:
+            body["conversation_id"] = conversation
         async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
             resp = await c.post(self.urls[replica] + "/v1/chat/completions", json=body)
         assert resp.status_code == 200, resp.text
@@ -68,18 +70,20 @@ async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIter
             for _ in range(n):
                 port = free_port()
                 defaults: dict[str, Any] = {
-                    "port": port, "health_interval_s": 3600.0, "report_wait_s": 5.0,
-                    "state": redis.url, "state_timeout_ms": 2000.0,
+                    "port": port, "internal_port": free_port(), "health_interval_s": 3600.0,
+                    "report_wait_s": 5.0, "state": redis.url, "state_timeout_ms": 2000.0,
                 }
                 config = RouterConfig.from_urls(
                     cluster.prefill_urls, cluster.decode_urls,
                     block_size=ENGINE_CONFIG.block_size, **{**defaults, **settings},
                 )
                 app = create_app(config, clock=clock)
-                server = HttpServer(app, "127.0.0.1", port)
-                await server.start()
-                servers.append(server)
-                ctxs.append(app.state.router)
+                for served, at in ((app.public, port),
+                                   (app.internal, config.listen_internal_port)):
+                    server = HttpServer(served, "127.0.0.1", at)
+                    await server.start()
+                    servers.append(server)
+                ctxs.append(app.ctx)
                 urls.append(f"http://127.0.0.1:{port}")
             yield Replicas(cluster, ctxs, urls)
         finally:
@@ -87,16 +91,16 @@ async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIter
                 await server.stop()
             for ctx in ctxs:
                 await ctx.upstream.aclose()
-                await ctx.store.aclose()  # type: ignore[attr-defined]
+                await ctx.index.aclose()
 
 
-async def conversation(r: Replicas, name: str, turns: int, first_replica: int = 0
-                       ) -> list[tuple[str, str]]:
+async def conversation(r: Replicas, name: str | None, turns: int, first_replica: int = 0,
+                       first: str = FIRST) -> list[tuple[str, str]]:
     """``turns`` turns alternating between the replicas; their (action, reason)."""
     messages: list[dict[str, Any]] = []
     out: list[tuple[str, str]] = []
     for i in range(turns):
-        messages.append({"role": "user", "content": FIRST if i == 0 else f"And then {i}?"})
+        messages.append({"role": "user", "content": first if i == 0 else f"And then {i}?"})
         action, reason, text = await r.turn((first_replica + i) % 2, list(messages), name)
         messages.append({"role": "assistant", "content": text})
         out.append((action, reason))
@@ -116,6 +120,17 @@ async def test_alternating_replicas_pull_every_follow_up(redis_server: RedisServ
             assert rec.pulled_matches_prompt and not rec.wrong_reuse
             assert not rec.read_freed_blocks
         assert not d.freed_reads
+
+
+async def test_alternating_replicas_pull_without_any_conversation_id(
+    redis_server: RedisServer,
+) -> None:
+    async with replicas(redis_server) as r:
+        p = r.cluster.prefill[0]
+        got = await conversation(r, None, 5, first="No id here. " + FIRST)
+        assert got == [("recompute", "no_entry")] + [("pull", "pull")] * 4
+        pulls = [rec for rec in p.records if rec.plan == "pull"]
+        assert len(pulls) == 4 and all(not rec.wrong_reuse for rec in pulls)
 
 
 async def test_concurrent_follow_ups_on_two_replicas_pull_once(

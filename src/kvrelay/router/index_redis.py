@@ -13,8 +13,9 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:s:{scope}`` – the entries of a scope (``drop_scope``).
 * ``{ns}:node:{node_id}`` – a sorted set of a D's entries by expiry (``drop_node``,
   ``drop_engine``, retained tokens).
-* ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use: the per-tenant and total
-  caps evict the least recently used.
+* ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use (a counter, ``{ns}:seq``,
+  so order is exact however fast the calls come): the per-tenant and total caps evict the
+  least recently used.
 
 A chat lookup is one round trip (one script probes every anchor in order); a completions
 lookup that finds a bucket fetches its candidates in the same call. Every set member whose
@@ -77,16 +78,17 @@ end
 """
 
 # lookup: KEYS = probe keys (entry keys, or bucket keys when ARGV[i] == 'b'); ARGV[n+1] =
-# entry key prefix, ARGV[n+2] = now (ms, for LRU). Returns {i, key, json} for an entry, or
-# {i, bucket, key1, json1, ...} for the first non-empty bucket.
+# entry key prefix, ARGV[n+2] = the LRU counter's key. Returns {i, key, json} for an entry,
+# or {i, bucket, slot1, json1, ...} for the first non-empty bucket.
 _LOOKUP = """
 local n = #KEYS
 for i = 1, n do
   if ARGV[i] == 'e' then
     local v = redis.call('HMGET', KEYS[i], 'json', 'tz', 'az')
     if v[1] then
-      if v[2] then redis.call('ZADD', v[2], ARGV[n + 2], KEYS[i]) end
-      if v[3] then redis.call('ZADD', v[3], ARGV[n + 2], KEYS[i]) end
+      local seq = redis.call('INCR', ARGV[n + 2])
+      if v[2] then redis.call('ZADD', v[2], seq, KEYS[i]) end
+      if v[3] then redis.call('ZADD', v[3], seq, KEYS[i]) end
       return {i, KEYS[i], v[1]}
     end
   else
@@ -110,8 +112,8 @@ end
 return {}
 """
 
-# put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru.
-# ARGV = json, id, exp (wall s), node, engine, tokens, ttl ms, slot, now ms, tenant cap,
+# put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru, LRU counter.
+# ARGV = json, id, exp (wall s), node, engine, tokens, ttl ms, slot, (unused), tenant cap,
 # total cap, node-set score (exp ms). Returns {evicted, total size}.
 _PUT = _REMOVE + """
 if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1]) end
@@ -122,8 +124,9 @@ redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
 redis.call('SADD', KEYS[3], ARGV[8])
 redis.call('SADD', KEYS[4], KEYS[1])
-redis.call('ZADD', KEYS[5], ARGV[9], KEYS[1])
-redis.call('ZADD', KEYS[6], ARGV[9], KEYS[1])
+local seq = redis.call('INCR', KEYS[7])
+redis.call('ZADD', KEYS[5], seq, KEYS[1])
+redis.call('ZADD', KEYS[6], seq, KEYS[1])
 for i = 2, 6 do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then
     redis.call('PEXPIRE', KEYS[i], ARGV[7])
@@ -349,7 +352,8 @@ class RedisIndex:
         prefix = f"{self._ns}:e:"
         result = await self._call("get", self._lookup(
             keys=keys,
-            args=[*kinds, prefix, self._now_ms(), _MAX_CANDIDATES, len(f"{self._ns}:b:") + 1],
+            args=[*kinds, prefix, f"{self._ns}:seq", _MAX_CANDIDATES,
+                  len(f"{self._ns}:b:") + 1],
         ))
         if not result:
             return None
@@ -381,7 +385,7 @@ class RedisIndex:
         result = await self._quiet("put", self._put(
             keys=[self.entry_key(ref), self.node_set(node),
                   self._bucket(ref.scope, ref.anchor), f"{self._ns}:s:{ref.scope.hex()}",
-                  self._tenant_lru(tenant), f"{self._ns}:all"],
+                  self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq"],
             args=[entry_to_json(entry, wall_offset_s=offset), entry_identity(entry),
                   repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
                   ref.slot.hex(), self._now_ms(), self._max_tenant, self._max,

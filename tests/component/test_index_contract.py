@@ -1,0 +1,375 @@
+"""The ``ConversationIndex`` contract, run against ``InMemoryIndex`` and ``RedisIndex`` (a real
+redis-server), plus what only the Redis index has: key layout, Redis-side TTLs, claims raced
+from two replicas' indexes, one-round-trip lookups, and falling back (then recovering) when
+Redis is down or slow."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+import redis.asyncio as aioredis
+from msgspec.structs import replace
+
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.identity import scope_of
+from kvrelay.router.index import ConversationIndex, IndexUnavailable, InMemoryIndex
+from kvrelay.router.index_redis import RedisIndex
+from tests.component.redis_server import RedisServer
+from tests.unit.index_entries import (
+    assistant,
+    chat,
+    stored_at,
+    text,
+    text_stored_at,
+    user,
+)
+from tests.unit.index_entries import (
+    entry as make_entry,
+)
+
+EPOCH = 1.7e9
+SYSTEM = user("You are a careful agent. " * 20)
+FIRST = user("Fix the failing test in repo X.")
+TURN1 = chat(SYSTEM, FIRST)
+
+
+def follow(answer: str, scope: bytes | None = None) -> object:
+    messages = (SYSTEM, FIRST, assistant(answer), user("go on"))
+    return chat(*messages) if scope is None else chat(*messages, scope=scope)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def entry(node: str = "d0", engine: str | None = None, now: float = 100.0,
+          request: str | None = None) -> ConversationEntry:
+    e = make_entry(node, engine, now)
+    if request is not None:
+        e = replace(e, blocks=replace(e.blocks, request_id=request))
+    return e
+
+
+def redis_index(server: RedisServer, clock: Callable[[], float], **kw: object) -> RedisIndex:
+    """An index whose wall clock moves with ``clock`` (so tests can jump past expiry)."""
+    defaults: dict[str, object] = {"timeout_s": 5.0, "wall_clock": lambda: EPOCH + clock()}
+    return RedisIndex.from_url(server.url, clock=clock, **{**defaults, **kw})  # type: ignore[arg-type]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def made(request: pytest.FixtureRequest) -> AsyncIterator[tuple[ConversationIndex, Clock]]:
+    clock = Clock()
+    if request.param == "memory":
+        yield InMemoryIndex(clock=clock, expired_retention_s=300.0, max_per_tenant=3), clock
+        return
+    server: RedisServer = request.getfixturevalue("redis_server")
+    index = redis_index(server, clock, expired_retention_s=300.0, max_per_tenant=3)
+    try:
+        yield index, clock
+    finally:
+        await index.aclose()
+
+
+# -- the contract, both indexes --------------------------------------------------------------
+
+
+async def test_lookup_put_replace_drop(made: tuple[ConversationIndex, Clock]) -> None:
+    index, _ = made
+    assert isinstance(index, ConversationIndex)
+    ref, e = stored_at(TURN1, "a"), entry()
+    assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
+    await index.put(ref, e, tenant="t")
+    found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+    assert found is not None and found.entry == e and found.ref == ref
+    newer = entry(now=101.0, request="r2")
+    await index.put(ref, newer, tenant="t")  # the same turn again: the newest wins
+    found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+    assert found is not None and found.entry == newer
+    assert await index.drop(ref, e) is False  # not the stored one any more
+    assert await index.drop(ref, newer) is True
+    assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
+    await index.put(ref, e, tenant="t")
+    assert await index.drop(ref) is True and await index.drop(ref) is False
+
+
+async def test_a_shared_prefix_finds_only_the_conversation_it_continues(
+    made: tuple[ConversationIndex, Clock]
+) -> None:
+    index, _ = made
+    entries = {f"answer {i}": entry(request=f"r{i}") for i in range(3)}
+    for answer, e in entries.items():
+        await index.put(stored_at(TURN1, answer), e, tenant="t")
+    for answer, e in entries.items():
+        found = await index.lookup(follow(answer))  # type: ignore[arg-type]
+        assert found is not None and found.entry == e
+    assert await index.lookup(chat(SYSTEM, user("other task"))) is None
+    assert await index.lookup(chat(SYSTEM, FIRST)) is None
+
+
+async def test_scopes_and_tenants_never_collide(made: tuple[ConversationIndex, Clock]) -> None:
+    index, _ = made
+    alpha, beta = scope_of("alpha", "c1"), scope_of("beta", "c1")
+    a, b = entry(request="a"), entry(request="b")
+    await index.put(stored_at(chat(SYSTEM, FIRST, scope=alpha), "x"), a, tenant="alpha")
+    await index.put(stored_at(chat(SYSTEM, FIRST, scope=beta), "x"), b, tenant="beta")
+    found_a = await index.lookup(follow("x", alpha))  # type: ignore[arg-type]
+    found_b = await index.lookup(follow("x", beta))  # type: ignore[arg-type]
+    assert found_a is not None and found_a.entry == a
+    assert found_b is not None and found_b.entry == b
+    assert await index.drop_scope(alpha) == 1
+    assert await index.lookup(follow("x", alpha)) is None  # type: ignore[arg-type]
+    assert await index.lookup(follow("x", beta)) is not None  # type: ignore[arg-type]
+
+
+async def test_completions_by_text(made: tuple[ConversationIndex, Clock]) -> None:
+    index, _ = made
+    prompt = "Once upon a time " * 200
+    e = entry()
+    await index.put(text_stored_at(text(prompt), " a river."), e, tenant="t")
+    found = await index.lookup(text(prompt + " a river." + " More?"))
+    assert found is not None and found.entry == e
+    assert await index.lookup(text(prompt + " a mountain." + " More?")) is None
+
+
+async def test_claim_is_single_use(made: tuple[ConversationIndex, Clock]) -> None:
+    index, _ = made
+    ref, e = stored_at(TURN1, "a"), entry()
+    await index.put(ref, e, tenant="t")
+    results = await asyncio.gather(*(index.claim(ref, e) for _ in range(10)))
+    assert results.count(True) == 1
+    assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
+    await index.put(ref, e, tenant="t")
+    newer = entry(now=200.0)  # same blocks, other times: another entry
+    await index.put(ref, newer, tenant="t")
+    assert await index.claim(ref, e) is False
+    found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+    assert found is not None and await index.claim(ref, found.entry) is True
+    assert await index.claim(stored_at(TURN1, "b"), e) is False
+
+
+async def test_drop_node_and_engine(made: tuple[ConversationIndex, Clock]) -> None:
+    index, _ = made
+    refs = [stored_at(TURN1, str(i)) for i in range(4)]
+    await index.put(refs[0], entry("d0", "A", request="1"), tenant="t")
+    await index.put(refs[1], entry("d0", "B", request="2"), tenant="u")
+    await index.put(refs[2], entry("d1", "A", request="3"), tenant="v")
+    await index.put(refs[3], entry("d0", "A", request="4"), tenant="w")
+    await index.put(refs[3], entry("d1", "A", request="4b"), tenant="w")  # moved to d1
+    assert await index.drop_engine("d0", "A") == 1
+    assert await index.lookup(follow("0")) is None  # type: ignore[arg-type]
+    assert await index.lookup(follow("1")) is not None  # type: ignore[arg-type]
+    assert await index.drop_node("d0") == 1
+    assert await index.lookup(follow("1")) is None  # type: ignore[arg-type]
+    assert await index.drop_node("d0") == 0 and await index.drop_node("nobody") == 0
+    assert await index.drop_node("d1") == 2
+
+
+async def test_the_tenant_cap_evicts_its_least_recently_used(
+    made: tuple[ConversationIndex, Clock]
+) -> None:
+    index, _ = made
+    for i in range(3):
+        await index.put(stored_at(TURN1, f"a{i}"), entry(request=f"a{i}"), tenant="a")
+    await index.lookup(follow("a0"))  # type: ignore[arg-type]  # a1 is now least recent
+    await index.put(stored_at(TURN1, "b0"), entry(request="b0"), tenant="b")
+    await index.put(stored_at(TURN1, "a3"), entry(request="a3"), tenant="a")
+    assert await index.lookup(follow("a1")) is None  # type: ignore[arg-type]
+    for kept in ("a0", "a2", "a3", "b0"):
+        assert await index.lookup(follow(kept)) is not None, kept  # type: ignore[arg-type]
+
+
+async def test_expired_entries_stay_visible_for_the_retention(
+    made: tuple[ConversationIndex, Clock]
+) -> None:
+    index, clock = made
+    e = entry()  # expires at 570 on the router clock
+    await index.put(stored_at(TURN1, "a"), e, tenant="t")
+    clock.now = 600.0
+    found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.is_expired(clock.now)
+    clock.now = e.expires_at_s + 300.0 + 1.0
+    assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
+
+
+async def test_retained_tokens_per_node(made: tuple[ConversationIndex, Clock]) -> None:
+    index, clock = made
+    await index.put(stored_at(TURN1, "a"), entry("d0", request="a"), tenant="t")
+    await index.put(stored_at(TURN1, "b"), entry("d1", request="b"), tenant="t")
+    await index.refresh(["d0", "d1"])
+    assert index.retained_tokens(clock()) == {"d0": 2056, "d1": 2056}
+    await index.claim(stored_at(TURN1, "a"), entry("d0", request="a"))
+    await index.refresh(["d0", "d1"])
+    assert index.retained_tokens(clock()) == {"d1": 2056}
+    clock.now = 600.0  # expired: D has freed it
+    await index.refresh(["d0", "d1"])
+    assert index.retained_tokens(clock()) == {}
+
+
+# -- Redis only ------------------------------------------------------------------------------
+
+
+async def test_keys_are_namespaced_and_hold_no_content(redis_server: RedisServer) -> None:
+    clock = Clock()
+    blue = redis_index(redis_server, clock, deployment="blue")
+    green = redis_index(redis_server, clock, deployment="green")
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        secret = scope_of("acme corp", "user-secret-conversation")
+        turn = chat(SYSTEM, FIRST, scope=secret)
+        await blue.put(stored_at(turn, "a"), entry(), tenant="acme corp")
+        assert await green.lookup(follow("a", secret)) is None  # type: ignore[arg-type]
+        assert await blue.lookup(follow("a", secret)) is not None  # type: ignore[arg-type]
+        keys = sorted(await raw.keys("*"))
+        assert keys and all(k.startswith("kvrelay:blue:") for k in keys)
+        assert all("secret" not in k and "careful" not in k for k in keys)
+        assert "kvrelay:blue:t:acme%20corp" in keys
+        for key in keys:
+            if await raw.type(key) == "hash":
+                stored = await raw.hget(key, "json")
+                assert stored is not None and "secret" not in stored
+                assert "careful agent" not in stored
+    finally:
+        await raw.aclose()
+        await blue.aclose()
+        await green.aclose()
+
+
+async def test_a_chat_lookup_is_one_round_trip(redis_server: RedisServer) -> None:
+    clock = Clock()
+    index = redis_index(redis_server, clock)
+    try:
+        await index.put(stored_at(TURN1, "a"), entry(), tenant="t")
+        await index.lookup(follow("z"))  # type: ignore[arg-type]  # loads the script once
+        client = index._client
+        sent: list[object] = []
+        real = client.execute_command
+
+        async def counted(*args: object, **kw: object) -> object:
+            sent.append(args[0])
+            return await real(*args, **kw)
+
+        client.execute_command = counted  # type: ignore[method-assign]
+        long_history = chat(SYSTEM, FIRST, *(m for i in range(10) for m in (
+            assistant(f"x{i}"), user(f"y{i}"))))
+        assert await index.lookup(long_history) is None  # 10 probes, none found
+        assert await index.lookup(follow("a")) is not None  # type: ignore[arg-type]
+        assert len(sent) == 2, sent
+    finally:
+        await index.aclose()
+
+
+async def test_redis_purges_after_expiry_plus_retention(redis_server: RedisServer) -> None:
+    clock = Clock()
+    index = redis_index(redis_server, clock, expired_retention_s=2.0)
+    raw = aioredis.Redis.from_url(redis_server.url)
+    try:
+        e = entry()
+        ref = stored_at(TURN1, "a")
+        await index.put(ref, e, tenant="t")
+        pttl = await raw.pttl(index.entry_key(ref))
+        # remaining TTL on the router clock (470 s) + retention (2 s), in ms
+        assert 470_000 < pttl <= 472_000
+        clock.now = e.expires_at_s + 1.0  # 1 s of retention left: Redis keeps it 1 s more
+        other = stored_at(TURN1, "b")
+        await index.put(other, e, tenant="t")
+        for _ in range(3000):
+            if not await raw.exists(index.entry_key(other)):
+                break
+            await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("Redis never purged the entry")
+        assert await index.lookup(follow("b")) is None  # type: ignore[arg-type]
+    finally:
+        await raw.aclose()
+        await index.aclose()
+
+
+async def test_concurrent_claims_from_two_replicas(redis_server: RedisServer) -> None:
+    clock = Clock()
+    one, two = redis_index(redis_server, clock), redis_index(redis_server, clock)
+    ref = stored_at(TURN1, "race")
+    try:
+        for i in range(200):
+            e = entry(request=f"r{i}")
+            await one.put(ref, e, tenant="t")
+            seen_one = await one.lookup(follow("race"))  # type: ignore[arg-type]
+            seen_two = await two.lookup(follow("race"))  # type: ignore[arg-type]
+            assert seen_one is not None and seen_two is not None
+            assert seen_one.entry == seen_two.entry == e
+            won = await asyncio.gather(
+                one.claim(ref, seen_one.entry), two.claim(ref, seen_two.entry),
+                one.claim(ref, seen_one.entry), two.claim(ref, seen_two.entry),
+            )
+            assert won.count(True) == 1, (i, won)
+            assert await two.lookup(follow("race")) is None  # type: ignore[arg-type]
+    finally:
+        await one.aclose()
+        await two.aclose()
+
+
+async def test_redis_down_falls_back_then_recovers(redis_server: RedisServer) -> None:
+    clock = Clock()
+    errors: list[str] = []
+    index = redis_index(redis_server, clock, timeout_s=0.5, on_error=errors.append)
+    ref = stored_at(TURN1, "a")
+    try:
+        e = entry()
+        await index.put(ref, e, tenant="t")
+        assert await index.lookup(follow("a")) is not None  # type: ignore[arg-type]
+        redis_server.stop()
+        with pytest.raises(IndexUnavailable):
+            await index.lookup(follow("a"))  # type: ignore[arg-type]
+        await index.put(stored_at(TURN1, "b"), e, tenant="t")  # lost, no exception
+        assert await index.claim(ref, e) is False
+        assert await index.drop(ref) is False and await index.drop(ref, e) is False
+        assert await index.drop_node("d0") == 0 and await index.drop_engine("d0", "x") == 0
+        assert {"get", "put", "claim", "drop", "drop_node", "drop_engine"} <= set(errors)
+        redis_server.start()  # same port, empty (no persistence)
+        for _ in range(500):
+            try:
+                assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
+                break
+            except IndexUnavailable:
+                await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the index never recovered")
+        await index.put(ref, e, tenant="t")
+        found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+        assert found is not None and await index.claim(ref, found.entry) is True
+    finally:
+        await index.aclose()
+
+
+async def test_slow_redis_times_out_then_recovers(redis_server: RedisServer) -> None:
+    clock = Clock()
+    errors: list[str] = []
+    index = redis_index(redis_server, clock, timeout_s=0.05, on_error=errors.append)
+    writer = redis_index(redis_server, clock)  # a patient one, for the setup
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        e = entry()
+        await writer.put(stored_at(TURN1, "a"), e, tenant="t")
+        await admin.execute_command("CLIENT", "PAUSE", "3000", "ALL")  # Redis stalls 3 s
+        with pytest.raises(IndexUnavailable):
+            await index.lookup(follow("a"))  # type: ignore[arg-type]
+        assert "get" in errors
+        await admin.execute_command("CLIENT", "UNPAUSE")
+        for _ in range(500):
+            try:
+                found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+                assert found is not None and found.entry == e
+                break
+            except IndexUnavailable:
+                await asyncio.sleep(0.01)
+        else:
+            raise AssertionError("the index never recovered")
+    finally:
+        await admin.aclose()
+        await writer.aclose()
+        await index.aclose()
