@@ -373,3 +373,24 @@ async def test_slow_redis_times_out_then_recovers(redis_server: RedisServer) -> 
         await admin.aclose()
         await writer.aclose()
         await index.aclose()
+
+
+async def test_an_explicit_id_continues_its_latest_entry_when_the_history_was_edited(
+    made: tuple[ConversationIndex, Clock]
+) -> None:
+    index, _ = made
+    scope = scope_of("t", "conv-1")
+    older, newer = entry(request="older"), entry(request="newer")
+    await index.put(stored_at(chat(SYSTEM, FIRST, scope=scope), "a1"), older, tenant="t")
+    turn2 = chat(SYSTEM, FIRST, assistant("a1"), user("u2"), scope=scope)
+    await index.put(stored_at(turn2, "a2"), newer, tenant="t")
+    edited = chat(SYSTEM, user("edited task"), assistant("a1"), user("u2"),
+                  assistant("a2"), user("u3"), scope=scope, explicit=True)
+    found = await index.lookup(edited)
+    assert found is not None and found.entry == newer and found.probe is None
+    matched = await index.lookup(chat(SYSTEM, FIRST, assistant("a1"), user("u2"),
+                                      assistant("a2"), user("u3"), scope=scope,
+                                      explicit=True))
+    assert matched is not None and matched.probe is not None
+    unscoped = chat(SYSTEM, user("edited task"), assistant("a2"), user("u3"))
+    assert await index.lookup(unscoped) is None  # never without an id: that would steal

@@ -46,8 +46,9 @@ def assistant(text: str) -> ChatMessage:
     return ChatMessage(raw, answer_digest(text))
 
 
-def chat(*messages: ChatMessage, scope: bytes = SCOPE) -> RequestIdentity:
-    return chat_identity(scope, b'{"model":"m"}', list(messages))
+def chat(*messages: ChatMessage, scope: bytes = SCOPE, explicit: bool = False
+         ) -> RequestIdentity:
+    return chat_identity(scope, b'{"model":"m"}', list(messages), explicit=explicit)
 
 
 def stored_at(identity: RequestIdentity, answer: str) -> EntryRef:

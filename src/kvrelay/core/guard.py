@@ -25,7 +25,11 @@ from typing import Literal
 import msgspec
 from msgspec.structs import replace
 
-from kvrelay.core.fingerprint import verifiable_tokens, verified_prefix_tokens
+from kvrelay.core.fingerprint import (
+    TokenFingerprint,
+    verifiable_tokens,
+    verified_prefix_tokens,
+)
 from kvrelay.core.params import (
     FINGERPRINT_KEY,
     VERIFIED_TOKENS_KEY,
@@ -83,6 +87,18 @@ def check_pull(
     except ValueError:
         return PullCheck("partial_reuse_unsafe", verified)
     return PullCheck("pull", verified, usable, capped)
+
+
+def loaded_outcome(
+    fingerprint: TokenFingerprint, num_prompt_tokens: int, verified_tokens: int, threshold: int
+) -> GuardReason:
+    """What P's connector did with a pull, from the verified count it reported: ``pull``, or
+    why it loaded nothing (the reasons ``check_pull`` would have given)."""
+    usable = min(verified_tokens, num_prompt_tokens - 1)
+    if usable > 0 and usable >= threshold:
+        return "pull"
+    diverged = verified_tokens < verifiable_tokens(fingerprint, num_prompt_tokens)
+    return "prefix_mismatch" if diverged else "below_threshold"
 
 
 def guard_params(

@@ -26,7 +26,11 @@ correctness: P's connector proves every token with D's fingerprint before loadin
 (``core.guard``). Only digests are kept, never content.
 
 The **scope** narrows the lookup: the tenant, plus the conversation id when the client sent
-one (body ``conversation_id`` or a session header).
+one (body ``conversation_id`` or a session header). Within an explicit id's scope every entry
+belongs to that one conversation, so when no probe matches (an edited history: a changed
+answer or earlier message) the request may continue the scope's latest entry
+(``RequestIdentity.explicit``): the guard then proves how much of it is still equal. Never
+without an id: the tenant's scope holds every conversation, and that would be stealing.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class RequestIdentity(msgspec.Struct, frozen=True):
     ``anchor`` is where this request's own entry will be stored; ``probes`` are tried longest
     first; ``prompt_bytes`` is the size of everything hashed (messages or prompt text);
     ``text`` is the completions prompt's bytes (kept until the turn commits), else ``None``.
+    ``explicit``: the scope is one client-given conversation id (see the module docstring).
     """
 
     scope: bytes
@@ -104,6 +109,7 @@ class RequestIdentity(msgspec.Struct, frozen=True):
     prompt_bytes: int
     text: bytes | None = None
     tail_offset: int = 0
+    explicit: bool = False
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -131,7 +137,7 @@ def answer_digest(content: str, tool_calls: Sequence[ToolCall] = ()) -> Continua
 
 
 def chat_identity(
-    scope: bytes, context: bytes, messages: Sequence[ChatMessage]
+    scope: bytes, context: bytes, messages: Sequence[ChatMessage], *, explicit: bool = False
 ) -> RequestIdentity:
     """Anchors after every message; probes at assistant messages, longest first."""
     h = _hasher()
@@ -152,10 +158,12 @@ def chat_identity(
         for i in range(len(messages) - 1, 0, -1)
         if (answer := messages[i].answer) is not None
     )
-    return RequestIdentity(scope, h.digest(), probes, total)
+    return RequestIdentity(scope, h.digest(), probes, total, explicit=explicit)
 
 
-def text_identity(scope: bytes, context: bytes, text: bytes) -> RequestIdentity:
+def text_identity(
+    scope: bytes, context: bytes, text: bytes, *, explicit: bool = False
+) -> RequestIdentity:
     """Anchors every ``TEXT_BLOCK_BYTES`` of a completions prompt; the own anchor is the last
     boundary inside the prompt (always before its last byte)."""
     h = _hasher()
@@ -172,7 +180,8 @@ def text_identity(scope: bytes, context: bytes, text: bytes) -> RequestIdentity:
         for j in range(last, -1, -1)
     )
     return RequestIdentity(
-        scope, anchors[last], probes, len(text), text=text, tail_offset=last * TEXT_BLOCK_BYTES
+        scope, anchors[last], probes, len(text), text=text, tail_offset=last * TEXT_BLOCK_BYTES,
+        explicit=explicit,
     )
 
 

@@ -97,6 +97,9 @@ class GenerationHandler:
         finally:
             ctx.admission.closed(watch)
             await watch.aclose()
+            if turn is not None:
+                ctx.metrics.decided(*turn.effective)
+                ctx.stats.count(turn)
 
     async def _carry_out(self, turn: Turn, request: Request, watch: DisconnectWatch) -> None:
         ctx = self._ctx

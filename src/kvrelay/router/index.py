@@ -7,8 +7,10 @@ slot of its continuation. Contracts:
 
 * ``lookup(identity)`` returns the entry the request continues: for each probe, longest
   first, the entry under that anchor whose continuation the request carries (chat: the
-  probe's answer digest; completions: ``core.identity.text_matches`` on the request's text),
-  or ``None``. Expired entries are returned (the policy reports ``expired``) until purged,
+  probe's answer digest; completions: ``core.identity.text_matches`` on the request's text);
+  failing that, for an explicit id's scope (``identity.explicit``), the scope's most
+  recently stored entry (``Found.probe`` is then ``None``: the guard proves what still
+  matches); else ``None``. Expired entries are returned (the policy reports ``expired``) until purged,
   at most ``expired_retention_s`` after expiry. A networked index that cannot answer in time
   raises ``IndexUnavailable`` (the turn recomputes with ``state_unavailable``).
 * ``put(ref, entry, tenant=...)`` stores the entry (replacing one at the same ref). An
@@ -60,11 +62,12 @@ class EntryRef(msgspec.Struct, frozen=True):
 
 
 class Found(msgspec.Struct, frozen=True):
-    """The entry a request continues, where it is, and the probe that found it."""
+    """The entry a request continues, where it is, and the probe that found it (``None``:
+    the latest entry of an explicit id's scope)."""
 
     ref: EntryRef
     entry: ConversationEntry
-    probe: Probe
+    probe: Probe | None
 
 
 @runtime_checkable
@@ -149,6 +152,7 @@ class InMemoryIndex:
         self._items: OrderedDict[EntryRef, _Item] = OrderedDict()
         self._buckets: dict[tuple[bytes, bytes], dict[bytes, None]] = {}
         self._by_tenant: dict[str, OrderedDict[EntryRef, None]] = {}
+        self._by_scope: dict[bytes, dict[EntryRef, None]] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -180,6 +184,13 @@ class InMemoryIndex:
             item = self._items[ref]
             self._touch(ref, item.tenant)
             return Found(ref, item.entry, probe)
+        if identity.explicit:
+            mine = self._by_scope.get(identity.scope)
+            if mine:
+                ref = next(reversed(mine))
+                item = self._items[ref]
+                self._touch(ref, item.tenant)
+                return Found(ref, item.entry, None)
         return None
 
     async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
@@ -188,6 +199,7 @@ class InMemoryIndex:
         self._items[ref] = _Item(tenant, entry)
         self._buckets.setdefault((ref.scope, ref.anchor), {})[ref.slot] = None
         self._by_tenant.setdefault(tenant, OrderedDict())[ref] = None
+        self._by_scope.setdefault(ref.scope, {})[ref] = None
         mine = self._by_tenant[tenant]
         while len(mine) > self._max_tenant:
             self._evict(next(iter(mine)), "capacity")
@@ -209,7 +221,10 @@ class InMemoryIndex:
         return True
 
     async def drop_scope(self, scope: bytes) -> int:
-        return self._drop_where(lambda ref, _: ref.scope == scope)
+        refs = list(self._by_scope.get(scope, ()))
+        for ref in refs:
+            self._remove(ref)
+        return len(refs)
 
     async def drop_node(self, node_id: str) -> int:
         return self._drop_where(lambda _, e: e.decode_node_id == node_id)
@@ -265,4 +280,9 @@ class InMemoryIndex:
             mine.pop(ref, None)
             if not mine:
                 del self._by_tenant[item.tenant]
+        scoped = self._by_scope.get(ref.scope)
+        if scoped is not None:
+            scoped.pop(ref, None)
+            if not scoped:
+                del self._by_scope[ref.scope]
         return item

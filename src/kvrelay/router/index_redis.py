@@ -10,7 +10,8 @@ load balancer picks, and pulls from the D the entry names.
   ``id`` (digest of the entry without its times), ``exp`` (wall-clock expiry, s), ``node``,
   ``engine``, ``tokens``, and the keys of the sets it is indexed in.
 * ``{ns}:b:{scope}:{anchor}`` – the slots under an anchor (completions lookups).
-* ``{ns}:s:{scope}`` – the entries of a scope (``drop_scope``).
+* ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
+  an explicit id's latest entry).
 * ``{ns}:node:{node_id}`` – a sorted set of a D's entries by expiry (``drop_node``,
   ``drop_engine``, retained tokens).
 * ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use (a counter, ``{ns}:seq``,
@@ -70,18 +71,20 @@ local function remove(k)
   local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az')
   if f[1] then redis.call('ZREM', f[1], k) end
   if f[2] then redis.call('SREM', f[2], f[3]) end
-  if f[4] then redis.call('SREM', f[4], k) end
+  if f[4] then redis.call('ZREM', f[4], k) end
   if f[5] then redis.call('ZREM', f[5], k) end
   if f[6] then redis.call('ZREM', f[6], k) end
   return redis.call('DEL', k)
 end
 """
 
-# lookup: KEYS = probe keys (entry keys, or bucket keys when ARGV[i] == 'b'); ARGV[n+1] =
-# entry key prefix, ARGV[n+2] = the LRU counter's key. Returns {i, key, json} for an entry,
-# or {i, bucket, slot1, json1, ...} for the first non-empty bucket.
+# lookup: KEYS = probe keys (entry keys, or bucket keys when ARGV[i] == 'b'), then the
+# scope's key when ARGV[n+5] == '1' (an explicit id: its latest entry if no probe matches);
+# ARGV[n+1] = entry key prefix, ARGV[n+2] = the LRU counter's key. Returns {i, key, json}
+# for an entry (i = 0: the scope's latest), or {i, bucket, slot1, json1, ...} for the first
+# non-empty bucket.
 _LOOKUP = """
-local n = #KEYS
+local n = #ARGV - 5
 for i = 1, n do
   if ARGV[i] == 'e' then
     local v = redis.call('HMGET', KEYS[i], 'json', 'tz', 'az')
@@ -109,6 +112,18 @@ for i = 1, n do
     end
   end
 end
+if ARGV[n + 5] == '1' then
+  local latest = redis.call('ZREVRANGE', KEYS[n + 1], 0, 0)[1]
+  if latest then
+    local v = redis.call('HMGET', latest, 'json', 'tz', 'az')
+    if v[1] then
+      local seq = redis.call('INCR', ARGV[n + 2])
+      if v[2] then redis.call('ZADD', v[2], seq, latest) end
+      if v[3] then redis.call('ZADD', v[3], seq, latest) end
+      return {0, latest, v[1]}
+    end
+  end
+end
 return {}
 """
 
@@ -123,8 +138,8 @@ redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'nod
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
 redis.call('SADD', KEYS[3], ARGV[8])
-redis.call('SADD', KEYS[4], KEYS[1])
 local seq = redis.call('INCR', KEYS[7])
+redis.call('ZADD', KEYS[4], seq, KEYS[1])
 redis.call('ZADD', KEYS[5], seq, KEYS[1])
 redis.call('ZADD', KEYS[6], seq, KEYS[1])
 for i = 2, 6 do
@@ -156,18 +171,15 @@ _DROP = _REMOVE + """
 return remove(KEYS[1])
 """
 
-# drop every member of a set (ARGV[1] == 'z': sorted set) whose node/engine match
-# (ARGV[2] node or '', ARGV[3] engine or ''); members whose key expired are cleaned.
+# drop every member of a sorted set of entries whose node/engine match (ARGV[1] node or '',
+# ARGV[2] engine or ''); members whose key expired are cleaned.
 _DROP_SET = _REMOVE + """
-local members
-if ARGV[1] == 'z' then members = redis.call('ZRANGE', KEYS[1], 0, -1)
-else members = redis.call('SMEMBERS', KEYS[1]) end
 local n = 0
-for _, m in ipairs(members) do
+for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local cur = redis.call('HMGET', m, 'node', 'engine')
   if not cur[1] then
-    if ARGV[1] == 'z' then redis.call('ZREM', KEYS[1], m) else redis.call('SREM', KEYS[1], m) end
-  elseif (ARGV[2] == '' or cur[1] == ARGV[2]) and (ARGV[3] == '' or cur[2] == ARGV[3]) then
+    redis.call('ZREM', KEYS[1], m)
+  elseif (ARGV[1] == '' or cur[1] == ARGV[1]) and (ARGV[2] == '' or cur[2] == ARGV[2]) then
     n = n + remove(m)
   end
 end
@@ -325,6 +337,17 @@ class RedisIndex:
     def entry_key(self, ref: EntryRef) -> str:
         return f"{self._ns}:e:{ref.scope.hex()}:{ref.anchor.hex()}:{ref.slot.hex()}"
 
+    def _scope_key(self, scope: bytes) -> str:
+        return f"{self._ns}:s:{scope.hex()}"
+
+    def _ref_of(self, key: str) -> EntryRef | None:
+        """The ref an entry key names (``entry_key`` inverted)."""
+        parts = key.rsplit(":", 3)
+        try:
+            return EntryRef(*(bytes.fromhex(p) for p in parts[1:]))
+        except ValueError:
+            return None
+
     def _bucket(self, scope: bytes, anchor: bytes) -> str:
         return f"{self._ns}:b:{scope.hex()}:{anchor.hex()}"
 
@@ -337,7 +360,7 @@ class RedisIndex:
     # -- the contract -----------------------------------------------------------------------
 
     async def lookup(self, identity: RequestIdentity) -> Found | None:
-        if not identity.probes:
+        if not identity.probes and not identity.explicit:
             return None
         keys: list[str] = []
         kinds: list[str] = []
@@ -351,14 +374,18 @@ class RedisIndex:
                 kinds.append("b")
         prefix = f"{self._ns}:e:"
         result = await self._call("get", self._lookup(
-            keys=keys,
+            keys=[*keys, self._scope_key(identity.scope)],
             args=[*kinds, prefix, f"{self._ns}:seq", _MAX_CANDIDATES,
-                  len(f"{self._ns}:b:") + 1],
+                  len(f"{self._ns}:b:") + 1, "1" if identity.explicit else "0"],
         ))
         if not result:
             return None
-        probe = identity.probes[int(result[0]) - 1]
         offset = self._offset()
+        if int(result[0]) == 0:
+            latest = self._decode(result[2], offset)
+            ref = self._ref_of(result[1])
+            return None if latest is None or ref is None else Found(ref, latest, None)
+        probe = identity.probes[int(result[0]) - 1]
         if kinds[int(result[0]) - 1] == "e":
             entry = self._decode(result[2], offset)
             if entry is None:
@@ -384,7 +411,7 @@ class RedisIndex:
         node = entry.decode_node_id
         result = await self._quiet("put", self._put(
             keys=[self.entry_key(ref), self.node_set(node),
-                  self._bucket(ref.scope, ref.anchor), f"{self._ns}:s:{ref.scope.hex()}",
+                  self._bucket(ref.scope, ref.anchor), self._scope_key(ref.scope),
                   self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq"],
             args=[entry_to_json(entry, wall_offset_s=offset), entry_identity(entry),
                   repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
@@ -404,16 +431,16 @@ class RedisIndex:
         return bool(await self._quiet("drop", self._drop(keys=[self.entry_key(ref)]), 0))
 
     async def drop_scope(self, scope: bytes) -> int:
-        key = f"{self._ns}:s:{scope.hex()}"
-        return int(await self._quiet("drop", self._drop_set(keys=[key], args=["s", "", ""]), 0))
+        key = self._scope_key(scope)
+        return int(await self._quiet("drop", self._drop_set(keys=[key], args=["", ""]), 0))
 
     async def drop_node(self, node_id: str) -> int:
         return int(await self._quiet("drop_node", self._drop_set(
-            keys=[self.node_set(node_id)], args=["z", node_id, ""]), 0))
+            keys=[self.node_set(node_id)], args=[node_id, ""]), 0))
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int:
         return int(await self._quiet("drop_engine", self._drop_set(
-            keys=[self.node_set(node_id)], args=["z", node_id, engine_id]), 0))
+            keys=[self.node_set(node_id)], args=[node_id, engine_id]), 0))
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]:
         return dict(self._retained)

@@ -95,7 +95,6 @@ class Planner:
             prefill_node=p,
             decided_at_s=ctx.clock(),
         )
-        ctx.metrics.decided(decision.action, decision.reason)
         ctx.stats.record(turn)
         return turn
 
@@ -122,7 +121,8 @@ class Planner:
         if found is None:
             return Prompt(max(1, req.num_bytes // 4)), p
         entry = found.entry
-        new_bytes = max(0, req.num_bytes - found.probe.covered_bytes)
+        covered = found.probe.covered_bytes if found.probe is not None else entry.num_bytes
+        new_bytes = max(0, req.num_bytes - covered)
         est_new = round(new_bytes * entry.tokens_per_byte())
         if self._ctx.nodes.verifies_pulls(p.node_id):
             return Prompt(entry.num_tokens + est_new, est_new), p

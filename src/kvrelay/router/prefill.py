@@ -21,6 +21,7 @@ from typing import Any
 import msgspec
 
 from kvrelay.core.consequences import learn_prefill, prefill_retry
+from kvrelay.core.guard import loaded_outcome
 from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
@@ -111,6 +112,13 @@ class Prefiller:
         turn.cached_tokens = min(max(blocks.prefill_cached_tokens or 0, 0), turn.prompt_tokens)
         turn.verified_tokens = blocks.verified_tokens
         turn.prefill_node = node
+        found = turn.found
+        if pull and not turn.decision.exact and found is not None \
+                and blocks.verified_tokens is not None:
+            outcome = loaded_outcome(found.entry.fingerprint, turn.prompt_tokens,
+                                     blocks.verified_tokens,
+                                     ctx.config.policy.kv_recompute_threshold)
+            turn.refused = None if outcome == "pull" else outcome
         ctx.nodes.set_costs(node.node_id, learn_prefill(
             ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
             cached_tokens=turn.cached_tokens, seconds=seconds,

@@ -133,18 +133,20 @@ def parse_request(
     if n is not None and n != 1:
         raise ClientError("n > 1 is not supported by the P/D router", "n")
     scope = scope_of(tenant, conversation_id)
+    explicit = conversation_id is not None
     prompt_ids: tuple[int, ...] | None = None
     if endpoint == "chat":
-        identity = chat_identity(scope, _context(body, _CHAT_CONTEXT_FIELDS), _messages(body))
+        identity = chat_identity(scope, _context(body, _CHAT_CONTEXT_FIELDS), _messages(body),
+                                 explicit=explicit)
     else:
         prompt = _prompt(body)
         context = _context(body, ("model", "add_special_tokens"))
         if isinstance(prompt, str):
-            identity = text_identity(scope, context, prompt.encode("utf-8"))
+            identity = text_identity(scope, context, prompt.encode("utf-8"), explicit=explicit)
         else:
             prompt_ids = tuple(prompt)
             packed = b"".join(t.to_bytes(4, "little") for t in prompt_ids)
-            identity = text_identity(scope, b"ids" + context, packed)
+            identity = text_identity(scope, b"ids" + context, packed, explicit=explicit)
     return TurnRequest(
         endpoint=endpoint,
         body=body,

@@ -7,7 +7,8 @@
      "recent": [{"at_s", "key", "action", "reason", "reused_tokens", ...}]}
 
 (every action has its ``{reason: count}`` object, empty or not). ``recent`` holds the turns
-themselves and renders them when read, so in-flight turns show with ``outcome: null``.
+themselves and renders them when read, so in-flight turns show with ``outcome: null``; the
+counts are of finished turns, by what happened (``Turn.effective``).
 """
 
 from __future__ import annotations
@@ -30,13 +31,16 @@ class RouterStats:
         self._keep = recent > 0
 
     def record(self, turn: Turn) -> None:
-        """Count a decided turn and keep it among the recent ones."""
-        d = turn.decision
-        self.by_action[d.action] += 1
-        self.by_reason[d.reason] += 1
-        self.by_action_reason[d.action][d.reason] += 1
+        """Keep a planned turn among the recent ones."""
         if self._keep:
             self._recent.append(turn)
+
+    def count(self, turn: Turn) -> None:
+        """Count a finished turn by what happened."""
+        action, reason = turn.effective
+        self.by_action[action] += 1
+        self.by_reason[reason] += 1
+        self.by_action_reason.setdefault(action, Counter())[reason] += 1
 
     def snapshot(self, tenant: str | None = None) -> dict[str, object]:
         """Counts, and the recent turns of ``tenant`` (all with ``None``)."""

@@ -5,6 +5,12 @@
 a state changes it. What the turn learned on the way (nodes used, the tokens P reused as P
 reported them, retries, time to first byte) is set by that step; ``record()`` is its
 ``/stats`` view, ``outcome`` why it ended. Nothing here decides anything.
+
+The decision says what the router asked for; ``effective`` says what happened. They differ
+in one case: a pull decided from estimates that P's connector refused to load (the prompt
+diverged from what D holds, or too little matched): the turn was then a recompute, for the
+same reasons the router would have given had it checked the tokens itself, and it is
+reported and counted as such.
 """
 
 from __future__ import annotations
@@ -50,6 +56,7 @@ class Turn:
     state: TurnState = TurnState.PLANNED
     cached_tokens: int = 0
     verified_tokens: int | None = None
+    refused: str | None = None
     retries: int = 0
     outcome: str | None = None
     ttft_s: float | None = None
@@ -57,8 +64,15 @@ class Turn:
     started_s: float = field(default_factory=time.perf_counter)
 
     @property
+    def effective(self) -> tuple[str, str]:
+        """``(action, reason)`` as it happened (module docstring)."""
+        if self.refused is not None:
+            return "recompute", self.refused
+        return self.decision.action, self.decision.reason
+
+    @property
     def action(self) -> str:
-        return self.decision.action
+        return self.effective[0]
 
     @property
     def reused_tokens(self) -> int:
@@ -66,7 +80,8 @@ class Turn:
         cache (direct, as planned)."""
         if self.decision.action == "direct":
             return self.decision.reused_tokens
-        return self.cached_tokens if self.decision.action == "pull" else 0
+        pulled = self.decision.action == "pull" and self.refused is None
+        return self.cached_tokens if pulled else 0
 
     @property
     def affinity(self) -> str | None:
@@ -86,22 +101,25 @@ class Turn:
 
     def headers(self) -> dict[str, str]:
         """``X-KVRelay-Action`` / ``-Reason`` / ``-Reused-Tokens``: what the router did."""
+        action, reason = self.effective
         return {
-            "X-KVRelay-Action": self.decision.action,
-            "X-KVRelay-Reason": self.decision.reason,
+            "X-KVRelay-Action": action,
+            "X-KVRelay-Reason": reason,
             "X-KVRelay-Reused-Tokens": str(self.reused_tokens),
         }
 
     def record(self) -> dict[str, object]:
         """The ``/stats`` view of the turn (keys hashed, no content)."""
         d = self.decision
+        action, reason = self.effective
         return {
             "at_s": self.decided_at_s,
             "key": self.conversation,
             "turn": self.number,
             "tenant": self.request.tenant,
-            "action": d.action,
-            "reason": d.reason,
+            "action": action,
+            "reason": reason,
+            "decided": f"{d.action}/{d.reason}",
             "exact": d.exact,
             "verified_tokens": (
                 self.verified_tokens if self.verified_tokens is not None else d.verified_tokens
