@@ -11,8 +11,8 @@ slot of its continuation. Contracts:
   failing that, for an explicit id's scope (``identity.explicit``), the scope's most
   recently stored entry (``Found.probe`` is then ``None``: the guard proves what still
   matches); else ``None``. Expired entries are returned (the policy reports ``expired``)
-  until purged, at most ``expired_retention_s`` after expiry. A networked index that cannot answer in time
-  raises ``IndexUnavailable`` (the turn recomputes with ``state_unavailable``).
+  until purged, at most ``expired_retention_s`` after expiry. A networked index that cannot
+  answer in time raises ``IndexUnavailable`` (the turn recomputes, ``state_unavailable``).
 * ``put(ref, entry, tenant=...)`` stores the entry (replacing one at the same ref). An
   entry a later turn continued without consuming it (recompute, direct) stays: D holds its
   blocks until the TTL, and a retried or forked request may still continue it.
