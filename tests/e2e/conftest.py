@@ -60,7 +60,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     run_dir = tmp_path_factory.mktemp("cluster")
     base_port = free_port_block(2, start=18100)
     side_port = free_port_block(2, start=15600)
-    router_port = free_port_block(1, start=18000)
+    router_port = free_port_block(2, start=18000)  # and its internal listener, port + 1
     prometheus_port = free_port_block(1, start=19090)
     cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--prefill", "1", "--decode", "1",
            "--base-port", str(base_port), "--side-channel-base-port", str(side_port),

@@ -23,7 +23,7 @@ WORDS = "grep sed awk make test lint build deploy rollback page".split()
 
 @pytest.fixture
 def direct_router(real_cluster: RealCluster, tmp_path: Path) -> Iterator[str]:
-    router = start_extra_router(real_cluster, free_port_block(1, start=18400),
+    router = start_extra_router(real_cluster, free_port_block(2, start=18400),
                                 tmp_path / "direct-router.log", ["--direct"])
     try:
         yield router.url or ""

@@ -29,10 +29,10 @@ def replicas(real_cluster: RealCluster, tmp_path: Path) -> Iterator[list[str]]:
     redis.start()
     routers: list[ServiceProcess] = []
     try:
-        port = free_port_block(2, start=18300)
+        port = free_port_block(4, start=18300)  # each router and its internal listener
         for i in range(2):
             routers.append(start_extra_router(
-                real_cluster, port + i, tmp_path / f"replica-{i}.log",
+                real_cluster, port + 2 * i, tmp_path / f"replica-{i}.log",
                 ["--state", redis.url, "--state-timeout-ms", "1000"]))
         yield [r.url or "" for r in routers]
     finally:

@@ -39,7 +39,7 @@ def router_command(
     """The ``kvrelay route`` command line for ``mode`` in front of the given nodes."""
     extra = ["--log-level", "warning", *(["--direct"] if mode.direct else [])]
     return cluster_router_command(list(prefill_urls), list(decode_urls), host=host, port=port,
-                                  ttl_s=ttl_s, python=python, extra=extra)
+                                  ttl_s=ttl_s, internal_port=0, python=python, extra=extra)
 
 
 class ClusterHandle(Protocol):

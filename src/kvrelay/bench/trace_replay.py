@@ -313,7 +313,8 @@ def run_ttl(
     prefill, decode = urls[: config.num_prefill], urls[config.num_prefill :]
     router_cmd = router_command(
         prefill, decode, host=config.host, port=port, ttl_s=settings.engine_ttl_s,
-        kv_recompute_threshold=config.kv_recompute_threshold, python=config.python,
+        kv_recompute_threshold=config.kv_recompute_threshold, internal_port=0,
+        python=config.python,
         extra=["--log-level", "warning", "--config", str(router_toml),
                "--near-expiry-s", repr(settings.near_expiry_s),
                "--pull-cost-factor", repr(REPLAY_PULL_COST_FACTOR), *options.router_args],

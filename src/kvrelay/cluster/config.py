@@ -304,12 +304,17 @@ def router_command(
     ttl_s: float,
     block_size: int | None = None,
     kv_recompute_threshold: int | None = None,
+    internal_port: int | None = None,
     python: str = sys.executable,
     extra: tuple[str, ...] | list[str] = (),
 ) -> list[str]:
-    """``kvrelay route`` in front of the given nodes, as a child-process command line."""
+    """``kvrelay route`` in front of the given nodes, as a child-process command line; its
+    internal listener (D's reports) on ``internal_port`` (default ``port + 1``, 0: any free
+    port)."""
     cmd = [python, "-m", "kvrelay.cli", "route", "--host", host, "--port", str(port),
            "--ttl-s", str(ttl_s)]
+    if internal_port is not None:
+        cmd += ["--internal-port", str(internal_port)]
     if block_size is not None:
         cmd += ["--block-size", str(block_size)]
     if kv_recompute_threshold is not None:

@@ -136,8 +136,8 @@ class RouterConfig:
     ``return_token_ids``), ``auto`` (per node, ``connector`` once the node's answers show
     kvrelay's connector, else ``tokenize``). ``session_headers`` carry a client's own
     conversation id, which narrows the lookup. D's reports go to the internal listener
-    (``internal_host``:``internal_port``, default ``port + 1``), which D reaches as
-    ``internal_url``.
+    (``internal_host``:``internal_port``, default ``port + 1``; 0: any free port, bound when
+    the server starts), which D reaches as ``internal_url``.
     """
 
     prefill: tuple[NodeConfig, ...]
@@ -193,8 +193,8 @@ class RouterConfig:
             raise ConfigError("every decode node needs role 'decode'")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
-        if not 0 < self.listen_internal_port < 65536 or self.listen_internal_port == self.port:
-            raise ConfigError("internal_port must be a free port other than port")
+        if not 0 <= self.listen_internal_port < 65536 or self.listen_internal_port == self.port:
+            raise ConfigError("internal_port must be another port than port (0: any free one)")
         if self.guard not in ("auto", "connector", "tokenize"):
             raise ConfigError(f"guard must be auto, connector or tokenize, got {self.guard!r}")
         if any(not h or h != h.strip().lower() for h in self.session_headers):

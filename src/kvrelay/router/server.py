@@ -33,6 +33,7 @@ import gc
 import logging
 import socket
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from types import FrameType
 from typing import Any
 
@@ -293,6 +294,8 @@ def serve(config: RouterConfig, **uvicorn_options: Any) -> None:
     logging.getLogger("aiohttp.access").setLevel(logging.WARNING)
     sockets = [bind(config.host, config.port),
                bind(config.internal_host, config.listen_internal_port)]
+    if config.listen_internal_port == 0:
+        config = replace(config, internal_port=sockets[1].getsockname()[1])
     server = make_server(config, create_app(config), **uvicorn_options)
     gc.freeze()  # start-up objects never become garbage: keep them out of every collection
     uvloop.run(server.serve(sockets=sockets))
