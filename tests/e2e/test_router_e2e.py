@@ -91,16 +91,19 @@ def agent_conversation(turns: int, seed: int) -> tuple[list[Message], list[Messa
 
 
 def run(cluster: RealCluster, opening: list[Message], later: list[Message], turns: int,
-        conversation_id: str | None, stream: bool,
-        answers: list[str] | None = None) -> tuple[list[Turn], list[Message]]:
-    """Run ``turns`` turns; with ``answers`` the previous answers are replayed (baseline)."""
+        conversation_id: str | None, stream: bool, answers: list[str] | None = None,
+        fresh_ids: bool = False) -> tuple[list[Turn], list[Message]]:
+    """Run ``turns`` turns; with ``answers`` the previous answers are replayed, and with
+    ``fresh_ids`` every turn goes in a new conversation-id scope, so nothing is continued
+    (the recompute baseline)."""
     messages = list(opening)
     out: list[Turn] = []
     for i in range(turns):
         if i:
             previous = answers[i - 1] if answers is not None else out[-1].text
             messages += [{"role": "assistant", "content": previous}, later[i - 1]]
-        out.append(send(cluster, messages, conversation_id, stream))
+        cid = f"baseline-{secrets.token_hex(8)}" if fresh_ids else conversation_id
+        out.append(send(cluster, messages, cid, stream))
     return out, messages
 
 
@@ -111,8 +114,8 @@ def test_eight_turns_pull_from_turn_two_and_match_recompute(real_cluster: RealCl
     router_before = router_reused_tokens(real_cluster)
     reuse, _ = run(real_cluster, opening, later, 8, f"e2e-{secrets.token_hex(4)}", stream)
     router_reused = router_reused_tokens(real_cluster) - router_before
-    baseline, _ = run(real_cluster, opening, later, 8, None, stream,
-                      answers=[t.text for t in reuse])
+    baseline = run(real_cluster, opening, later, 8, None, stream,
+                   answers=[t.text for t in reuse], fresh_ids=True)[0]
 
     assert (reuse[0].action, reuse[0].reason) == ("recompute", "no_entry")
     for turn in reuse[1:]:
@@ -123,48 +126,6 @@ def test_eight_turns_pull_from_turn_two_and_match_recompute(real_cluster: RealCl
     assert all(t.action == "recompute" and t.pulled == 0 for t in baseline)
     assert [t.text for t in reuse] == [t.text for t in baseline]
     assert all(t.text for t in reuse)
-
-
-def edit_earlier_user_message(messages: list[Message]) -> None:
-    messages[1] = {"role": "user", "content": "Task: something else entirely"}
-
-
-def change_system_prompt(messages: list[Message]) -> None:
-    messages[0] = {"role": "system", "content": "You are a different agent."}
-
-
-def alter_previous_answer(messages: list[Message]) -> None:
-    for i in range(len(messages) - 1, -1, -1):
-        if messages[i]["role"] == "assistant":
-            messages[i] = {"role": "assistant", "content": f"EDITED {messages[i]['content']}"}
-            return
-
-
-@pytest.mark.parametrize("edit", [edit_earlier_user_message, change_system_prompt,
-                                  alter_previous_answer])
-def test_prefix_guard_cases_equal_recompute(real_cluster: RealCluster, edit):
-    opening, later = agent_conversation(3, seed=20)
-    conversation_id = f"guard-{secrets.token_hex(4)}"
-    turns, messages = run(real_cluster, opening, later, 3, conversation_id, stream=False)
-    assert turns[-1].action == "pull"
-    edited = [*messages, {"role": "assistant", "content": turns[-1].text},
-              {"role": "user", "content": "next"}]
-    edit(edited)
-    guarded = send(real_cluster, edited, conversation_id, stream=False)
-    recomputed = send(real_cluster, edited, None, stream=False)
-    assert guarded.text == recomputed.text
-    if edit is change_system_prompt:
-        assert (guarded.action, guarded.reason) == ("recompute", "prefix_mismatch")
-        assert guarded.pulled == 0
-    else:
-        # The part before the edit is still D's KV: pulled, capped at the verified prefix.
-        assert guarded.action == "pull" and 0 < guarded.reused == guarded.pulled
-        assert guarded.reused < turns[-1].held_by_d
-    stats = httpx.get(f"{real_cluster.router_url}/stats", timeout=30).json()
-    assert stats["decisions"]["by_reason"][guarded.reason] >= 1
-    recent = stats["decisions"]["recent"][-2:]
-    assert any(d["reason"] == guarded.reason and d.get("verified_tokens") is not None
-               for d in recent)
 
 
 def test_openai_sdk_through_the_router(real_cluster: RealCluster):
