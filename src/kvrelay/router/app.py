@@ -33,6 +33,7 @@ from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
+from kvrelay.router.turnlog import TurnLogWriter
 from kvrelay.router.upstream import AiohttpTransport, Transport, Upstream
 
 log = logging.getLogger("kvrelay.router")
@@ -64,9 +65,7 @@ class RouterApp:
     async def startup(self) -> None:
         """Start the health loop (the lifespan does this under a server)."""
         if self._health is None:
-            self._health = asyncio.create_task(
-                self.ctx.nodes.run_health_loop(), name="kvrelay-health"
-            )
+            self._health = asyncio.create_task(self._background(), name="kvrelay-health")
         guard = self.ctx.config.guard
         log.info("router up: prefix guard %s (%s)", guard, {
             "auto": "per node: in P's connector once P shows it runs kvrelay's, else /tokenize",
@@ -82,6 +81,23 @@ class RouterApp:
                 await task
         await self.ctx.upstream.aclose()
         await self.ctx.index.aclose()
+        if self.ctx.turn_log is not None:
+            self.ctx.turn_log.close()
+
+    async def _background(self) -> None:
+        """The health loop, and the turn log's idle flush (records are buffered)."""
+        if self.ctx.turn_log is None:
+            await self.ctx.nodes.run_health_loop()
+            return
+        health = asyncio.ensure_future(self.ctx.nodes.run_health_loop())
+        try:
+            while True:
+                await asyncio.sleep(1.0)
+                self.ctx.turn_log.flush()
+        finally:
+            health.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await health
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -141,6 +157,10 @@ def create_app(
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
         auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
+        turn_log=TurnLogWriter(
+            config.turn_log, max_bytes=config.turn_log_max_mb << 20,
+            backups=config.turn_log_backups,
+        ) if config.turn_log else None,
     )
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))

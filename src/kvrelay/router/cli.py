@@ -50,6 +50,13 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where the exact prefix check runs: in kvrelay's connector on "
                              "P (connector), in the router with P's /tokenize (tokenize), or "
                              "per node as the nodes show (auto, default)")
+    parser.add_argument("--turn-log", default=None, metavar="PATH",
+                        help="append one JSON line per turn (sizes, timing, decision; no "
+                             "content) for `kvrelay tune`")
+    parser.add_argument("--turn-log-max-mb", type=int, default=None,
+                        help="rotate the turn log at this size (default 64)")
+    parser.add_argument("--turn-log-backups", type=int, default=None,
+                        help="rotated turn logs kept (default 5)")
     parser.add_argument("--session-header", action="append", default=None, metavar="NAME",
                         help="request header carrying a client's conversation id "
                              "(repeatable; replaces the default list, see docs/router.md)")
@@ -127,6 +134,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "internal_url": args.internal_url,
         "guard": args.guard,
         "session_headers": args.session_header,
+        "turn_log": args.turn_log,
+        "turn_log_max_mb": args.turn_log_max_mb,
+        "turn_log_backups": args.turn_log_backups,
         "kv_recompute_threshold": args.kv_recompute_threshold,
         "near_expiry_s": args.near_expiry_s,
         "pull_cost_factor": args.pull_cost_factor,

@@ -88,6 +88,7 @@ class PendingTurn:
     outcome: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
+    on_settle: list[Callable[[PendingTurn], None]] = field(default_factory=list)
 
 
 class ReportDesk:
@@ -261,6 +262,8 @@ class ReportDesk:
             self._settled.popitem(last=False)
         self._metrics.child(self._metrics.turn_entries, outcome).inc()
         p.settled.set()
+        for callback in p.on_settle:
+            callback(p)
 
     async def _commit(self, p: PendingTurn) -> None:
         blocks, slot = p.blocks, p.slot

@@ -180,6 +180,9 @@ class RouterConfig:
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0
+    turn_log: str | None = None
+    turn_log_max_mb: int = 64
+    turn_log_backups: int = 5
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -205,6 +208,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if min(self.max_header_bytes, self.max_header_line_bytes, self.max_headers) < 1:
             raise ConfigError("header limits must be >= 1")
+        if self.turn_log_max_mb < 1 or self.turn_log_backups < 0:
+            raise ConfigError("turn_log_max_mb must be >= 1 and turn_log_backups >= 0")
         for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} cannot be negative")
@@ -437,6 +442,7 @@ ENV_KEYS = {
     "STATE": "state",
     "STATE_TIMEOUT_MS": "state_timeout_ms",
     "DEPLOYMENT": "deployment",
+    "TURN_LOG": "turn_log",
 }
 
 

@@ -81,6 +81,7 @@ class Decoder:
             num_prompt_tokens=None if direct else turn.prompt_tokens,
             max_output_tokens=req.max_output_tokens,
         )
+        turn.pending = pending
         ids = not ctx.nodes.fingerprints(node.node_id)
         body = decode_body(
             req, params, report=(ctx.config.report_url, pending.turn_id) if req.stream else None,

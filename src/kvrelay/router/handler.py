@@ -20,6 +20,7 @@ import logging
 
 from kvrelay.core.consequences import decode_retry
 from kvrelay.router.asgi import DisconnectWatch, Request, read_body, send_response
+from kvrelay.router.commit import PendingTurn
 from kvrelay.router.decode import DIRECT_PARAMS, BeforeFirstByte, Decoder
 from kvrelay.router.errors import ClientError, RouterError, error_json
 from kvrelay.router.plan import Planner
@@ -27,6 +28,7 @@ from kvrelay.router.prefill import Prefiller
 from kvrelay.router.request import Endpoint, parse_request
 from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn
+from kvrelay.router.turnlog import TurnLogWriter
 
 log = logging.getLogger("kvrelay.router")
 
@@ -100,6 +102,8 @@ class GenerationHandler:
             if turn is not None:
                 ctx.metrics.decided(*turn.effective)
                 ctx.stats.count(turn)
+                if ctx.turn_log is not None:
+                    self._log(turn, ctx.turn_log)
 
     async def _carry_out(self, turn: Turn, request: Request, watch: DisconnectWatch) -> None:
         ctx = self._ctx
@@ -135,6 +139,19 @@ class GenerationHandler:
                 if retry == "fresh_prefill":
                     pre = await self._prefiller.run(turn, pull=False)
         raise AssertionError("unreachable")
+
+    @staticmethod
+    def _log(turn: Turn, writer: TurnLogWriter) -> None:
+        """Append the turn's record once its entry is settled (what D retains is known)."""
+        def write(p: PendingTurn | None) -> None:
+            blocks = p.blocks if p is not None and p.outcome == "committed" else None
+            writer.append(turn.log_record(blocks.num_tokens if blocks is not None else None))
+
+        pending = turn.pending
+        if pending is not None and pending.outcome is None:
+            pending.on_settle.append(write)
+        else:
+            write(pending)
 
     def _retried(self, turn: Turn, role: str) -> None:
         self._ctx.metrics.retries.labels(role).inc()

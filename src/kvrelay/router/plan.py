@@ -53,6 +53,7 @@ class Planner:
         if pending and not await ctx.desk.wait_for(pending, ctx.config.report_wait_s):
             log.info("turn continues one whose report is still pending")
         found: Found | None = None
+        gap_s: float | None = None
         index_down = False
         try:
             found = await ctx.index.lookup(req.identity)
@@ -65,7 +66,8 @@ class Planner:
             entry = found.entry
             ctx.nodes.observe_entry(entry.decode_node_id, entry.decode_engine_id,
                                     entry.created_at_s)
-            ctx.metrics.turn_gap.observe(max(0.0, ctx.clock() - entry.created_at_s))
+            gap_s = max(0.0, ctx.clock() - entry.created_at_s)
+            ctx.metrics.turn_gap.observe(gap_s)
         prompt, p = await self._prompt(req, found, p)
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")
@@ -94,6 +96,7 @@ class Planner:
             prompt_tokens=prompt.est_tokens,
             prefill_node=p,
             decided_at_s=ctx.clock(),
+            gap_s=gap_s,
         )
         ctx.stats.record(turn)
         return turn

@@ -13,6 +13,7 @@ from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.stats import RouterStats
+from kvrelay.router.turnlog import TurnLogWriter
 from kvrelay.router.upstream import Upstream
 
 
@@ -31,3 +32,4 @@ class RouterContext:
     stats: RouterStats
     admission: Admission
     auth: Authenticator
+    turn_log: TurnLogWriter | None = None

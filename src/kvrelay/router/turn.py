@@ -20,6 +20,8 @@ import time
 from dataclasses import dataclass, field
 
 from kvrelay.core.policy import TurnDecision
+from kvrelay.core.turnlog import TurnLogRecord
+from kvrelay.router.commit import PendingTurn
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.index import Found
 from kvrelay.router.request import TurnRequest
@@ -43,6 +45,8 @@ class Turn:
     ``prompt_tokens`` is P's count once P answered (the estimate before); ``cached_tokens``
     the prompt tokens P did not compute (pulled from D or local prefix hits), as P reported
     them; ``verified_tokens`` the prefix P's connector proved (``None``: not reported).
+    ``gap_s`` is the time since the continued turn ended; ``pending`` the D request whose
+    entry the report desk is settling.
     """
 
     request: TurnRequest
@@ -60,7 +64,11 @@ class Turn:
     retries: int = 0
     outcome: str | None = None
     ttft_s: float | None = None
+    duration_s: float | None = None
+    gap_s: float | None = None
+    pending: PendingTurn | None = None
     decided_at_s: float = 0.0
+    arrived_wall_s: float = field(default_factory=time.time)
     started_s: float = field(default_factory=time.perf_counter)
 
     @property
@@ -96,6 +104,7 @@ class Turn:
         if self.outcome is not None:
             return False
         self.outcome = outcome
+        self.duration_s = time.perf_counter() - self.started_s
         self.state = TurnState.DONE if outcome == "ok" else TurnState.FAILED
         return True
 
@@ -107,6 +116,21 @@ class Turn:
             "X-KVRelay-Reason": reason,
             "X-KVRelay-Reused-Tokens": str(self.reused_tokens),
         }
+
+    def log_record(self, retained_tokens: int | None) -> TurnLogRecord:
+        """The turn log's record of this turn (no content: the conversation's tag)."""
+        action, reason = self.effective
+        prompt = max(self.prompt_tokens, 0)
+        reused = min(self.reused_tokens, prompt)
+        output = retained_tokens - prompt + 1 if retained_tokens is not None else None
+        return TurnLogRecord(
+            key=self.conversation, at_s=self.arrived_wall_s, gap_s=self.gap_s,
+            prompt_tokens=prompt, reused_tokens=reused, new_tokens=prompt - reused,
+            output_tokens=output if output is not None and output >= 0 else None,
+            action=action, reason=reason,
+            decode_node=self.decode_node.node_id if self.decode_node else None,
+            retained_tokens=retained_tokens, duration_s=self.duration_s, ttft_s=self.ttft_s,
+        )
 
     def record(self) -> dict[str, object]:
         """The ``/stats`` view of the turn (keys hashed, no content)."""
