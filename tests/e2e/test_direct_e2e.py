@@ -69,10 +69,10 @@ def test_direct_turns_use_ds_cache_and_match_recompute(real_cluster: RealCluster
             messages = [*messages, {"role": "assistant", "content": answers[-1]},
                         {"role": "user", "content": " ".join(rng.choice(WORDS) for _ in range(6))}]
         baseline = []
-        for prompt in prompts:  # the same prompts, recomputed (no conversation id)
+        for prompt in prompts:  # the same prompts, recomputed (each in a fresh id's scope)
             resp = http.post(f"{real_cluster.router_url}/v1/chat/completions", json={
                 "model": real_cluster.model, "messages": prompt, "max_tokens": 12,
-                "temperature": 0})
+                "temperature": 0, "conversation_id": f"baseline-{secrets.token_hex(8)}"})
             assert resp.status_code == 200, resp.text
             assert resp.headers["x-kvrelay-action"] == "recompute"
             baseline.append(str(resp.json()["choices"][0]["message"]["content"]))
