@@ -123,26 +123,40 @@ async def start_stream(send: Send, headers: Mapping[str, str]) -> None:
     await send({"type": "http.response.start", "status": 200, "headers": raw})
 
 
+DISCONNECT_SCOPE_KEY = "kvrelay.disconnect"
+"""Set in a request's scope by a server that calls ``DisconnectWatch.disconnected`` itself
+(``router.server``'s protocol, when the connection is lost mid-request)."""
+
+
 class DisconnectWatch:
     """Cancels the serving task when its client disconnects (after the body was read), or
     when the server cuts it (``cut``: the drain deadline passed).
 
-    ASGI servers answer ``receive()`` with ``http.disconnect`` when the connection goes away
-    (and once the response is complete, so ``stop()`` must come before the last body
-    message). Cancelling the task cancels whatever it awaits, e.g. a request to a node,
-    which closes that connection and makes vLLM abort the request. ``gone`` / ``was_cut``
-    tell the task's cleanup why it was cancelled.
+    Cancelling the task cancels whatever it awaits, e.g. a request to a node, which closes
+    that connection and makes vLLM abort the request. ``gone`` / ``was_cut`` tell the task's
+    cleanup why it was cancelled. Under kvrelay's own server the protocol reports the lost
+    connection (``disconnected``); under any other ASGI server a task waits on ``receive()``,
+    which answers ``http.disconnect`` when the connection goes away (and once the response is
+    complete, so ``stop()`` must come before the last body message).
     """
 
     __slots__ = ("_task", "_watch", "gone", "was_cut")
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, request: Request) -> None:
         self.gone = False
         self.was_cut = False
         self._task = asyncio.current_task()
-        self._watch: asyncio.Task[None] | None = asyncio.get_running_loop().create_task(
-            self._wait(receive)
-        )
+        self._watch: asyncio.Task[None] | None = None
+        if request.scope.get(DISCONNECT_SCOPE_KEY):
+            request.scope[DISCONNECT_SCOPE_KEY] = self
+        else:
+            self._watch = asyncio.get_running_loop().create_task(self._wait(request.receive))
+
+    def disconnected(self) -> None:
+        """The client's connection is gone: stop serving it."""
+        if not self.gone and not self.was_cut and self._task is not None:
+            self.gone = True
+            self._task.cancel()
 
     async def _wait(self, receive: Receive) -> None:
         while (await receive())["type"] != "http.disconnect":
@@ -158,16 +172,18 @@ class DisconnectWatch:
 
     def cut(self) -> None:
         """Stop the serving task now (it answers what it can and returns)."""
-        if self._task is not None and not self.gone:
+        if self._task is not None and not self.gone and not self.was_cut:
             self.was_cut = True
             self._task.cancel()
 
     def stop(self) -> None:
+        self._task = None
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.cancel()
 
     async def aclose(self) -> None:
+        self._task = None
         watch, self._watch = self._watch, None
         if watch is not None:
             watch.cancel()

@@ -91,7 +91,7 @@ class Decoder:
             cached_tokens=(
                 turn.reused_tokens if direct else turn.cached_tokens
             ) if (req.include_usage or not req.stream) else None,
-            strip_ids=ids and not req.wants_token_ids,
+            strip_ids=(ids or not req.stream) and not req.wants_token_ids,
             collect_ids=ids,
         )
         d_prefill = max(0, turn.prompt_tokens - turn.reused_tokens) if direct else 0

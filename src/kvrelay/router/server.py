@@ -42,6 +42,7 @@ import uvloop
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvrelay.router.app import RouterApp
+from kvrelay.router.asgi import DISCONNECT_SCOPE_KEY, DisconnectWatch
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.errors import error_json
 
@@ -109,7 +110,16 @@ class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._kvrelay_disarm()
+        cycle = self.cycle
         super().connection_lost(exc)
+        if cycle is not None and not cycle.response_complete:
+            watch = cycle.scope.get(DISCONNECT_SCOPE_KEY)
+            if isinstance(watch, DisconnectWatch):
+                watch.disconnected()
+
+    def on_message_begin(self) -> None:
+        super().on_message_begin()
+        self.scope[DISCONNECT_SCOPE_KEY] = True  # type: ignore[literal-required]
 
     def data_received(self, data: bytes) -> None:
         if self._kvrelay_rejected:

@@ -251,7 +251,8 @@ def rewrite_body(
 
 
 def strip_ids(obj: dict[str, Any]) -> bool:
-    """Remove token ids (top level and per choice); True if any were there."""
+    """Remove token-id keys (top level and per choice; vLLM's own ``null`` ones too); True if
+    any held ids."""
     changed = obj.pop("prompt_token_ids", None) is not None
     for choice in obj.get("choices") or ():
         if isinstance(choice, dict):
