@@ -29,6 +29,8 @@ from tests.ports import free_port_block
 
 STARTUP_TIMEOUT_S = 900
 CPU_BLOCK_SIZE = block_size_of(ClusterConfig())
+ADMIN_KEY = "e2e-admin-key"
+"""The session router's admin key (``/admin/nodes`` shows engine ids)."""
 TTL_S = 60
 """D's ``decoder_kv_blocks_ttl`` in the session cluster: short enough for a test to wait it
 out (tests/e2e/test_contract.py), long enough for the router's pull window (TTL minus its
@@ -66,7 +68,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
            "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
            "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
            "--router-port", str(router_port), "--ttl-s", str(TTL_S),
-           "--monitoring", "--prometheus-port", str(prometheus_port)]
+           "--monitoring", "--prometheus-port", str(prometheus_port),
+           f"--router-arg=--admin-key={ADMIN_KEY}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()

@@ -21,7 +21,7 @@ import psutil
 import pytest
 
 from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import ADMIN_KEY, RealCluster
 from tests.ports import free_port_block
 
 pytestmark = pytest.mark.e2e
@@ -59,8 +59,10 @@ def dropped_because_node_lost(cluster: RealCluster) -> float:
 
 
 def decode_node(cluster: RealCluster) -> dict[str, Any]:
-    stats = httpx.get(f"{cluster.router_url}/stats", timeout=30).json()
-    nodes: list[dict[str, Any]] = stats["nodes"]
+    """D as the router's admin view shows it (engine id included)."""
+    nodes: list[dict[str, Any]] = httpx.get(
+        f"{cluster.router_url}/admin/nodes", timeout=30,
+        headers={"authorization": f"Bearer {ADMIN_KEY}"}).json()["nodes"]
     return next(n for n in nodes if n["role"] == "decode")
 
 

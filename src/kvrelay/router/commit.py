@@ -113,6 +113,7 @@ class ReportDesk:
         self._key = secrets.token_bytes(32)
         self._by_turn: dict[str, PendingTurn] = {}
         self._by_anchor: dict[tuple[bytes, bytes], set[PendingTurn]] = {}
+        self._by_scope: dict[bytes, set[PendingTurn]] = {}
         self._settled: OrderedDict[str, None] = OrderedDict()
 
     def __len__(self) -> int:
@@ -144,11 +145,15 @@ class ReportDesk:
         )
         self._by_turn[p.turn_id] = p
         self._by_anchor.setdefault((identity.scope, identity.anchor), set()).add(p)
+        if identity.explicit:
+            self._by_scope.setdefault(identity.scope, set()).add(p)
         return p
 
     def pending_for(self, identity: RequestIdentity) -> list[PendingTurn]:
         """Unsettled turns the request may continue: their answer is out and the request
-        carries it, but D's params are not in yet."""
+        carries it, but D's params are not in yet. For an explicit id whose history matches
+        none of them, every unsettled turn of that id (the request may continue the latest,
+        ``index.lookup``)."""
         out: list[PendingTurn] = []
         for probe in identity.probes:
             waiting = self._by_anchor.get((identity.scope, probe.anchor))
@@ -158,6 +163,8 @@ class ReportDesk:
             slot = find_in_bucket(identity, probe, slots)
             if slot is not None:
                 out.append(slots[slot])
+        if not out and identity.explicit:
+            out = [p for p in self._by_scope.get(identity.scope, ()) if p.slot is not None]
         return out
 
     async def wait_for(self, pending: Sequence[PendingTurn], timeout_s: float) -> bool:
@@ -257,6 +264,11 @@ class ReportDesk:
             waiting.discard(p)
             if not waiting:
                 del self._by_anchor[key]
+        scoped = self._by_scope.get(p.identity.scope)
+        if scoped is not None:
+            scoped.discard(p)
+            if not scoped:
+                del self._by_scope[p.identity.scope]
         self._settled[p.turn_id] = None
         while len(self._settled) > _SETTLED_MEMORY:
             self._settled.popitem(last=False)

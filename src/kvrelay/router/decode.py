@@ -152,6 +152,9 @@ class Decoder:
         self, turn: Turn, node: NodeConfig, stream: ByteStream, rewrite: Rewrite,
         pending: PendingTurn, send: Send, watch: DisconnectWatch,
     ) -> None:
+        """D's events to the client as they come. The turn's answer is handed to the report
+        desk before D's ``[DONE]`` goes out, so a client that sends its next turn at once
+        finds this one pending (and waits for it) rather than missing."""
         ctx = self._ctx
         chunks = stream.chunks()
         first, carry = await self._first_events(node, chunks)
@@ -159,13 +162,20 @@ class Decoder:
         await start_stream(send, turn.headers())
         turn.move(TurnState.STREAMING)
         try:
-            await _body(send, scan.feed(first))
+            out = scan.feed(first)
+            if scan.done:
+                await self._end(turn, node, scan, pending)
+            await _body(send, out)
             turn.ttft_s = time.perf_counter() - turn.started_s
             ctx.metrics.child(ctx.metrics.ttft, turn.action).observe(turn.ttft_s)
             async for chunk in chunks:
                 events, carry = frame(carry, chunk)
                 if events:
-                    await _body(send, scan.feed(events))
+                    was_done = scan.done
+                    out = scan.feed(events)
+                    if scan.done and not was_done:
+                        await self._end(turn, node, scan, pending)
+                    await _body(send, out)
             if carry:
                 await _body(send, carry)
             if not scan.done:
@@ -181,28 +191,33 @@ class Decoder:
             if not watch.cancelled_us:
                 raise
             _uncancel()
-            await self._lose(turn, pending, "cut" if watch.was_cut else "client_gone")
+            if turn.outcome is None:
+                await self._lose(turn, pending, "cut" if watch.was_cut else "client_gone")
             if watch.was_cut:
                 log.info("stream of a %s turn cut at the drain deadline", turn.action)
                 with contextlib.suppress(OSError):
                     await _body(send, sse_error(503, "the router is shutting down") + SSE_DONE)
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
+        watch.stop()
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    async def _end(
+        self, turn: Turn, node: NodeConfig, scan: StreamScan, pending: PendingTurn
+    ) -> None:
+        """D's stream is complete: the answer (or the error it ended with) settles the turn."""
+        ctx = self._ctx
         if scan.error is not None:
             ctx.metrics.upstream_error(node.node_id, "error_event", None)
             await self._lose(turn, pending, "error_event")
-        else:
-            text, calls = scan.answer()
-            answer = self._answer(turn, text, calls, scan.prompt_token_ids,
-                                  scan.output_token_ids)
-            blocks = self._retained(node, scan.params) if scan.params is not None else None
-            await ctx.desk.response_finished(
-                pending, answer, blocks,
-                retained=None if scan.params is None else blocks is not None,
-            )
-            self._done(turn, "ok")
-        watch.stop()
-        await send({"type": "http.response.body", "body": b"", "more_body": False})
+            return
+        text, calls = scan.answer()
+        answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
+        blocks = self._retained(node, scan.params) if scan.params is not None else None
+        await ctx.desk.response_finished(
+            pending, answer, blocks, retained=None if scan.params is None else blocks is not None,
+        )
+        self._done(turn, "ok")
 
     async def _first_events(
         self, node: NodeConfig, chunks: AsyncIterator[bytes]
