@@ -296,15 +296,24 @@ async def test_report_that_does_not_come_in_time_means_no_entry() -> None:
         await r.settle()
 
 
-async def test_v033_final_chunk_params_need_no_report() -> None:
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_v033_final_chunk_params_need_no_report(guard: str) -> None:
+    """vLLM >= 0.33 puts D's params on the final chunk: the entry is committed from the
+    stream itself (stock D: with the fingerprint the router computes from the token ids it
+    asked D for), and the next turn pulls while the report is still held."""
     gate = PermitSleep()  # reports are held forever: only the final chunk can commit
-    config = replace(ENGINE_CONFIG, stream_kv_params_on_final_chunk=True, report_delay_s=1.0)
+    config = replace(GUARD_CONFIGS[guard], stream_kv_params_on_final_chunk=True,
+                     report_delay_s=1.0)
     async with routed(engine_config=config, sleep=gate) as r:
+        p = r.cluster.prefill[0]
         conv = Conversation(r, stream=True)
         assert (await conv.turn(FIRST, settle=False))[0] == 200
         assert len(r.ctx.index) == 1 and len(r.ctx.desk) == 0
-        await conv.turn("next", settle=False)
+        status, text, _ = await conv.turn("next", settle=False)
+        assert status == 200 and text == await conv.recompute_of_last()
         assert (await r.last_decision())["reason"] == "pull"
+        assert p.records[-1].plan == "pull" and p.records[-1].pulled_tokens > 0
+        assert p.records[-1].pulled_matches_prompt and not p.records[-1].wrong_reuse
         gate.grant(10)
 
 

@@ -116,10 +116,10 @@ def check_pulls(
         assert turn.cached_tokens == rec.pulled_tokens + rec.local_cache_hit_tokens
         if guard == "connector":  # P's connector proved the prefix; the router did not
             assert rec.guard == "pull" and decision["exact"] is False
-            assert decision["verified_tokens"] == rec.verified_tokens >= rec.pulled_tokens
+            assert decision["verified_tokens"] == rec.verified_tokens == rec.pulled_tokens
         else:  # stock P: the router proved it from P's /tokenize
             assert rec.guard is None and decision["exact"] is True
-            assert decision["verified_tokens"] >= rec.pulled_tokens
+            assert decision["verified_tokens"] == rec.pulled_tokens
     assert not d.freed_reads
 
 
