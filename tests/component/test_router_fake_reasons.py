@@ -296,6 +296,28 @@ async def test_report_that_does_not_come_in_time_means_no_entry() -> None:
         await r.settle()
 
 
+async def test_a_report_after_the_timeout_is_late_and_commits_nothing() -> None:
+    """D's report arrives after ``report_timeout_s``: the turn was settled without an entry,
+    the report is counted ``late`` and changes nothing; the next turn recomputes, right."""
+    gate = PermitSleep()
+    async with routed(engine_config=replace(ENGINE_CONFIG, report_delay_s=0.1), sleep=gate,
+                      report_timeout_s=0.05) as r:
+        metrics = r.ctx.metrics
+        conv = Conversation(r, stream=True)
+        assert (await conv.turn(FIRST, settle=False))[0] == 200
+        await until(lambda: gate.waiting == 1, "D's report held")
+        await until(lambda: len(r.ctx.desk) == 0, "the turn settled without its report")
+        assert metrics.turn_entries.labels("report_timeout")._value.get() == 1
+        gate.grant(10)
+        await r.cluster.drain_reports()
+        assert metrics.reports.labels("late")._value.get() == 1
+        assert metrics.reports.labels("matched")._value.get() == 0
+        assert len(r.ctx.index) == 0
+        status, text, _ = await conv.turn("next")
+        assert status == 200 and text == await conv.recompute_of_last()
+        assert (await r.last_decision())["reason"] == "no_entry"
+
+
 @pytest.mark.parametrize("guard", GUARDS)
 async def test_v033_final_chunk_params_need_no_report(guard: str) -> None:
     """vLLM >= 0.33 puts D's params on the final chunk: the entry is committed from the
