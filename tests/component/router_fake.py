@@ -1,18 +1,25 @@
-"""The router served by uvicorn on loopback in front of a ``FakeCluster`` (real HTTP both ways,
-D-side reports included), sharing one ``ManualClock`` so TTLs move without sleeping."""
+"""The router served on loopback in front of a ``FakeCluster`` (real HTTP both ways, D-side
+reports to the internal listener included), sharing one ``ManualClock`` so TTLs move without
+sleeping, plus a fault-free reference engine of its own for recomputes.
+
+The engines run kvrelay's connector by default (the router's ``connector`` guard mode);
+``STOCK_CONFIG`` is stock vLLM (the router's ``/tokenize`` mode)."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.index import Found
+from kvrelay.router.request import Endpoint, parse_request
 from kvrelay.router.state import RouterContext
 from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.testing.fake_config import RequestRecord
@@ -20,6 +27,9 @@ from kvrelay.testing.fake_server import HttpServer
 from tests.ports import free_port
 
 ENGINE_CONFIG = FakeEngineConfig(report_delay_s=0.0, default_max_tokens=16)
+STOCK_CONFIG = replace(ENGINE_CONFIG, kvrelay_connector=False)
+"""Stock vLLM on every node: the router guards pulls itself (``/tokenize`` mode)."""
+GUARD_CONFIGS = {"connector": ENGINE_CONFIG, "tokenize": STOCK_CONFIG}
 
 
 class PermitSleep:
@@ -48,6 +58,7 @@ class Routed:
     ctx: RouterContext
     url: str
     clock: ManualClock
+    reference: FakeEngine
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=30.0, trust_env=False, **kw)
@@ -64,11 +75,32 @@ class Routed:
         assert recent
         return recent[-1]
 
+    async def find(
+        self, body: dict[str, Any], endpoint: Endpoint = "chat", tenant: str = "default"
+    ) -> Found | None:
+        """The entry the router would find for this request (``ConversationIndex.lookup``
+        on the request's own identity), without sending it."""
+        req = parse_request(endpoint, json.dumps(body).encode(), {}, tenant,
+                            self.ctx.config.session_headers)
+        return await self.ctx.index.lookup(req.identity)
+
+    async def recompute(self, body: dict[str, Any], endpoint: Endpoint = "chat") -> str:
+        """The reply a plain recompute gives: the request (not streamed, no conversation
+        id) straight to the reference engine, which shares no KV with the cluster."""
+        plain = {k: v for k, v in body.items()
+                 if k not in ("conversation_id", "stream", "stream_options")}
+        path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as c:
+            resp = await c.post(self.reference.url + path, json=plain)
+        assert resp.status_code == 200, resp.text
+        choice = resp.json()["choices"][0]
+        return str(choice["message"]["content"] if endpoint == "chat" else choice["text"])
+
     async def settle(self) -> None:
         """Let D's reports arrive and every pending turn settle."""
         await self.cluster.drain_reports()
         for _ in range(200):
-            if len(self.ctx.reports) == 0:
+            if len(self.ctx.desk) == 0:
                 return
             await asyncio.sleep(0.005)
         raise AssertionError("reports still pending")
@@ -99,13 +131,14 @@ async def routed(
     clock = ManualClock()
     extra = {"sleep": sleep} if sleep is not None else {}
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
-                           **extra) as cluster:
+                           **extra) as cluster, \
+            FakeCluster(1, 0, engine_config, model=cluster.model) as reference:
         port = free_port()
         defaults: dict[str, Any] = {"port": port, "internal_port": free_port(),
-                                    "health_interval_s": 3600.0, "report_wait_s": 5.0}
+                                    "health_interval_s": 3600.0, "report_wait_s": 5.0,
+                                    "block_size": engine_config.block_size}
         config = RouterConfig.from_urls(
-            cluster.prefill_urls, cluster.decode_urls,
-            block_size=engine_config.block_size, **{**defaults, **settings},
+            cluster.prefill_urls, cluster.decode_urls, **{**defaults, **settings},
         )
         app = create_app(config, clock=clock)
         ctx: RouterContext = app.ctx
@@ -114,7 +147,8 @@ async def routed(
         await server.start()
         await internal.start()
         try:
-            yield Routed(cluster, ctx, f"http://127.0.0.1:{port}", clock)
+            yield Routed(cluster, ctx, f"http://127.0.0.1:{port}", clock,
+                         reference.prefill[0])
         finally:
             await server.stop()
             await internal.stop()

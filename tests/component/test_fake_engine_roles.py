@@ -1,6 +1,8 @@
 """The fake engine's P/D role semantics follow vLLM 0.32's NixlConnector (pull mode,
 bidirectional): turn 1 P->D, turn 2 D->P pull, freed-block reads, TTL and lease expiry,
-the recompute threshold, prefix caching, and deterministic output."""
+the recompute threshold, prefix caching, and deterministic output. Where kvrelay's connector
+changes what a node does (``FakeEngineConfig.kvrelay_connector``, on by default), both the
+stock behaviour and kvrelay's are checked."""
 
 from __future__ import annotations
 
@@ -10,13 +12,22 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from msgspec.structs import replace as replace_struct
 
-from kvrelay.core.params import parse_remote_blocks
+from kvrelay.core.fingerprint import held_fingerprint
+from kvrelay.core.params import (
+    BLOCK_SIZE_KEY,
+    FINGERPRINT_KEY,
+    GUARD_KEY,
+    GUARD_VERSION,
+    parse_remote_blocks,
+)
 from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.testing.fake_model import generate_tokens
 from tests.component.fake_engine_helpers import BLOCK, DATA, cdiv, chat, post, text_of, user
 
 CONFIG = FakeEngineConfig(report_delay_s=0.0)
+STOCK = replace(CONFIG, kvrelay_connector=False)
 PROMPT = user("The quick brown fox jumps over the lazy dog. " * 13)  # 604 tokens
 GEN = 16
 
@@ -36,16 +47,21 @@ def turn2_messages(dr: Any, follow_up: str = "And then?") -> list[dict[str, Any]
     return [*PROMPT, {"role": "assistant", "content": text_of(dr)}, *user(follow_up)]
 
 
-async def test_turn1_prefill_then_decode_pulls_all_prompt_blocks() -> None:
+@pytest.mark.parametrize("connector", [False, True])
+async def test_turn1_prefill_then_decode_pulls_all_prompt_blocks(connector: bool) -> None:
+    """Stock engines answer exactly vLLM's keys; kvrelay's connector adds only its own:
+    ``kvrelay_guard`` on every answer, the fingerprint of the held tokens and the block size
+    on D's retained params."""
     clock = ManualClock()
-    async with FakeCluster(1, 1, CONFIG, clock=clock) as cluster:
+    config = CONFIG if connector else STOCK
+    async with FakeCluster(1, 1, config, clock=clock) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
         n = len(p.model.encode_chat(PROMPT))
         pr, dr = await turn1(p, d)
 
         pp = pr["kv_transfer_params"]
         real_p = captured("chat_turn1.json")["p1"]["kv_transfer_params"]
-        assert set(pp) == set(real_p)
+        assert set(pp) == set(real_p) | ({GUARD_KEY} if connector else set())
         assert pp["do_remote_prefill"] is True and pp["do_remote_decode"] is False
         assert pp["remote_num_tokens"] == n == pr["usage"]["prompt_tokens"]
         assert len(pp["remote_block_ids"][0]) == cdiv(n, BLOCK)
@@ -63,7 +79,16 @@ async def test_turn1_prefill_then_decode_pulls_all_prompt_blocks() -> None:
 
         dp = dr["kv_transfer_params"]
         real_d = captured("chat_turn1.json")["d1"]["kv_transfer_params"]
-        assert set(dp) == set(real_d)
+        kvrelay_keys = {GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY} if connector else set()
+        assert set(dp) == set(real_d) | kvrelay_keys
+        if connector:
+            assert pp[GUARD_KEY] == dp[GUARD_KEY] == GUARD_VERSION
+            assert dp[BLOCK_SIZE_KEY] == BLOCK
+            held = parse_remote_blocks(dp).fingerprint
+            assert held is not None and held.num_tokens == n + GEN - 1
+            assert held == held_fingerprint(
+                d.record(dr["id"]).prompt_token_ids, d.record(dr["id"]).output_token_ids,
+                n + GEN - 1)
         assert dp["do_remote_decode"] is True and dp["do_remote_prefill"] is False
         assert dp["remote_num_tokens"] == n + GEN - 1  # measured on vLLM 0.32
         assert len(dp["remote_block_ids"][0]) == cdiv(n + GEN - 1, BLOCK)
@@ -206,15 +231,25 @@ async def test_prefill_lease_expiry_fails_the_decode_read() -> None:
         assert text_of(dr) == text_of(plain)
 
 
-async def test_below_recompute_threshold_recomputes_and_notifies_d() -> None:
-    config = replace(CONFIG, kv_recompute_threshold=100_000)
+@pytest.mark.parametrize("connector", [False, True])
+async def test_below_recompute_threshold_recomputes_and_notifies_d(connector: bool) -> None:
+    """Stock vLLM's scheduler skips a pull below ``kv_recompute_threshold``; kvrelay's guard
+    on P decides it first (every token matched, too few) and sends vLLM zero tokens to load,
+    which vLLM treats as a full local hit. Either way D is notified and frees its blocks."""
+    config = replace(CONFIG if connector else STOCK, kv_recompute_threshold=100_000)
     async with FakeCluster(1, 1, config, clock=ManualClock()) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
         _, dr = await turn1(p, d)
         messages = turn2_messages(dr)
         p2 = await chat(p, messages, max_tokens=8, kv_transfer_params=dr["kv_transfer_params"])
         rec = p.record(p2["id"])
-        assert rec.plan == "below_threshold" and rec.pulled_tokens == 0
+        if connector:
+            assert (rec.guard, rec.plan) == ("below_threshold", "local_hit")
+            assert rec.verified_tokens == dr["kv_transfer_params"]["remote_num_tokens"]
+            assert p2["kv_transfer_params"]["kvrelay_verified_tokens"] == rec.verified_tokens
+        else:
+            assert (rec.guard, rec.plan) == (None, "below_threshold")
+        assert rec.pulled_tokens == 0
         assert rec.notified_engine == d.engine_id
         assert d.held() == []  # vLLM still notifies D, which frees its blocks
         assert p.metrics.external_kv_transfer == 0
@@ -246,17 +281,37 @@ async def test_threshold_compares_remote_tokens_beyond_the_local_prefix_hit() ->
 async def test_capped_remote_num_tokens_without_trimming_blocks_misaligns_like_vllm() -> None:
     """vLLM end-trims the remote block list to the local block count: lowering only
     ``remote_num_tokens`` across a block boundary makes P read the *last* blocks."""
-    async with FakeCluster(1, 1, CONFIG, clock=ManualClock()) as cluster:
+    async with FakeCluster(1, 1, STOCK, clock=ManualClock()) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
         _, dr = await turn1(p, d)
         blocks = parse_remote_blocks(dr["kv_transfer_params"])
-        capped = replace(blocks, num_tokens=blocks.num_tokens - 2 * BLOCK)
+        capped = replace_struct(blocks, num_tokens=blocks.num_tokens - 2 * BLOCK)
         assert cdiv(capped.num_tokens, BLOCK) < blocks.num_blocks
         p2 = await chat(p, turn2_messages(dr), max_tokens=8, kv_transfer_params=capped.to_json())
         rec = p.record(p2["id"])
         assert rec.plan == "pull" and rec.pulled_tokens == capped.num_tokens
         assert rec.pulled_block_ids == blocks.block_ids[0][-cdiv(capped.num_tokens, BLOCK):]
         assert rec.wrong_reuse and not rec.pulled_matches_prompt
+
+
+async def test_kvrelay_guard_on_p_cuts_the_block_list_of_a_lowered_count() -> None:
+    """The same misaligning params (count lowered, every block kept) with D's fingerprint: P's
+    guard caps them itself (``RemoteBlocks.capped``, block list cut), so P reads D's *first*
+    blocks and the reuse is correct."""
+    async with FakeCluster(1, 1, CONFIG, clock=ManualClock()) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        _, dr = await turn1(p, d)
+        blocks = parse_remote_blocks(dr["kv_transfer_params"])
+        assert blocks.fingerprint is not None
+        lowered = replace_struct(blocks, num_tokens=blocks.num_tokens - 2 * BLOCK)
+        messages = turn2_messages(dr)
+        p2 = await chat(p, messages, max_tokens=8, kv_transfer_params=lowered.to_json())
+        rec = p.record(p2["id"])
+        assert (rec.guard, rec.plan) == ("pull", "pull")
+        assert rec.verified_tokens == lowered.num_tokens == rec.pulled_tokens
+        assert rec.pulled_block_ids == blocks.block_ids[0][: cdiv(lowered.num_tokens, BLOCK)]
+        assert not rec.wrong_reuse and rec.pulled_matches_prompt
+        assert text_of(p2) == text_of(await chat(p, messages, max_tokens=8))
 
 
 async def test_capping_with_the_block_size_pulls_the_right_blocks() -> None:

@@ -1,5 +1,9 @@
 """Every decision reason and failure path with fake vLLM engines behind the router (real HTTP,
-real D-side reports, one shared ManualClock for TTLs)."""
+real D-side reports, one shared ManualClock for TTLs). The prefix-guard reasons are checked in
+both guard modes: with kvrelay's connector on P (P proves and cuts the pull; the router's
+decision is ``pull`` and P's record and answer tell what was proven) and with stock vLLM on
+P (the router proves it from P's ``/tokenize``: ``prefix_mismatch``, ``below_threshold``,
+``partial_reuse_unsafe``)."""
 
 from __future__ import annotations
 
@@ -9,9 +13,14 @@ from typing import Any
 
 import pytest
 
-from kvrelay.core.conversation import ConversationKey
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.params import parse_remote_blocks
+from kvrelay.router.blocks import infer_block_size
+from kvrelay.testing import FakeEngine
+from kvrelay.testing.fake_config import RequestRecord
 from tests.component.router_fake import (
     ENGINE_CONFIG,
+    GUARD_CONFIGS,
     PermitSleep,
     Routed,
     routed,
@@ -20,7 +29,7 @@ from tests.component.router_fake import (
 from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
 
 FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
-KEY = ConversationKey("default", "c")
+GUARDS = list(GUARD_CONFIGS)
 
 
 class Conversation:
@@ -57,12 +66,19 @@ class Conversation:
         return resp.status_code, text, payloads
 
     async def recompute_of_last(self) -> str:
-        """The last reply as a plain recompute (no conversation id) would give it."""
-        body: dict[str, Any] = {"model": "tiny", "max_tokens": self.max_tokens,
-                                "messages": self.messages[:-1]}
-        async with self.r.client() as c:
-            resp = await c.post("/v1/chat/completions", json=body)
-        return str(resp.json()["choices"][0]["message"]["content"])
+        """The last reply as a plain recompute gives it (the reference engine, no KV)."""
+        return await self.r.recompute({"model": "tiny", "max_tokens": self.max_tokens,
+                                       "messages": self.messages[:-1]})
+
+    async def entry(self) -> ConversationEntry | None:
+        """The entry the conversation's next turn would continue."""
+        found = await self.r.find(self.body("next"))
+        return found.entry if found is not None else None
+
+
+def holds(d: FakeEngine, record: RequestRecord) -> bool:
+    """Whether D still holds the KV it retained for ``record``."""
+    return record.internal_request_id in [h.request_id for h in d.held()]
 
 
 async def two_turns(r: Routed, between: Any = None, **kw: Any) -> dict[str, Any]:
@@ -71,9 +87,10 @@ async def two_turns(r: Routed, between: Any = None, **kw: Any) -> dict[str, Any]
     assert status == 200
     if between is not None:
         await between(conv)
-    status, text, _ = await conv.turn("And what happens in winter?")
+    status, text, payloads = await conv.turn("And what happens in winter?")
     assert status == 200
     decision = dict(await r.last_decision())
+    decision["payloads"] = payloads
     if decision["prefill_node"] is not None:  # P's record of turn 2, before the recompute
         decision["p_record"] = r.cluster.engine(decision["prefill_node"]).records[-1]
     assert text == await conv.recompute_of_last()
@@ -83,11 +100,12 @@ async def two_turns(r: Routed, between: Any = None, **kw: Any) -> dict[str, Any]
 # -- TTL on the shared clock --------------------------------------------------------------
 
 
+@pytest.mark.parametrize("guard", GUARDS)
 @pytest.mark.parametrize(
     ("advance_s", "reason"), [(481.0, "expired"), (458.0, "near_expiry"), (400.0, "pull")]
 )
-async def test_ttl(advance_s: float, reason: str) -> None:
-    async with routed() as r:
+async def test_ttl(advance_s: float, reason: str, guard: str) -> None:
+    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
         async def wait(conv: Conversation) -> None:
             r.clock.advance(advance_s)
 
@@ -107,7 +125,7 @@ async def test_unhealthy_d_is_marked_down_and_its_entries_dropped() -> None:
             await r.ctx.nodes.check_all()
             await r.ctx.nodes.check_all()
             assert not r.ctx.nodes.state("decode-0").up  # type: ignore[union-attr]
-            assert len(r.ctx.store) == 0
+            assert len(r.ctx.index) == 0
 
         decision = await two_turns(r, fail)
         assert (decision["reason"], decision["decode_node"]) == ("no_entry", "decode-1")
@@ -128,10 +146,11 @@ async def test_node_down_when_the_turn_finished_after_d_went_down() -> None:
         await r.ctx.nodes.check_all()
         d0.faults.hang = False
         assert (await turn1)[0] == 200
-        assert await r.ctx.store.get(KEY) is not None
+        entry = await conv.entry()
+        assert entry is not None and entry.decode_node_id == "decode-0"
         status, text, _ = await conv.turn("And then?")
         assert status == 200 and text == await conv.recompute_of_last()
-        decision = (await r.stats())["decisions"]["recent"][-2]
+        decision = await r.last_decision()
         assert (decision["reason"], decision["decode_node"]) == ("node_down", "decode-1")
 
 
@@ -166,10 +185,15 @@ async def test_crashed_d_is_retried_on_the_other_d() -> None:
         async def crash(conv: Conversation) -> None:
             await r.cluster.engine("decode-0").crash()
 
-        decision = await two_turns(r, crash)
+        conv = Conversation(r)
+        assert (await conv.turn(FIRST))[0] == 200
+        await crash(conv)
+        status, text, _ = await conv.turn("And what happens in winter?")
+        assert status == 200 and text == await conv.recompute_of_last()
+        decision = await r.last_decision()
         assert decision["decode_node"] == "decode-1" and decision["retries"] == 1
         assert not r.ctx.nodes.state("decode-0").up  # type: ignore[union-attr]
-        entry = await r.ctx.store.get(KEY)
+        entry = await conv.entry()
         assert entry is not None and entry.decode_node_id == "decode-1"
 
 
@@ -185,15 +209,25 @@ async def test_p_dropping_the_pull_is_retried_on_the_other_p_as_recompute() -> N
         assert [rec.plan for rec in r.cluster.engine("prefill-0").records][:2] == ["none", "pull"]
 
 
-async def test_crashed_p_before_tokenize_is_replaced() -> None:
-    async with routed(num_prefill=2) as r:
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_crashed_p_is_replaced(guard: str) -> None:
+    """P-0 died between turns. On stock P the router finds out at P-0's ``/tokenize``, before
+    anything is sent with D's params, so P-1 pulls. With kvrelay's connector there is no
+    ``/tokenize``: the pull goes to P-0, cannot connect, and (``core.consequences``: a failed
+    P call is retried as a recompute) P-1 recomputes. Either way the answer is right."""
+    async with routed(num_prefill=2, engine_config=GUARD_CONFIGS[guard]) as r:
         async def crash(conv: Conversation) -> None:
             await r.cluster.engine("prefill-0").crash()
 
         decision = await two_turns(r, crash)
         assert (decision["reason"], decision["prefill_node"]) == ("pull", "prefill-1")
-        assert decision["p_record"].plan == "pull"
         assert not r.ctx.nodes.state("prefill-0").up  # type: ignore[union-attr]
+        if guard == "tokenize":
+            assert decision["p_record"].plan == "pull" and decision["retries"] == 0
+            assert decision["reused_tokens"] == decision["p_record"].pulled_tokens > 0
+        else:
+            assert decision["p_record"].plan == "none" and decision["retries"] == 1
+            assert decision["reused_tokens"] == 0
 
 
 async def test_p_5xx_once_is_retried() -> None:
@@ -211,7 +245,7 @@ async def test_d_5xx_on_the_only_d_is_a_502(stream: bool) -> None:
         r.cluster.decode[0].faults.update({"error_status": 500})
         status, _, payloads = await Conversation(r, stream=stream).turn(FIRST)
         assert status == 502 and payloads[0]["error"]["code"] == 502
-        assert len(r.ctx.reports) == 0
+        assert len(r.ctx.desk) == 0 and len(r.ctx.index) == 0
 
 
 async def test_d_dying_mid_stream() -> None:
@@ -223,7 +257,7 @@ async def test_d_dying_mid_stream() -> None:
         assert status == 200 and len(text) == 3
         assert payloads[-1] == "[DONE]" and payloads[-2]["error"]["code"] == 502
         await r.settle()
-        assert len(r.ctx.store) == 0
+        assert len(r.ctx.index) == 0
         r.cluster.decode[0].faults.die_after_tokens = None
         assert (await conv.turn("again"))[0] == 200
         assert (await r.last_decision())["reason"] == "no_entry"
@@ -239,7 +273,7 @@ async def test_late_report_is_awaited_by_the_next_turn() -> None:
         conv = Conversation(r, stream=True)
         assert (await conv.turn(FIRST, settle=False))[0] == 200
         await until(lambda: gate.waiting == 1, "D's report held")
-        assert len(r.ctx.reports) == 1 and len(r.ctx.store) == 0
+        assert len(r.ctx.desk) == 1 and len(r.ctx.index) == 0
         turn2 = asyncio.create_task(conv.turn("next", settle=False))
         await asyncio.sleep(0.05)
         assert not turn2.done()  # the report (and so the entry) is still held back
@@ -262,32 +296,150 @@ async def test_report_that_does_not_come_in_time_means_no_entry() -> None:
         await r.settle()
 
 
-async def test_v033_final_chunk_params_need_no_report() -> None:
-    gate = PermitSleep()  # reports are held forever: only the final chunk can commit
-    config = replace(ENGINE_CONFIG, stream_kv_params_on_final_chunk=True, report_delay_s=1.0)
-    async with routed(engine_config=config, sleep=gate) as r:
+async def test_a_report_after_the_timeout_is_late_and_commits_nothing() -> None:
+    """D's report arrives after ``report_timeout_s``: the turn was settled without an entry,
+    the report is counted ``late`` and changes nothing; the next turn recomputes, right."""
+    gate = PermitSleep()
+    async with routed(engine_config=replace(ENGINE_CONFIG, report_delay_s=0.1), sleep=gate,
+                      report_timeout_s=0.05) as r:
+        metrics = r.ctx.metrics
         conv = Conversation(r, stream=True)
         assert (await conv.turn(FIRST, settle=False))[0] == 200
-        assert len(r.ctx.store) == 1 and len(r.ctx.reports) == 0
-        await conv.turn("next", settle=False)
+        await until(lambda: gate.waiting == 1, "D's report held")
+        await until(lambda: len(r.ctx.desk) == 0, "the turn settled without its report")
+        assert metrics.turn_entries.labels("report_timeout")._value.get() == 1
+        gate.grant(10)
+        await r.cluster.drain_reports()
+        assert metrics.reports.labels("late")._value.get() == 1
+        assert metrics.reports.labels("matched")._value.get() == 0
+        assert len(r.ctx.index) == 0
+        status, text, _ = await conv.turn("next")
+        assert status == 200 and text == await conv.recompute_of_last()
+        assert (await r.last_decision())["reason"] == "no_entry"
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_v033_final_chunk_params_need_no_report(guard: str) -> None:
+    """vLLM >= 0.33 puts D's params on the final chunk: the entry is committed from the
+    stream itself (stock D: with the fingerprint the router computes from the token ids it
+    asked D for), and the next turn pulls while the report is still held."""
+    gate = PermitSleep()  # reports are held forever: only the final chunk can commit
+    config = replace(GUARD_CONFIGS[guard], stream_kv_params_on_final_chunk=True,
+                     report_delay_s=1.0)
+    async with routed(engine_config=config, sleep=gate) as r:
+        p = r.cluster.prefill[0]
+        conv = Conversation(r, stream=True)
+        assert (await conv.turn(FIRST, settle=False))[0] == 200
+        assert len(r.ctx.index) == 1 and len(r.ctx.desk) == 0
+        status, text, _ = await conv.turn("next", settle=False)
+        assert status == 200 and text == await conv.recompute_of_last()
         assert (await r.last_decision())["reason"] == "pull"
+        assert p.records[-1].plan == "pull" and p.records[-1].pulled_tokens > 0
+        assert p.records[-1].pulled_matches_prompt and not p.records[-1].wrong_reuse
         gate.grant(10)
 
 
 # -- policy reasons -----------------------------------------------------------------------
 
 
-async def test_prefix_mismatch() -> None:
-    async with routed() as r:
-        async def edit(conv: Conversation) -> None:
-            conv.messages[0]["content"] = "Explain" + conv.messages[0]["content"][8:]
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_prefix_mismatch(guard: str) -> None:
+    """After a short question, the answer is re-sent with a leading space: the request still
+    continues the entry (answers compare stripped), but its tokens part from D's right after
+    the question, so fewer than the threshold are proven. On stock P the router proves it
+    (``prefix_mismatch``) and recomputes; with kvrelay's connector the router decides ``pull``
+    from estimates and P's guard finds the mismatch: nothing is loaded, D is notified and
+    frees its blocks. The answer equals a recompute."""
+    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        conv = Conversation(r, max_tokens=64)
+        assert (await conv.turn("Hi there"))[0] == 200
+        turn1 = d.records[-1]
+        assert len(turn1.prompt_token_ids) + 64 - 1 >= ENGINE_CONFIG.kv_recompute_threshold
+        proven = len(turn1.prompt_token_ids) // 16 * 16  # the fingerprint's 16-token chunks
+        assert 0 < proven < ENGINE_CONFIG.kv_recompute_threshold
+        conv.messages[-1]["content"] = " " + conv.messages[-1]["content"]
+        status, text, payloads = await conv.turn("And then?")
+        assert status == 200 and text == await conv.recompute_of_last()
+        decision = await r.last_decision()
+        rec = p.records[-1]
+        assert decision["verified_tokens"] == proven and decision["reused_tokens"] == 0
+        assert payloads[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert rec.pulled_tokens == 0 and rec.computed_tokens == len(rec.prompt_token_ids)
+        if guard == "connector":
+            assert (decision["action"], decision["reason"]) == ("pull", "pull")
+            assert (rec.guard, rec.verified_tokens, rec.plan) == (
+                "prefix_mismatch", proven, "local_hit")
+            assert rec.notified_engine == d.engine_id and not holds(d, turn1)
+        else:
+            assert (decision["action"], decision["reason"]) == ("recompute", "prefix_mismatch")
+            assert decision["exact"] is True and rec.plan == "none" and rec.guard is None
 
-        assert (await two_turns(r, edit))["reason"] == "prefix_mismatch"
+
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_below_threshold(guard: str) -> None:
+    """The router's threshold above anything D holds: ``below_threshold`` from estimates
+    (connector mode) or from P's ``/tokenize`` (stock P); nothing is sent to D's blocks."""
+    async with routed(engine_config=GUARD_CONFIGS[guard], kv_recompute_threshold=100_000) as r:
+        decision = await two_turns(r)
+        assert (decision["action"], decision["reason"]) == ("recompute", "below_threshold")
+        assert decision["exact"] is (guard == "tokenize")
+        assert decision["p_record"].plan == "none"
+        assert decision["p_record"].request_kv_transfer_params == {"do_remote_decode": True}
 
 
-async def test_below_threshold() -> None:
-    async with routed(kv_recompute_threshold=100_000) as r:
-        assert (await two_turns(r))["reason"] == "below_threshold"
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_below_p_threshold_p_recomputes_and_frees_d(guard: str) -> None:
+    """Only P's own threshold is above what D holds: the router pulls, P loads nothing
+    (kvrelay's guard: every token matched, too few; stock vLLM: its scheduler's threshold) and
+    notifies D, which frees its blocks. The answer equals a recompute."""
+    config = replace(GUARD_CONFIGS[guard], kv_recompute_threshold=100_000)
+    async with routed(engine_config=config) as r:
+        d = r.cluster.decode[0]
+        decision = await two_turns(r)
+        rec: RequestRecord = decision["p_record"]
+        assert (decision["action"], decision["reason"]) == ("pull", "pull")
+        assert decision["reused_tokens"] == rec.pulled_tokens == 0
+        assert rec.notified_engine == d.engine_id
+        assert not holds(d, d.records[0])
+        held = len(d.records[0].prompt_token_ids) + 16 - 1
+        if guard == "connector":
+            assert (rec.guard, rec.verified_tokens, rec.plan) == (
+                "below_threshold", held, "local_hit")
+            assert decision["verified_tokens"] == held
+        else:
+            assert (rec.guard, rec.plan) == (None, "below_threshold")
+            assert decision["verified_tokens"] == held and decision["exact"] is True
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_partial_reuse_needs_the_block_size(guard: str) -> None:
+    """The answer re-sent with a leading space after a long question proves only the question.
+    The router is not told D's block size (96) and cannot infer it from D's params (not a
+    power of two). Stock D does not say it either, so the block list cannot be cut:
+    ``partial_reuse_unsafe``, recompute. kvrelay's D declares it with its params
+    (``kvrelay_block_size``), so the proven prefix is pulled."""
+    config = replace(GUARD_CONFIGS[guard], block_size=96)
+    async with routed(engine_config=config, block_size=None) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        conv = Conversation(r)
+        assert (await conv.turn(FIRST))[0] == 200
+        params = d.records[-1].kv_transfer_params
+        assert params is not None and infer_block_size(parse_remote_blocks(params)) is None
+        proven = len(d.records[-1].prompt_token_ids) // 16 * 16
+        conv.messages[-1]["content"] = " " + conv.messages[-1]["content"]
+        status, text, _ = await conv.turn("And then?")
+        assert status == 200 and text == await conv.recompute_of_last()
+        decision = await r.last_decision()
+        rec = p.records[-1]
+        assert decision["verified_tokens"] == proven
+        if guard == "connector":
+            assert decision["reason"] == "pull" and decision["reused_tokens"] == proven
+            assert (rec.guard, rec.plan, rec.pulled_tokens) == ("pull", "pull", proven)
+            assert rec.pulled_matches_prompt and not rec.wrong_reuse
+        else:
+            assert decision["reason"] == "partial_reuse_unsafe"
+            assert rec.plan == "none" and rec.pulled_tokens == 0
 
 
 async def test_cost_model() -> None:
@@ -295,10 +447,16 @@ async def test_cost_model() -> None:
         assert (await two_turns(r))["reason"] == "cost_model"
 
 
-async def test_no_conversation_id() -> None:
+async def test_without_a_conversation_id_the_history_finds_the_entry() -> None:
+    """No id, no session header: the follow-up that re-sends the history pulls (TURNPATH 1:
+    ``no_conversation_id`` is gone), and the turn's own entry takes the consumed one's place."""
     async with routed() as r:
-        assert (await two_turns(r, conversation_id=None))["reason"] == "no_conversation_id"
-        assert len(r.ctx.store) == 0
+        decision = await two_turns(r, conversation_id=None)
+        assert (decision["reason"], decision["turn"]) == ("pull", 2)
+        rec: RequestRecord = decision["p_record"]
+        assert rec.plan == "pull" and rec.pulled_tokens == decision["reused_tokens"] > 0
+        assert rec.pulled_matches_prompt and not rec.wrong_reuse
+        assert len(r.ctx.index) == 1
 
 
 async def test_direct_reuses_d_prefix_cache() -> None:
@@ -308,4 +466,4 @@ async def test_direct_reuses_d_prefix_cache() -> None:
         d = r.cluster.decode[0]
         routed_rec = [rec for rec in d.records if rec.local_cache_hit_tokens > 0]
         assert routed_rec and not routed_rec[0].wrong_reuse
-        assert len([rec for rec in r.cluster.prefill[0].records]) == 2  # turn 1 + recompute
+        assert len(r.cluster.prefill[0].records) == 1  # turn 1 only: turn 2 skipped P

@@ -8,6 +8,9 @@ Each fault is injected at the worst moment, then the same invariants are checked
 * every reply equals the recompute of the same conversation (fake output is a pure function
   of the prompt tokens): the reference is a plain request straight to a live engine.
 
+Every fault runs in both guard modes: kvrelay's connector on the engines (P proves pulls, no
+``/tokenize``) and stock vLLM (the router calls P's ``/tokenize`` before a pull).
+
 Already covered elsewhere, not repeated here: D crashed *between* turns, P resetting the
 connection of a pull (``die_after_tokens=0``), D dying mid-stream with ``die_after_tokens``
 (``test_router_fake_reasons.py``), and every retry/translation rule against a scripted mock
@@ -24,9 +27,17 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.core.conversation import ConversationEntry, ConversationKey
-from kvrelay.testing import FakeCluster, FakeEngine
-from tests.component.router_fake import ENGINE_CONFIG, PermitSleep, Routed, routed, until
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.router.index import EntryRef
+from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig
+from tests.component.router_fake import (
+    ENGINE_CONFIG,
+    GUARD_CONFIGS,
+    PermitSleep,
+    Routed,
+    routed,
+    until,
+)
 from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
 
 FIRST = "Explain how a glacier shapes a valley, with examples from the Alps. " * 5
@@ -53,10 +64,14 @@ class Chat:
         self.stream = stream
         self.messages: list[dict[str, Any]] = []
 
-    async def turn(self, user: str, *, settle: bool = True) -> Reply:
+    def body(self, user: str) -> dict[str, Any]:
         messages = [*self.messages, {"role": "user", "content": user}]
-        body = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS,
+        return {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS,
                 "stream": self.stream, "conversation_id": self.id}
+
+    async def turn(self, user: str, *, settle: bool = True) -> Reply:
+        body = self.body(user)
+        messages = body["messages"]
         async with self.r.client() as c:
             resp = await c.post("/v1/chat/completions", json=body)
         if self.stream and resp.status_code == 200:
@@ -75,6 +90,17 @@ class Chat:
         if settle:
             await self.r.settle()
         return Reply(resp.status_code, text, events, resp.headers)
+
+
+@pytest.fixture(params=list(GUARD_CONFIGS))
+def guard(request: pytest.FixtureRequest) -> str:
+    """The guard mode the engines put the router in (``connector`` or ``tokenize``)."""
+    return str(request.param)
+
+
+@pytest.fixture
+def config(guard: str) -> FakeEngineConfig:
+    return GUARD_CONFIGS[guard]
 
 
 @pytest.fixture
@@ -127,12 +153,12 @@ def p_records(r: Routed, node: str) -> list[Any]:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_p_killed_mid_prefill_is_retried_on_another_p(
-    stream: bool, ref: FakeEngine
+    stream: bool, ref: FakeEngine, config: FakeEngineConfig
 ) -> None:
     """P-0 has read D's KV for a pull and is computing when it dies (connections reset). The
     turn is recomputed on P-1; the pulled entry is not used twice."""
     gate = PermitSleep()  # fast engines: only slow_stream_s sleeps, and they wait for permits
-    async with routed(num_prefill=2, sleep=gate) as r:
+    async with routed(num_prefill=2, sleep=gate, engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         chat = Chat(r, ref, "a", stream=stream)
         assert (await chat.turn(FIRST)).status == 200
@@ -162,11 +188,13 @@ async def test_p_killed_mid_prefill_is_retried_on_another_p(
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-async def test_p_dead_before_d_reads_its_kv(policy: str, ref: FakeEngine) -> None:
+async def test_p_dead_before_d_reads_its_kv(
+    policy: str, ref: FakeEngine, config: FakeEngineConfig
+) -> None:
     """P-0 answers the prefill and dies before D-0 reads P-0's blocks. With ``recompute`` D
     recomputes in place; with ``fail`` D answers 500 after its failed read, so P-0's params
     are useless: the router prefills again (on P-1) before retrying on D-1."""
-    config = replace(ENGINE_CONFIG, kv_load_failure_policy=policy)
+    config = replace(config, kv_load_failure_policy=policy)
     async with routed(num_prefill=2, num_decode=2, engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         p0, d0 = r.cluster.engine("prefill-0"), r.cluster.engine("decode-0")
@@ -198,19 +226,19 @@ async def test_p_dead_before_d_reads_its_kv(policy: str, ref: FakeEngine) -> Non
 # -- (b) a D killed mid-stream -------------------------------------------------------------
 
 
-async def test_d_killed_mid_stream(ref: FakeEngine) -> None:
+async def test_d_killed_mid_stream(ref: FakeEngine, config: FakeEngineConfig) -> None:
     """D-0 dies after 3 streamed tokens: the client gets 3 tokens, an SSE error event and
     [DONE]; no later turn of any conversation reuses D-0's KV, before or after it restarts."""
     gate = PermitSleep()
-    async with routed(num_decode=2, sleep=gate) as r:
+    async with routed(num_decode=2, sleep=gate, engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         d0 = r.cluster.engine("decode-0")
         a, b = Chat(r, ref, "a", stream=True), Chat(r, ref, "b")
         assert (await a.turn(FIRST)).status == 200
         assert (await b.turn("A different question about deserts and dunes. " * 4)).status \
             == 200
-        held_a = await r.ctx.store.get(ConversationKey("default", "a"))
-        assert held_a is not None and held_a.decode_node_id == "decode-0"
+        held_a = await r.find(a.body("Go on."))
+        assert held_a is not None and held_a.entry.decode_node_id == "decode-0"
         d0.faults.slow_stream_s = 0.01
         turn2 = asyncio.create_task(a.turn("Go on.", settle=False))
         gate.grant(3)
@@ -227,7 +255,7 @@ async def test_d_killed_mid_stream(ref: FakeEngine) -> None:
         expected = await reference(ref, [*a.messages, {"role": "user", "content": "Go on."}])
         assert expected.startswith(reply.text)
         await r.settle()
-        assert await r.ctx.store.get(ConversationKey("default", "a")) is None
+        assert await r.find(a.body("Go on.")) is None
         assert (await r.last_decision())["outcome"] == "failed_mid_stream"
         # the client retries the turn; both conversations go on without D-0's KV
         a.stream = False
@@ -247,11 +275,13 @@ async def test_d_killed_mid_stream(ref: FakeEngine) -> None:
 # -- (c) a D restarted with a new engine id between turns -----------------------------------
 
 
-async def test_d_restarted_between_turns_never_serves_old_kv(ref: FakeEngine) -> None:
+async def test_d_restarted_between_turns_never_serves_old_kv(
+    ref: FakeEngine, config: FakeEngineConfig
+) -> None:
     """Two conversations hold KV on D; D restarts. The first turn after it pulls with the old
     engine id (the router cannot know yet): P's read fails and P recomputes. From D's answer
     the router learns the new id, and the other conversation's entry is rejected."""
-    async with routed() as r:
+    async with routed(engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         d = r.cluster.engine("decode-0")
         a, b = Chat(r, ref, "a"), Chat(r, ref, "b")
@@ -279,10 +309,12 @@ async def test_d_restarted_between_turns_never_serves_old_kv(ref: FakeEngine) ->
 
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
-async def test_d_side_channel_unreachable(policy: str, ref: FakeEngine) -> None:
+async def test_d_side_channel_unreachable(
+    policy: str, ref: FakeEngine, config: FakeEngineConfig
+) -> None:
     """P cannot read D's KV: with vLLM's ``recompute`` policy P recomputes in place; with
     ``fail`` P answers 500 and the router retries the turn as a recompute."""
-    config = replace(ENGINE_CONFIG, kv_load_failure_policy=policy)
+    config = replace(config, kv_load_failure_policy=policy)
     async with routed(engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         p, d = r.cluster.prefill[0], r.cluster.decode[0]
@@ -311,11 +343,12 @@ async def test_d_side_channel_unreachable(policy: str, ref: FakeEngine) -> None:
 
 @pytest.mark.parametrize("stream", [False, True])
 async def test_hung_p_times_out_and_the_turn_is_recomputed_elsewhere(
-    stream: bool, ref: FakeEngine
+    stream: bool, ref: FakeEngine, config: FakeEngineConfig
 ) -> None:
-    """P-0 accepts the pull and never answers: the router's read timeout fires and P-1
-    recomputes the turn. When P-0 wakes up later its stale read harms nobody."""
-    async with routed(num_prefill=2, read_timeout_s=1.0) as r:
+    """P-0 accepts the pull and never answers (its ``/tokenize``, on stock P, does): the
+    router's read timeout fires and P-1 recomputes the turn. When P-0 wakes up later its
+    stale read harms nobody."""
+    async with routed(num_prefill=2, read_timeout_s=1.0, engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         p0, p1 = r.cluster.engine("prefill-0"), r.cluster.engine("prefill-1")
         chat = Chat(r, ref, "a", stream=stream)
@@ -325,7 +358,8 @@ async def test_hung_p_times_out_and_the_turn_is_recomputed_elsewhere(
         assert reply.status == 200
         decision = await r.last_decision()
         assert (decision["action"], decision["prefill_node"]) == ("pull", "prefill-1")
-        assert decision["retries"] >= 1 and p1.records[-1].plan == "none"
+        assert decision["retries"] == 1 and p1.records[-1].plan == "none"
+        assert reply.headers["x-kvrelay-reused-tokens"] == "0"
         assert p0.faults.num_hung == 1
         assert r.ctx.metrics.upstream_errors.labels("prefill-0", "timeout")._value.get() >= 1
         p0.faults.hang = False  # the stale pull now runs on P-0, its answer goes nowhere
@@ -337,8 +371,8 @@ async def test_hung_p_times_out_and_the_turn_is_recomputed_elsewhere(
         audit.check()
 
 
-async def test_the_only_p_hanging_is_a_504(ref: FakeEngine) -> None:
-    async with routed(read_timeout_s=0.5) as r:
+async def test_the_only_p_hanging_is_a_504(ref: FakeEngine, config: FakeEngineConfig) -> None:
+    async with routed(read_timeout_s=0.5, engine_config=config) as r:
         chat = Chat(r, ref, "a")
         assert (await chat.turn(FIRST)).status == 200
         r.cluster.prefill[0].faults.hang = True
@@ -353,27 +387,27 @@ async def test_the_only_p_hanging_is_a_504(ref: FakeEngine) -> None:
 
 @pytest.mark.parametrize("policy", ["recompute", "fail"])
 async def test_entry_expiring_between_decision_and_pull(
-    policy: str, monkeypatch: pytest.MonkeyPatch, ref: FakeEngine
+    policy: str, monkeypatch: pytest.MonkeyPatch, ref: FakeEngine, config: FakeEngineConfig
 ) -> None:
     """The policy decides ``pull`` on a live entry; before the claim the clock passes D's TTL
-    (the seam: the store's ``claim``). P declines the expired blocks and recomputes (or fails,
+    (the seam: the index's ``claim``). P declines the expired blocks and recomputes (or fails,
     and the router recomputes): the reply is still the recompute's."""
-    config = replace(ENGINE_CONFIG, kv_load_failure_policy=policy)
+    config = replace(config, kv_load_failure_policy=policy)
     async with routed(engine_config=config) as r:
         audit = ReuseAudit(r.cluster)
         p = r.cluster.prefill[0]
         chat = Chat(r, ref, "a")
         assert (await chat.turn(FIRST)).status == 200
-        store = r.ctx.store
-        claim: Callable[[ConversationKey, ConversationEntry], Awaitable[bool]] = store.claim
+        index = r.ctx.index
+        claim: Callable[[EntryRef, ConversationEntry], Awaitable[bool]] = index.claim
         advanced: list[float] = []
 
-        async def late_claim(key: ConversationKey, entry: ConversationEntry) -> bool:
+        async def late_claim(ref: EntryRef, entry: ConversationEntry) -> bool:
             if not advanced:
                 advanced.append(r.clock.advance(ENGINE_CONFIG.decoder_kv_blocks_ttl + 1))
-            return await claim(key, entry)
+            return await claim(ref, entry)
 
-        monkeypatch.setattr(store, "claim", late_claim)
+        monkeypatch.setattr(index, "claim", late_claim)
         before = len(p.records)
         reply = await chat.turn("And in Patagonia?")
         assert advanced and reply.status == 200

@@ -14,7 +14,8 @@ import pytest
 from kvrelay.bench.rawhttp import get_text
 from kvrelay.bench.soak import Target, run_load
 from kvrelay.cluster.pd_client import parse_prometheus
-from kvrelay.core.conversation import ConversationEntry, ConversationKey
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.router.index import EntryRef
 from tests.component.router_fake import routed
 
 CAP = 4
@@ -25,15 +26,15 @@ async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
 ) -> None:
     async with routed(num_prefill=2, num_decode=2, max_entries=CAP,
                       expired_retention_s=5.0, report_wait_s=2.0) as r:
-        store = r.ctx.store
+        index = r.ctx.index
         peak = [0]
-        put = store.put
+        put = index.put
 
-        async def counting_put(key: ConversationKey, entry: ConversationEntry) -> None:
-            await put(key, entry)
-            peak[0] = max(peak[0], len(store))
+        async def counting_put(ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
+            await put(ref, entry, tenant=tenant)
+            peak[0] = max(peak[0], len(index))
 
-        monkeypatch.setattr(store, "put", counting_put)
+        monkeypatch.setattr(index, "put", counting_put)
         target = Target(router=r.url, prefill=r.cluster.prefill_urls,
                              decode=r.cluster.decode_urls)
         results: list[Any] = []
@@ -43,11 +44,11 @@ async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
                 target, clients=8, conversations_per_client=2, turns=(3, 3), max_tokens=8,
                 tag=f"phase{phase}"))
             await r.settle()
-            assert len(store) <= CAP
+            assert len(index) <= CAP
             # every entry expires and is purged (TTL 480 s - 10 s margin, then 5 s retention)
             r.clock.advance(480.0 + 6.0 + 10.0)
-            assert await store.get(ConversationKey("default", "none")) is None  # sweeps
-            assert len(store) == 0
+            assert await r.find({"messages": [{"role": "user", "content": "x"}]}) is None
+            assert len(index) == 0  # the lookup swept
         for result in results:
             assert result.errors == []
             assert len(result.samples) == 8 * 2 * 3 and result.conversations == 16
