@@ -203,9 +203,10 @@ async def test_p_dropping_the_pull_is_retried_on_the_other_p_as_recompute() -> N
             r.cluster.engine("prefill-0").faults.die_after_tokens = 0  # reset, no answer
 
         decision = await two_turns(r, break_p0)
-        assert decision["reason"] == "pull"
+        assert (decision["decided"], decision["action"]) == ("pull/pull", "recompute")
+        assert decision["reason"] == "prefill_failed" and decision["reused_tokens"] == 0
         assert decision["prefill_node"] == "prefill-1" and decision["retries"] == 1
-        assert decision["p_record"].plan == "none"  # a recompute: the entry was spent
+        assert decision["p_record"].plan == "none"  # P-0 got the pull: the entry is spent
         assert [rec.plan for rec in r.cluster.engine("prefill-0").records][:2] == ["none", "pull"]
 
 
@@ -213,8 +214,9 @@ async def test_p_dropping_the_pull_is_retried_on_the_other_p_as_recompute() -> N
 async def test_crashed_p_is_replaced(guard: str) -> None:
     """P-0 died between turns. On stock P the router finds out at P-0's ``/tokenize``, before
     anything is sent with D's params, so P-1 pulls. With kvrelay's connector there is no
-    ``/tokenize``: the pull goes to P-0, cannot connect, and (``core.consequences``: a failed
-    P call is retried as a recompute) P-1 recomputes. Either way the answer is right."""
+    ``/tokenize``: the pull goes to P-0 and cannot connect; P-0 never received D's params, so
+    D's blocks are untouched and (``core.consequences.params_spent``) the retry on P-1 is the
+    same pull. Either way P-1 pulls and the answer is right."""
     async with routed(num_prefill=2, engine_config=GUARD_CONFIGS[guard]) as r:
         async def crash(conv: Conversation) -> None:
             await r.cluster.engine("prefill-0").crash()
@@ -222,12 +224,9 @@ async def test_crashed_p_is_replaced(guard: str) -> None:
         decision = await two_turns(r, crash)
         assert (decision["reason"], decision["prefill_node"]) == ("pull", "prefill-1")
         assert not r.ctx.nodes.state("prefill-0").up  # type: ignore[union-attr]
-        if guard == "tokenize":
-            assert decision["p_record"].plan == "pull" and decision["retries"] == 0
-            assert decision["reused_tokens"] == decision["p_record"].pulled_tokens > 0
-        else:
-            assert decision["p_record"].plan == "none" and decision["retries"] == 1
-            assert decision["reused_tokens"] == 0
+        assert decision["p_record"].plan == "pull"
+        assert decision["reused_tokens"] == decision["p_record"].pulled_tokens > 0
+        assert decision["retries"] == (0 if guard == "tokenize" else 1)
 
 
 async def test_p_5xx_once_is_retried() -> None:
@@ -467,3 +466,5 @@ async def test_direct_reuses_d_prefix_cache() -> None:
         routed_rec = [rec for rec in d.records if rec.local_cache_hit_tokens > 0]
         assert routed_rec and not routed_rec[0].wrong_reuse
         assert len(r.cluster.prefill[0].records) == 1  # turn 1 only: turn 2 skipped P
+        usage = decision["payloads"][-1]["usage"]  # D's own: the plan is not D's truth
+        assert usage["prompt_tokens_details"] is None

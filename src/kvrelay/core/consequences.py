@@ -62,7 +62,9 @@ def client_fault(kind: FailureKind, status: int | None) -> bool:
 
 
 def prefill_retry(kind: FailureKind, status: int | None, attempt: int) -> bool:
-    """Whether a failed P call may be retried (once, as a recompute, on another P)."""
+    """Whether a failed P call may be retried (once, on another P). A pull is retried as a
+    pull only when P never received it (``params_spent`` is false): otherwise P may have
+    read D's retained blocks, which frees them, and the retry recomputes."""
     return attempt == 0 and not client_fault(kind, status)
 
 

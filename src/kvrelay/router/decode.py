@@ -88,9 +88,8 @@ class Decoder:
             token_ids=ids,
         )
         rewrite = Rewrite(
-            cached_tokens=(
-                turn.reused_tokens if direct else turn.cached_tokens
-            ) if (req.include_usage or not req.stream) else None,
+            cached_tokens=turn.cached_tokens
+            if not direct and (req.include_usage or not req.stream) else None,
             strip_ids=(ids or not req.stream) and not req.wants_token_ids,
             collect_ids=ids,
         )

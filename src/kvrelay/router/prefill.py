@@ -8,8 +8,10 @@ whether P runs kvrelay's connector, the exact prompt length, how many tokens P d
 compute (``remote_prefill_cached_tokens``) and, for a pull, how many P's connector verified;
 and it feeds P's timing to the cost estimates (``core.consequences.learn_prefill``).
 
-A failed P call is retried once, as a recompute, on another P (the same one if it is the
-only P); a pull's entry stays spent (D's blocks may have been read).
+A failed P call is retried once on another P (the same one if it is the only P). A pull
+that P never received (connection refused, or a 503) is retried as the same pull, since
+D's blocks are untouched; otherwise the retry recomputes and the entry stays spent (P may
+have read D's blocks, which frees them).
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.core.consequences import learn_prefill, prefill_retry
+from kvrelay.core.consequences import learn_prefill, params_spent, prefill_retry
 from kvrelay.core.guard import loaded_outcome
 from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
 from kvrelay.router.config import NodeConfig
@@ -78,7 +80,9 @@ class Prefiller:
                 ctx.metrics.retries.labels("prefill").inc()
                 turn.retries += 1
                 node = ctx.nodes.choose_prefill(frozenset({node.node_id})) or node
-                pull = False
+                if pull and params_spent(exc.kind, exc.status):
+                    pull = False
+                    turn.refused = "prefill_failed"
         raise AssertionError("unreachable")
 
     def _pull_params(self, turn: Turn) -> dict[str, object]:
