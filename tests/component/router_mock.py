@@ -4,8 +4,17 @@ exact control of failures (which request fails, how, and when a D report arrives
 It speaks the vLLM 0.32 shapes the router relies on (see ``tests/data/vllm-0.32.0``):
 ``/tokenize``, P answers with ``do_remote_prefill`` params, D answers (streamed or not) with
 ``prompt_token_ids``/``token_ids`` under ``return_token_ids`` and, non-streamed, its retained
-params. Tokenization is byte-level over a toy chat template; output tokens are printable
-ASCII derived from the prompt, so a conversation can be continued with the decoded text.
+params. Tokenization is byte-level over a toy chat template; output tokens are lower-case
+ASCII derived from the prompt (and, with ``temperature > 0``, from a per-request sample), so a
+conversation can be continued with the decoded text. These are stock vLLM nodes: no
+fingerprint in D's params and no ``kvrelay_guard`` in P's, so a router in ``auto`` guard mode
+tokenizes on P and asks D for ``return_token_ids``.
+
+What P read is recorded (``reads``): a pull reads what D retained for that request id, and
+the way vLLM does, pairing the *last* ``ceil(n / block_size)`` ids of the list it was sent
+with its blocks. ``wrong_reuses`` lists the pulls whose KV is not the prompt's prefix (wrong
+tokens, wrong blocks, unknown request); ``double_reads`` the D requests read more than once
+(vLLM frees D's blocks after one read: a second read gets whatever reuses them).
 
 Faults are queued per node and consumed by generation requests, one per request:
 ``"connect"``, ``"timeout"``, ``"reset"``, ``("status", code)``, ``("die_after", k)``,
@@ -55,9 +64,29 @@ class MockNode:
     health: int | str = 200
     requests: list[tuple[str, dict[str, Any]]] = field(default_factory=list)
     release: asyncio.Event = field(default_factory=asyncio.Event)
+    health_checks: int = 0
 
     def generation_requests(self) -> list[dict[str, Any]]:
         return [b for p, b in self.requests if p.startswith("/v1/")]
+
+
+@dataclass(frozen=True)
+class Retained:
+    """What D kept for one request: the tokens (prompt + output - 1) and its block ids."""
+
+    tokens: list[int]
+    block_ids: list[int]
+    text: str
+
+
+@dataclass(frozen=True)
+class Read:
+    """One pull by P: the D request it read, how many tokens, and whether the KV it got is
+    the prompt's prefix (``correct``)."""
+
+    request_id: str
+    num_tokens: int
+    correct: bool
 
 
 class MockCluster:
@@ -92,6 +121,9 @@ class MockCluster:
         self.router_app: Any = None
         self.held_reports: list[dict[str, Any]] = []
         self.held_block_ids: list[list[int]] = []  # D's retained lists, in order
+        self.retained: dict[str, Retained] = {}  # by D's remote_request_id
+        self.reads: list[Read] = []
+        self._samples = itertools.count(1)
         self.report_results: list[dict[str, Any]] = []
         self._ids = itertools.count(1)
         self._tasks: set[asyncio.Task[None]] = set()
@@ -124,6 +156,19 @@ class MockCluster:
         while self._tasks:
             await asyncio.gather(*list(self._tasks), return_exceptions=True)
 
+    @property
+    def wrong_reuses(self) -> list[Read]:
+        return [r for r in self.reads if not r.correct]
+
+    @property
+    def double_reads(self) -> list[str]:
+        ids = [r.request_id for r in self.reads]
+        return sorted({i for i in ids if ids.count(i) > 1})
+
+    def retained_for(self, text: str) -> list[str]:
+        """D request ids whose answer was ``text``."""
+        return [rid for rid, r in self.retained.items() if r.text == text]
+
     # -- the transport ----------------------------------------------------------------------
 
     async def handle(self, request: httpx.Request) -> httpx.Response:
@@ -139,6 +184,7 @@ class MockCluster:
         node = self.nodes[request.url.host]
         path = request.url.path
         if path == "/health":
+            node.health_checks += 1
             if node.health == "connect":
                 raise httpx.ConnectError("refused", request=request)
             return httpx.Response(int(node.health))
@@ -222,8 +268,24 @@ class MockCluster:
         pulled = 0
         if sent.get("remote_block_ids"):
             pulled = min(int(sent["remote_num_tokens"]), len(prompt))
+            if pulled > 0:
+                self.reads.append(self._read(sent, prompt, pulled))
         params = self._params(node, "p2d", len(prompt), remote_prefill_cached_tokens=pulled)
         return self._full(body, chat, generate(prompt, 1), prompt, params, with_ids=False)
+
+    def _read(self, sent: dict[str, Any], prompt: list[int], num_tokens: int) -> Read:
+        rid = str(sent["remote_request_id"])
+        held = self.retained.get(rid)
+        need = -(-num_tokens // self.block_size)
+        ids = list(sent["remote_block_ids"][0])
+        correct = (
+            held is not None
+            and sent.get("remote_engine_id") == self.node(rid.split("-req-")[0]).engine_id
+            and num_tokens <= len(held.tokens)
+            and held.tokens[:num_tokens] == prompt[:num_tokens]
+            and len(ids) >= need and ids[len(ids) - need:] == held.block_ids[:need]
+        )
+        return Read(rid, num_tokens, correct)
 
     def _full(self, body: dict[str, Any], chat: bool, out: list[int], prompt: list[int],
               params: dict[str, Any] | None, *, with_ids: bool) -> dict[str, Any]:
@@ -251,9 +313,14 @@ class MockCluster:
     def _decode(self, node: MockNode, body: dict[str, Any], prompt: list[int], chat: bool,
                 fault: Fault | None) -> httpx.Response:
         count = body.get("max_tokens") or body.get("max_completion_tokens")
-        out = generate(prompt, count or self.default_max_tokens)
+        temperature = body.get("temperature")
+        sampled = isinstance(temperature, int | float) and temperature > 0
+        salt = list(next(self._samples).to_bytes(4, "little")) if sampled else []
+        out = generate(prompt + salt, count or self.default_max_tokens)
         params = self._params(node, "d2p", len(prompt) + len(out) - 1)
         self.held_block_ids.append(params["remote_block_ids"][0])
+        self.retained[params["remote_request_id"]] = Retained(
+            prompt + out[:-1], list(params["remote_block_ids"][0]), bytes(out).decode())
         with_ids = bool(body.get("return_token_ids"))
         sent = body.get("kv_transfer_params") or {}
         report = None
@@ -268,12 +335,13 @@ class MockCluster:
                                                        with_ids=with_ids))
         return httpx.Response(
             200, headers={"content-type": "text/event-stream"},
-            content=self._stream(chat, out, prompt, params, with_ids, report, fault),
+            content=self._stream(chat, out, prompt, params, with_ids, report, fault,
+                                 usage=_include_usage(body)),
         )
 
     async def _stream(self, chat: bool, out: list[int], prompt: list[int], params: dict[str, Any],
                       with_ids: bool, report: dict[str, Any] | None,
-                      fault: Fault | None) -> AsyncIterator[bytes]:
+                      fault: Fault | None, *, usage: bool) -> AsyncIterator[bytes]:
         rid = f"stream-{next(self._ids)}"
         obj = "chat.completion.chunk" if chat else "text_completion"
         die = fault[1] if isinstance(fault, tuple) and fault[0] == "die_after" else None
@@ -309,6 +377,10 @@ class MockCluster:
             if final and self.report_mode == "before" and report is not None:
                 await self._post_report(report)
             yield _sse(chunk)
+        if usage:  # vLLM's usage chunk: no choices
+            yield _sse({"id": rid, "object": obj, "model": "mock", "choices": [], "usage": {
+                "prompt_tokens": len(prompt), "total_tokens": len(prompt) + len(out),
+                "completion_tokens": len(out)}})
         if self.report_mode != "before":
             self._report(report)  # a task: runs once the router has read [DONE]
         yield b"data: [DONE]\n\n"
@@ -328,6 +400,11 @@ class MockCluster:
         async with httpx.AsyncClient(transport=transport, base_url="http://router") as c:
             resp = await c.post("/internal/kv-report", json=report)
             self.report_results.append(resp.json())
+
+
+def _include_usage(body: dict[str, Any]) -> bool:
+    options = body.get("stream_options")
+    return isinstance(options, dict) and options.get("include_usage") is True
 
 
 def _sse(obj: object) -> bytes:

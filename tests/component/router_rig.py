@@ -1,5 +1,5 @@
-"""Helpers for router tests: a router app on a ``MockCluster``, a manual clock, SSE parsing
-and a multi-turn chat driver."""
+"""Helpers for router tests: a router app on a ``MockCluster``, a manual clock, SSE parsing,
+a multi-turn chat driver, and index lookups made the way the router makes them."""
 
 from __future__ import annotations
 
@@ -10,8 +10,11 @@ from typing import Any
 
 import httpx
 
+from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.index import Found
+from kvrelay.router.request import Endpoint, parse_request
 from kvrelay.router.state import RouterContext
 from tests.component.httpx_transport import HttpxTransport
 from tests.component.router_mock import MockCluster
@@ -142,6 +145,23 @@ class Rig:
         """Let pending D reports arrive and be processed."""
         await self.cluster.drain()
 
+    async def lookup(
+        self,
+        body: dict[str, Any],
+        *,
+        endpoint: Endpoint = "chat",
+        headers: dict[str, str] | None = None,
+        tenant: str = "default",
+    ) -> Found | None:
+        """The entry the router would find for the request ``body`` (a follow-up turn): the
+        request parsed as the router parses it (scope from tenant, ``conversation_id`` or a
+        session header), then ``index.lookup`` on its digests."""
+        assert self.config is not None
+        lower = {k.lower(): v for k, v in (headers or {}).items()}
+        req = parse_request(endpoint, json.dumps(body).encode(), lower, tenant,
+                            self.config.session_headers)
+        return await self.ctx.index.lookup(req.identity)
+
 
 @dataclass
 class Chat:
@@ -153,14 +173,31 @@ class Chat:
     max_tokens: int = 8
     messages: list[dict[str, Any]] = field(default_factory=list)
 
-    async def turn(self, user: str, **extra: Any) -> tuple[httpx.Response, str]:
-        self.messages.append({"role": "user", "content": user})
+    def body(self, **extra: Any) -> dict[str, Any]:
+        """The request for the messages so far (the last one is the new user message)."""
         body: dict[str, Any] = {
             "model": "mock", "messages": list(self.messages), "max_tokens": self.max_tokens,
             "stream": self.stream, **extra,
         }
         if self.conversation_id is not None:
             body["conversation_id"] = self.conversation_id
+        return body
+
+    async def entry(
+        self, *, tenant: str = "default", headers: dict[str, str] | None = None
+    ) -> ConversationEntry | None:
+        """The entry this conversation's next turn would continue (``None``: it would
+        recompute with ``no_entry``)."""
+        self.messages.append({"role": "user", "content": "(probe)"})
+        try:
+            found = await self.rig.lookup(self.body(), headers=headers, tenant=tenant)
+        finally:
+            self.messages.pop()
+        return found.entry if found is not None else None
+
+    async def turn(self, user: str, **extra: Any) -> tuple[httpx.Response, str]:
+        self.messages.append({"role": "user", "content": user})
+        body = self.body(**extra)
         resp = await self.rig.post("/v1/chat/completions", body)
         text = ""
         if resp.status_code == 200:
