@@ -39,8 +39,10 @@ from kvrelay.router.config import RouterConfig
 Fault = str | tuple[str, int]
 
 
-def template(messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> str:
-    text = "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
+def template(
+    messages: list[dict[str, Any]], add_generation_prompt: bool = True, preamble: str = ""
+) -> str:
+    text = preamble + "".join(f"<{m['role']}>{m.get('content') or ''}" for m in messages)
     return text + ("<assistant>" if add_generation_prompt else "")
 
 
@@ -117,6 +119,9 @@ class MockCluster:
         self.default_max_tokens = default_max_tokens
         self.block_size = block_size
         self.extra_blocks = extra_blocks  # > 0: D lists more blocks than its tokens need
+        # rendered before every chat prompt: change it to model a chat template that renders
+        # the same messages differently (a new template, today's date in the system prompt)
+        self.preamble = ""
         self.transport = httpx.MockTransport(self.handle)
         self.router_app: Any = None
         self.held_reports: list[dict[str, Any]] = []
@@ -226,7 +231,8 @@ class MockCluster:
 
     def _tokenize(self, body: dict[str, Any]) -> dict[str, Any]:
         if "messages" in body:
-            text = template(body["messages"], body.get("add_generation_prompt", True))
+            text = template(body["messages"], body.get("add_generation_prompt", True),
+                            self.preamble)
         else:
             text = body["prompt"]
         ids = tokens_of(text)
@@ -234,7 +240,8 @@ class MockCluster:
 
     def _prompt(self, body: dict[str, Any], chat: bool) -> list[int]:
         if chat:
-            return tokens_of(template(body["messages"], body.get("add_generation_prompt", True)))
+            return tokens_of(template(body["messages"], body.get("add_generation_prompt", True),
+                                      self.preamble))
         prompt = body["prompt"]
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str | list):
             prompt = prompt[0]

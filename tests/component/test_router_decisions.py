@@ -1,31 +1,48 @@
-"""Every turn-policy reason, reached through the router's HTTP API (scripted mock cluster,
-injected router clock: no sleeps for TTLs)."""
+"""Every turn-policy reason, reached through the router's HTTP API (scripted mock cluster of
+stock vLLM nodes, so the router runs the exact prefix guard itself with P's ``/tokenize``;
+injected router clock: no sleeps for TTLs). Every test also checks what P read: never a
+wrong prefix, never one D request twice."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
+from msgspec.structs import replace
 
-from kvrelay.core.conversation import ConversationKey
 from kvrelay.router.config import build_config
 from tests.component.router_mock import MockCluster
 from tests.component.router_rig import Chat, Rig, until
 
 LONG = "please explain the following in detail: " + "z" * 80
-KEY = ConversationKey("default", "c")
 TTL, MARGIN = 480.0, 10.0
+
+_rigs: list[Rig] = []
+
+
+@pytest.fixture(autouse=True)
+async def reads_are_exact() -> AsyncIterator[None]:
+    """After each test: every pull read exactly the prompt's prefix, each D request once."""
+    _rigs.clear()
+    yield
+    for rig in _rigs:
+        assert not rig.cluster.wrong_reuses, rig.cluster.wrong_reuses
+        assert not rig.cluster.double_reads, rig.cluster.double_reads
 
 
 async def make(cluster: MockCluster | None = None, **settings: Any) -> Rig:
-    return Rig(cluster or MockCluster(), settings)
+    rig = Rig(cluster or MockCluster(), settings)
+    _rigs.append(rig)
+    return rig
 
 
 async def two_turns(
-    rig: Rig, between: Any = None, second: str = "go on", max_tokens: int = 8
+    rig: Rig, between: Any = None, second: str = "go on", max_tokens: int = 8,
+    chat: Chat | None = None,
 ) -> dict[str, Any]:
-    chat = Chat(rig, "c", max_tokens=max_tokens)
+    chat = chat or Chat(rig, "c", max_tokens=max_tokens)
     resp, _ = await chat.turn(LONG)
     assert resp.status_code == 200
     if between is not None:
@@ -35,20 +52,25 @@ async def two_turns(
     return await rig.last_decision()
 
 
-async def test_pull_consumes_the_entry_and_replaces_it() -> None:
+@pytest.mark.parametrize("conversation_id", ["c", None])
+async def test_pull_consumes_the_entry_and_replaces_it(conversation_id: str | None) -> None:
     rig = await make()
     try:
-        chat = Chat(rig, "c")
+        chat = Chat(rig, conversation_id)
         await chat.turn(LONG)
-        first = await rig.ctx.store.get(KEY)
-        assert first is not None and first.turn == 1
+        chat.messages.append({"role": "user", "content": "more"})
+        found = await rig.lookup(chat.body())
+        chat.messages.pop()
+        assert found is not None and found.entry.turn == 1
         await chat.turn("more")
         assert (await rig.last_decision())["reason"] == "pull"
-        second = await rig.ctx.store.get(KEY)
+        second = await chat.entry()
         assert second is not None and second.turn == 2
-        assert second.blocks.request_id != first.blocks.request_id
-        # the consumed entry can never be claimed again
-        assert not await rig.ctx.store.claim(KEY, first)
+        assert second.blocks.request_id != found.entry.blocks.request_id
+        assert len(rig.ctx.index) == 1
+        # the consumed entry can never be claimed again, nor found
+        assert not await rig.ctx.index.claim(found.ref, found.entry)
+        assert [r.request_id for r in rig.cluster.reads] == [found.entry.blocks.request_id]
     finally:
         await rig.close()
 
@@ -82,8 +104,9 @@ async def test_per_decode_ttl() -> None:
     })
     rig = Rig(cluster, config=config)
     try:
-        await Chat(rig, "c").turn(LONG)
-        entry = await rig.ctx.store.get(KEY)
+        chat = Chat(rig, "c")
+        await chat.turn(LONG)
+        entry = await chat.entry()
         assert entry is not None and entry.decode_node_id == "decode-0"
         assert entry.expires_at_s == pytest.approx(rig.clock() + 60 - MARGIN)
         assert config.decode[1].ttl_s == TTL
@@ -98,7 +121,7 @@ async def test_node_down_drops_its_entries() -> None:
             rig.cluster.node("decode-0").health = 503
             await rig.ctx.nodes.check_all()
             await rig.ctx.nodes.check_all()
-            assert len(rig.ctx.store) == 0
+            assert len(rig.ctx.index) == 0
 
         last = await two_turns(rig, fail_d0)
         assert last["reason"] == "no_entry" and last["decode_node"] == "decode-1"
@@ -121,7 +144,7 @@ async def test_node_down_for_an_entry_completed_after_the_node_went_down() -> No
         d0.release.set()
         resp, _ = await turn1
         assert resp.status_code == 200
-        assert (await rig.ctx.store.get(KEY)) is not None
+        assert (await chat.entry()) is not None
         resp, _ = await chat.turn("again")
         assert resp.status_code == 200
         last = await rig.last_decision()
@@ -132,17 +155,19 @@ async def test_node_down_for_an_entry_completed_after_the_node_went_down() -> No
 
 
 async def test_node_down_for_an_entry_of_an_unknown_node() -> None:
-    """A shared store may hold entries of D nodes this router does not know."""
-    from dataclasses import replace
-
+    """A shared index may hold entries of D nodes this router does not know."""
     rig = await make()
     try:
         async def foreign(chat: Chat) -> None:
-            entry = await rig.ctx.store.get(KEY)
-            assert entry is not None
-            await rig.ctx.store.put(KEY, replace(entry, decode_node_id="elsewhere"))
+            chat.messages.append({"role": "user", "content": "(probe)"})
+            found = await rig.lookup(chat.body())
+            chat.messages.pop()
+            assert found is not None
+            await rig.ctx.index.put(
+                found.ref, replace(found.entry, decode_node_id="elsewhere"), tenant="default")
 
         assert (await two_turns(rig, foreign))["reason"] == "node_down"
+        assert not rig.cluster.reads
     finally:
         await rig.close()
 
@@ -161,25 +186,50 @@ async def test_engine_restarted() -> None:
         async def restart_after_b(chat: Chat) -> None:
             await restart(chat)
 
-        assert (await two_turns(rig, restart_after_b))["reason"] == "engine_restarted"
-        assert await rig.ctx.store.get(KEY) is not None  # the new turn's entry
+        chat = Chat(rig, "c")
+        assert (await two_turns(rig, restart_after_b, chat=chat))["reason"] == \
+            "engine_restarted"
+        assert await chat.entry() is not None  # the new turn's entry
         # b's entry, retained by the dead engine, was purged with it
-        assert await rig.ctx.store.get(ConversationKey("default", "b")) is None
+        assert await chat_b.entry() is None
         assert rig.ctx.metrics.dropped.labels("engine_restarted")._value.get() == 2
+        assert not rig.cluster.reads
     finally:
         await rig.close()
 
 
-async def test_prefix_mismatch_when_an_earlier_message_is_edited() -> None:
+async def test_an_edited_earlier_message_is_a_new_conversation() -> None:
+    """The request no longer contains the entry's request: nothing to continue (and nothing
+    of the entry is read), whatever the id says."""
     rig = await make()
     try:
         async def edit(chat: Chat) -> None:
             chat.messages[0]["content"] = "PLEASE" + chat.messages[0]["content"][6:]
 
         last = await two_turns(rig, edit)
-        assert last["reason"] == "prefix_mismatch" and last["verified_tokens"] < 16
+        assert last["reason"] == "no_entry"
         assert rig.cluster.node("prefill-0").generation_requests()[-1]["kv_transfer_params"] \
             == {"do_remote_decode": True}
+        assert not rig.cluster.reads
+    finally:
+        await rig.close()
+
+
+async def test_prefix_mismatch_when_the_rendered_prompt_changes() -> None:
+    """Same messages, but P now renders them differently (a new chat template, a date in
+    the system prompt): the digests match, the tokens do not; the router's guard proves
+    fewer than the threshold and recomputes, and the useless entry is not pulled."""
+    rig = await make()
+    try:
+        async def new_template(chat: Chat) -> None:
+            rig.cluster.preamble = "<date:2026-12-02>"
+
+        last = await two_turns(rig, new_template)
+        assert (last["reason"], last["exact"]) == ("prefix_mismatch", True)
+        assert last["verified_tokens"] < 16
+        assert rig.cluster.node("prefill-0").generation_requests()[-1]["kv_transfer_params"] \
+            == {"do_remote_decode": True}
+        assert not rig.cluster.reads
     finally:
         await rig.close()
 
@@ -204,11 +254,13 @@ async def test_cost_model() -> None:
 
 
 async def partial_turns(rig: Rig) -> dict[str, Any]:
-    """Turn 2 keeps only the first 40 characters of the 64-token reply: a partial reuse."""
-    async def cut(chat: Chat) -> None:
-        chat.messages[-1]["content"] = chat.messages[-1]["content"][:40] + "!"
+    """Turn 2 re-sends the 64-token reply with a leading space: the same answer for the
+    lookup (whitespace around an answer is not part of it), other tokens for the template,
+    so only the prompt before the reply is proven: a partial reuse."""
+    async def respace(chat: Chat) -> None:
+        chat.messages[-1]["content"] = " " + chat.messages[-1]["content"]
 
-    return await two_turns(rig, cut, max_tokens=64)
+    return await two_turns(rig, respace, max_tokens=64)
 
 
 @pytest.mark.parametrize(
@@ -222,7 +274,9 @@ async def test_partial_pull_cuts_the_block_list(
     try:
         last = await partial_turns(rig)
         assert last["reason"] == "pull"
-        entry_held = len(LONG) + len("<user><assistant>") + 64 - 1
+        prompt1 = len(LONG) + len("<user><assistant>")
+        entry_held = prompt1 + 64 - 1
+        assert last["reused_tokens"] == prompt1 // 16 * 16  # whole fingerprint chunks
         assert 0 < last["reused_tokens"] < entry_held
         sent = rig.cluster.node("prefill-0").generation_requests()[-1]["kv_transfer_params"]
         assert sent["remote_num_tokens"] == last["reused_tokens"]
@@ -247,24 +301,30 @@ async def test_configured_block_size_too_large_for_the_list_stores_nothing() -> 
     rig = await make(MockCluster(block_size=16), block_size=4)
     try:
         await Chat(rig, "c").turn(LONG)
-        assert len(rig.ctx.store) == 0
+        assert len(rig.ctx.index) == 0
         assert rig.ctx.metrics.turn_entries.labels("bad_block_layout")._value.get() == 1
     finally:
         await rig.close()
 
 
-async def test_direct_when_enabled() -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_direct_when_enabled(stream: bool) -> None:
     rig = await make(direct_enabled=True)
     try:
-        last = await two_turns(rig)
+        chat = Chat(rig, "c", stream=stream)
+        last = await two_turns(rig, chat=chat)
         assert (last["action"], last["reason"]) == ("direct", "direct")
         p_paths = [p for p, _ in rig.cluster.node("prefill-0").requests]
         assert p_paths.count("/v1/chat/completions") == 1  # turn 1 only
         d_body = rig.cluster.node("decode-0").generation_requests()[-1]
         assert d_body["kv_transfer_params"]["do_remote_prefill"] is False
         assert d_body["kv_transfer_params"]["do_remote_decode"] is False
-        assert d_body["kv_transfer_params"]["kvrelay_turn_id"]
-        assert (await rig.ctx.store.get(KEY)) is not None
+        # a report target only for streams: a non-streamed answer carries D's params
+        assert ("kvrelay_turn_id" in d_body["kv_transfer_params"]) is stream
+        await rig.settle()
+        entry = await chat.entry()
+        assert entry is not None and entry.turn == 2
+        assert not rig.cluster.reads  # D reused its own prefix cache: nothing was pulled
     finally:
         await rig.close()
 
@@ -289,14 +349,15 @@ def pulled_request_ids(rig: Rig) -> list[str]:
     return [p["remote_request_id"] for p in sent if p.get("remote_block_ids")]
 
 
-async def test_concurrent_turns_pull_an_entry_at_most_once() -> None:
+@pytest.mark.parametrize("conversation_id", ["c", None])
+async def test_concurrent_turns_pull_an_entry_at_most_once(conversation_id: str | None) -> None:
     """Both turns wait for the same pending report, then race for its entry."""
     rig = await make(MockCluster(report_mode="manual"))
     try:
-        chat = Chat(rig, "c", stream=True)
+        chat = Chat(rig, conversation_id, stream=True)
         await chat.turn(LONG)
-        body = {"messages": [*chat.messages, {"role": "user", "content": "next"}],
-                "max_tokens": 8, "conversation_id": "c"}
+        chat.messages.append({"role": "user", "content": "next"})
+        body = chat.body(stream=False)
         p0 = rig.cluster.node("prefill-0")
         p0.faults.extend(["hang", "hang"])  # hold both turns at P until both decided
         turns = [asyncio.create_task(rig.post("/v1/chat/completions", body))
@@ -312,32 +373,36 @@ async def test_concurrent_turns_pull_an_entry_at_most_once() -> None:
         assert r1.json()["choices"][0]["message"] == r2.json()["choices"][0]["message"]
         recent = (await rig.stats())["decisions"]["recent"][-2:]
         assert sorted(d["reason"] for d in recent) == ["no_entry", "pull"]
-        assert len(pulled_request_ids(rig)) == 1
+        assert len(pulled_request_ids(rig)) == 1 and len(rig.cluster.reads) == 1
     finally:
         await rig.close()
 
 
-async def test_many_concurrent_turns_never_pull_an_entry_twice() -> None:
+@pytest.mark.parametrize("conversation_id", ["c", None])
+async def test_many_concurrent_turns_never_pull_an_entry_twice(
+    conversation_id: str | None,
+) -> None:
+    """Forks: eight requests continue one entry at once; exactly one pulls it."""
     rig = await make()
     try:
-        chat = Chat(rig, "c")
+        chat = Chat(rig, conversation_id)
         await chat.turn(LONG)
-        body = {"messages": [*chat.messages, {"role": "user", "content": "next"}],
-                "max_tokens": 8, "conversation_id": "c"}
+        chat.messages.append({"role": "user", "content": "next"})
+        body = chat.body()
         results = await asyncio.gather(
             *(rig.post("/v1/chat/completions", body) for _ in range(8)))
         assert all(r.status_code == 200 for r in results)
-        ids = pulled_request_ids(rig)
-        assert ids and len(ids) == len(set(ids))
+        assert len(pulled_request_ids(rig)) == 1 and len(rig.cluster.reads) == 1
+        reasons = sorted(r.headers["x-kvrelay-reason"] for r in results)
+        assert reasons == ["no_entry"] * 7 + ["pull"]
     finally:
         await rig.close()
 
 
 async def test_side_channel_rewrite() -> None:
     cluster = MockCluster(1, 1)
-    settings = {"side_channels": {cluster.prefill_urls[0]: "10.0.0.1:7000",
-                                  "decode-0": "10.0.0.2"}}
-    rig = Rig(cluster, settings)
+    rig = await make(cluster, side_channels={cluster.prefill_urls[0]: "10.0.0.1:7000",
+                                             "decode-0": "10.0.0.2"})
     try:
         await two_turns(rig)
         p_sent = cluster.node("prefill-0").generation_requests()[-1]["kv_transfer_params"]
