@@ -1,5 +1,6 @@
-"""Failure handling against a scripted mock cluster: retries, error translation, mid-stream
-errors, and bad client input (always a 4xx OpenAI error, never a 500)."""
+"""Failure handling against a scripted mock cluster: retries, error translation (messages
+name the role that failed, never a node), mid-stream errors, and bad client input (always a
+4xx OpenAI error, never a 500)."""
 
 from __future__ import annotations
 
@@ -9,12 +10,10 @@ from typing import Any
 
 import pytest
 
-from kvrelay.core.conversation import ConversationKey
 from tests.component.router_mock import MockCluster
 from tests.component.router_rig import Chat, Rig, assert_no_internal_fields, sse_events
 
 LONG = "a question that is long enough to pull " + "y" * 60
-KEY = ConversationKey("default", "c")
 
 
 def assert_openai_error(resp: Any, status: int) -> dict[str, Any]:
@@ -22,7 +21,23 @@ def assert_openai_error(resp: Any, status: int) -> dict[str, Any]:
     err = resp.json()["error"]
     assert set(err) == {"message", "type", "param", "code"}
     assert isinstance(err["message"], str) and err["message"]
+    if status >= 500:  # the router's own words (a node's 4xx passes through as it is)
+        assert_names_no_node(err["message"])
     return dict(err)
+
+
+def assert_names_no_node(message: str) -> None:
+    for secret in ("prefill-", "decode-", ".test", "http", "engine-", "Error("):
+        assert secret not in message, message
+
+
+def assert_not_the_nodes_fault(rig: Rig, node_id: str) -> None:
+    """A node's 4xx is the client's fault: not an upstream error, the node stays up."""
+    state = rig.ctx.nodes.state(node_id)
+    assert state is not None and state.up
+    assert "upstream_errors_total{" not in rig.ctx.metrics.render().decode()
+    admin = rig.ctx.nodes.describe(admin=True)
+    assert [n["last_error"] for n in admin if n["id"] == node_id] == [None]
 
 
 async def make(num_prefill: int = 1, num_decode: int = 1, **settings: Any) -> Rig:
@@ -45,8 +60,10 @@ async def test_p_connect_error_retries_on_other_p_as_recompute() -> None:
         assert (last["action"], last["retries"]) == ("pull", 1)
         assert last["prefill_node"] == "prefill-1"
         assert p1.generation_requests()[-1]["kv_transfer_params"] == {"do_remote_decode": True}
-        # the pull's entry stays consumed; the retried turn left a new one
-        assert len(rig.ctx.store) == 1
+        # the pull's entry stays consumed (P may have read it); the retried turn left a new one
+        assert len(rig.ctx.index) == 1
+        entry = await chat.entry()
+        assert entry is not None and entry.turn == 2
         assert not rig.ctx.nodes.state("prefill-0").up  # type: ignore[union-attr]
     finally:
         await rig.close()
@@ -66,16 +83,21 @@ async def test_single_p_failure_retries_same_p_once() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fault", "status"),
-    [(("status", 500), 502), ("connect", 503), ("timeout", 504), ("bad_json", 502),
-     ("reset", 502)],
+    ("fault", "status", "message"),
+    [(("status", 500), 502, "the prefill node failed"),
+     (("status", 503), 503, "the prefill node is at capacity; retry later"),
+     ("connect", 503, "the prefill node is unreachable"),
+     ("timeout", 504, "the prefill node timed out"),
+     ("bad_json", 502, "the prefill node sent an invalid response"),
+     ("reset", 502, "the prefill node closed the connection")],
 )
-async def test_p_failing_twice_is_an_openai_error(fault: Any, status: int) -> None:
+async def test_p_failing_twice_is_an_openai_error(fault: Any, status: int, message: str) -> None:
     rig = await make()
     try:
         rig.cluster.node("prefill-0").faults.extend([fault, fault])
         resp, _ = await Chat(rig, "c").turn(LONG)
-        assert_openai_error(resp, status)
+        assert assert_openai_error(resp, status)["message"] == message
+        assert ("retry-after" in resp.headers) is (fault == ("status", 503))
         assert len(rig.cluster.node("decode-0").generation_requests()) == 0
         assert (await rig.last_decision())["outcome"] == f"error_{status}"
     finally:
@@ -91,6 +113,7 @@ async def test_p_4xx_is_passed_through_without_retry() -> None:
         assert err["message"] == "mock error 400"
         assert len(rig.cluster.node("prefill-0").generation_requests()) == 1
         assert len(rig.cluster.node("prefill-1").generation_requests()) == 0
+        assert_not_the_nodes_fault(rig, "prefill-0")
     finally:
         await rig.close()
 
@@ -133,15 +156,20 @@ async def test_d_failure_before_start_reuses_p_params_on_other_d(
         sent0 = d0.generation_requests()[0]["kv_transfer_params"]
         sent1 = d1.generation_requests()[0]["kv_transfer_params"]
         assert sent0["remote_request_id"] == sent1["remote_request_id"]  # same P params
-        assert sent0["kvrelay_turn_id"] != sent1["kvrelay_turn_id"]
+        if stream:  # each D request has its own turn id (bound to that D)
+            assert sent0["kvrelay_turn_id"] != sent1["kvrelay_turn_id"]
+        else:  # non-streamed answers carry D's params: no report asked
+            assert "kvrelay_turn_id" not in sent0 and "kvrelay_turn_id" not in sent1
         last = await rig.last_decision()
         assert (last["decode_node"], last["retries"]) == ("decode-1", 1)
-        kind = "connect" if fault == "connect" else "status"
+        kind = "connect" if fault == "connect" else "capacity"  # HTTP 503: at capacity
         errors = rig.ctx.metrics.upstream_errors.labels("decode-0", kind)._value.get()
         assert errors == 1
         await rig.settle()
-        entry = await rig.ctx.store.get(KEY)
+        entry = await Chat(rig, "c", messages=[
+            {"role": "user", "content": LONG}, {"role": "assistant", "content": text}]).entry()
         assert entry is not None and entry.decode_node_id == "decode-1"
+        assert rig.cluster.report_results == ([{"outcome": "matched"}] if stream else [])
     finally:
         await rig.close()
 
@@ -179,15 +207,25 @@ async def test_streamed_d_dying_before_first_event_is_retried() -> None:
 
 
 @pytest.mark.parametrize(
-    ("fault", "status"), [("connect", 503), (("status", 500), 502), ("timeout", 504)]
+    ("fault", "status", "message"),
+    [("connect", 503, "the decode node is unreachable"),
+     (("status", 500), 502, "the decode node failed"),
+     (("status", 503), 503, "the decode node is at capacity; retry later"),
+     ("timeout", 504, "the decode node timed out")],
 )
-async def test_single_d_failure_is_an_openai_error(fault: Any, status: int) -> None:
+@pytest.mark.parametrize("stream", [False, True])
+async def test_single_d_failure_is_an_openai_error(
+    fault: Any, status: int, message: str, stream: bool
+) -> None:
     rig = await make()
     try:
         rig.cluster.node("decode-0").faults.append(fault)
-        resp, _ = await Chat(rig, "c", stream=True).turn(LONG)
-        assert_openai_error(resp, status)
-        assert len(rig.ctx.reports) == 0
+        resp, _ = await Chat(rig, "c", stream=stream).turn(LONG)
+        assert assert_openai_error(resp, status)["message"] == message
+        assert resp.headers.get("retry-after") == ("1" if status == 503 and fault != "connect"
+                                                   else None)
+        assert len(rig.ctx.desk) == 0 and len(rig.ctx.index) == 0
+        assert (await rig.last_decision())["outcome"] == f"error_{status}"
     finally:
         await rig.close()
 
@@ -199,6 +237,7 @@ async def test_d_4xx_passed_through() -> None:
         resp, _ = await Chat(rig, "c").turn(LONG)
         assert assert_openai_error(resp, 422)["message"] == "mock error 422"
         assert len(rig.cluster.node("decode-1").generation_requests()) == 0
+        assert_not_the_nodes_fault(rig, "decode-0")
     finally:
         await rig.close()
 
@@ -212,7 +251,7 @@ async def test_d_dying_mid_stream_ends_with_error_event_and_drops_entry() -> Non
         chat = Chat(rig, "c", stream=True)
         await chat.turn(LONG)
         await rig.settle()
-        assert len(rig.ctx.store) == 1
+        assert len(rig.ctx.index) == 1
         rig.cluster.node("decode-0").faults.append(("die_after", 3))
         rig.cluster.node("decode-1").faults.append(("die_after", 3))
         resp, _ = await chat.turn("next")
@@ -221,11 +260,14 @@ async def test_d_dying_mid_stream_ends_with_error_event_and_drops_entry() -> Non
         assert events[-1] == "[DONE]"
         err = events[-2]["error"]
         assert err["code"] == 502 and set(err) == {"message", "type", "param", "code"}
+        assert err["message"] == "the decode node failed mid-stream"
         assert sum(1 for e in events[:-2] if e["choices"][0].get("delta", {}).get("content")) \
             == 3
         assert_no_internal_fields(events)
-        assert len(rig.ctx.store) == 0 and len(rig.ctx.reports) == 0
+        # the pull spent turn 1's entry; the failed turn left none
+        assert len(rig.ctx.index) == 0 and len(rig.ctx.desk) == 0
         assert (await rig.last_decision())["outcome"] == "failed_mid_stream"
+        assert len(rig.cluster.reads) == 1 and not rig.cluster.wrong_reuses
     finally:
         await rig.close()
 
@@ -238,7 +280,10 @@ async def test_d_error_event_passed_through_and_no_entry() -> None:
         events = sse_events(resp.text)
         assert events[-1] == "[DONE]" and events[-2]["error"]["code"] == 500
         await rig.settle()
-        assert len(rig.ctx.store) == 0 and len(rig.ctx.reports) == 0
+        assert len(rig.ctx.index) == 0 and len(rig.ctx.desk) == 0
+        assert (await rig.last_decision())["outcome"] == "error_event"
+        assert rig.ctx.metrics.upstream_errors.labels("decode-0", "error_event")._value.get() \
+            == 1
     finally:
         await rig.close()
 
