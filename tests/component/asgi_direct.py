@@ -1,15 +1,21 @@
 """Calling an ASGI app directly, without an HTTP client: exact control of the headers and of
 how the body is delivered (chunks, and how many of them the app actually read), and fast
-enough for tens of thousands of fuzzed requests."""
+enough for tens of thousands of fuzzed requests.
+
+The client stays connected until the response is complete, as a real one does: once the
+body is delivered, ``receive()`` waits for the end of the response (then reports the
+disconnect, like an ASGI server). ``disconnect_after_body=True`` is a client that goes away
+as soon as it has sent its body."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from starlette.types import ASGIApp, Message
+from kvrelay.router.asgi import ASGIApp, Message
 
 
 @dataclass
@@ -36,10 +42,13 @@ async def call(
     headers: Sequence[tuple[bytes, bytes]] = (),
     chunks: Sequence[bytes] = (b"",),
     query: bytes = b"",
+    *,
+    disconnect_after_body: bool = False,
 ) -> Answer:
     """One HTTP request; the body is delivered as ``chunks``."""
     answer = Answer()
     pending = list(chunks) or [b""]
+    complete = asyncio.Event()
     scope: dict[str, Any] = {
         "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
         "method": method, "scheme": "http", "path": path,
@@ -50,6 +59,8 @@ async def call(
 
     async def receive() -> Message:
         if not pending:
+            if not disconnect_after_body:
+                await complete.wait()
             return {"type": "http.disconnect"}
         answer.chunks_read += 1
         chunk = pending.pop(0)
@@ -61,6 +72,8 @@ async def call(
             answer.headers = list(message.get("headers", []))
         elif message["type"] == "http.response.body":
             answer.body += message.get("body", b"")
+            if not message.get("more_body", False):
+                complete.set()
 
     await app(scope, receive, send)
     return answer

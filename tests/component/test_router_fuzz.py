@@ -1,7 +1,12 @@
 """Property: whatever a client sends (bodies, types, paths, methods, headers), the router
 answers below 500, and every error is an OpenAI error body. Over 10,000 requests, generated
 deterministically by hypothesis, against the app called directly (ASGI) in front of the
-scripted mock cluster; API keys and an admin key are on, so auth paths are fuzzed too."""
+scripted mock cluster; API keys and an admin key are on, so auth paths are fuzzed too.
+
+Multi-turn conversations are fuzzed as well (ids or none, streams, answers re-sent exactly,
+re-spaced, edited, with tool calls or content parts; D's reports delivered, corrupted,
+repeated or lost), and so is the internal listener D posts reports to. Whatever happens,
+no pull reads anything but the prompt's exact prefix and no D request is read twice."""
 
 from __future__ import annotations
 
@@ -15,7 +20,7 @@ from hypothesis import strategies as st
 
 from tests.component.asgi_direct import Answer, call, is_openai_error
 from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Rig
+from tests.component.router_rig import Rig, sse_events, stream_text
 
 KEYS = ["t1:fuzz-key-1", "t2:fuzz-key-2"]
 FIELDS = ["messages", "prompt", "model", "stream", "max_tokens", "n", "conversation_id",
@@ -81,31 +86,114 @@ headers = st.lists(st.tuples(
     header_values | st.sampled_from(AUTH)), max_size=4)
 
 
+Corruption = str
+CORRUPTIONS = ["none", "none", "lost", "twice", "engine", "prompt_tokens", "output_tokens",
+               "turn_id", "garbage", "batch"]
+ASSISTANT_FORMS = ["exact", "exact", "spaced", "edited", "tool_call", "parts", "reasoning",
+                   "earlier_edited"]
+
+
 class Harness:
+    """Two routers in one event loop: ``rig`` (1 P, 2 D, reports as D sends them, small
+    body limit) for single requests, ``conv`` (reports held until the test delivers them,
+    corrupted or not) for conversations."""
+
     def __init__(self) -> None:
         self.loop = asyncio.new_event_loop()
         self.cluster = MockCluster(1, 2)
-        self.rig = self.loop.run_until_complete(self._rig())
+        self.rig = self.loop.run_until_complete(self._rig(self.cluster, max_body_bytes=256))
+        # the mock's P answers at once, so learned costs would make every pull look too
+        # dear: the conversations are about correctness, pull whenever the guard allows
+        self.conv = self.loop.run_until_complete(self._rig(
+            MockCluster(1, 2, report_mode="manual"), max_body_bytes=1 << 20,
+            pull_cost_factor=1e-9))
         self.count = 0
         self.statuses: dict[int, int] = {}
+        self.report_outcomes: dict[str, int] = {}
 
-    async def _rig(self) -> Rig:
-        return Rig(self.cluster, {"api_keys": KEYS, "admin_key": "fuzz-admin",
-                                  "max_body_bytes": 256, "report_wait_s": 0.0})
+    async def _rig(self, cluster: MockCluster, **settings: Any) -> Rig:
+        return Rig(cluster, {"api_keys": KEYS, "admin_key": "fuzz-admin",
+                             "report_wait_s": 0.0, **settings})
 
     def request(self, method: str, path: str, hdrs: list[tuple[bytes, bytes]],
-                raw: bytes) -> Answer:
-        answer = self.loop.run_until_complete(call(self.rig.app, method, path, hdrs, [raw]))
+                raw: bytes, *, rig: Rig | None = None, internal: bool = False) -> Answer:
+        rig = rig or self.rig
+        app = rig.app.internal if internal else rig.app
+        answer = self.loop.run_until_complete(call(app, method, path, hdrs, [raw]))
         self.count += 1
         self.statuses[answer.status] = self.statuses.get(answer.status, 0) + 1
         assert 200 <= answer.status < 500, (method, path, hdrs, raw[:300], answer.body[:300])
         if answer.status >= 400 and method != "HEAD":
             assert is_openai_error(answer), (path, answer.status, answer.body[:300])
+        if internal and path == "/internal/kv-report" and answer.status == 200:
+            body = answer.json()
+            for outcome in body.get("outcomes", [body.get("outcome")]):
+                self.report_outcomes[outcome] = self.report_outcomes.get(outcome, 0) + 1
         return answer
 
+    def deliver(self, corruption: Corruption) -> None:
+        """Post the conversation router's held reports as D would, after ``corruption``."""
+        cluster = self.conv.cluster
+        held, cluster.held_reports = cluster.held_reports, []
+        if corruption == "lost":
+            return
+        for report in held:
+            sent: Any = dict(report)
+            params = dict(sent["kv_transfer_params"])
+            if corruption == "engine":
+                params["remote_engine_id"] = "engine-impostor"
+            elif corruption == "prompt_tokens":
+                sent["num_prompt_tokens"] += 1
+            elif corruption == "output_tokens":
+                sent["num_output_tokens"] += 1000
+            elif corruption == "turn_id":
+                sent["turn_id"] = sent["turn_id"][::-1]
+            sent["kv_transfer_params"] = params
+            if corruption == "garbage":
+                sent = {"turn_id": sent["turn_id"], "kv_transfer_params": [1, 2]}
+            elif corruption == "batch":
+                sent = [sent, {"turn_id": "nope"}, 3]
+            for _ in range(2 if corruption == "twice" else 1):
+                self.request("POST", "/internal/kv-report", [JSON_TYPE], encode(sent),
+                             rig=self.conv, internal=True)
+
     def close(self) -> None:
-        self.loop.run_until_complete(self.rig.close())
+        for rig in (self.rig, self.conv):
+            self.loop.run_until_complete(rig.close())
+            assert not rig.cluster.wrong_reuses, rig.cluster.wrong_reuses
+            assert not rig.cluster.double_reads, rig.cluster.double_reads
         self.loop.close()
+
+
+JSON_TYPE = (b"content-type", b"application/json")
+SYSTEM = {"role": "system", "content": "You are an agent under test; answer briefly. " * 4}
+
+
+def answer_text(answer: Answer, stream: bool) -> str:
+    if stream:
+        return stream_text(sse_events(answer.body.decode()))
+    content = answer.json()["choices"][0]["message"]["content"]
+    return str(content)
+
+
+def resent(messages: list[dict[str, Any]], answer: str, form: str) -> list[dict[str, Any]]:
+    """The history a client re-sends after ``answer``, in one of ``ASSISTANT_FORMS``."""
+    out = [dict(m) for m in messages]
+    reply: dict[str, Any] = {"role": "assistant", "content": answer}
+    if form == "spaced":
+        reply["content"] = f" {answer}\n"
+    elif form == "edited":
+        reply["content"] = answer[:-1] + "!"
+    elif form == "tool_call":
+        reply["tool_calls"] = [{"id": "call_1", "type": "function", "function": {
+            "name": "lookup", "arguments": '{"q": 1}'}}]
+    elif form == "parts":
+        reply["content"] = [{"type": "text", "text": answer}]
+    elif form == "reasoning":
+        reply["reasoning_content"] = "thinking it over"
+    elif form == "earlier_edited":
+        out[0]["content"] = str(out[0].get("content")) + "?"
+    return [*out, reply]
 
 
 def fuzz(harness: Harness, examples: int) -> list[Callable[[], None]]:
@@ -139,14 +227,64 @@ def fuzz(harness: Harness, examples: int) -> list[Callable[[], None]]:
     def headers_and_bytes(path: str, hdrs: list[tuple[bytes, bytes]], raw: bytes) -> None:
         harness.request("POST", path, hdrs, raw)
 
-    return [chat, completions, anything, headers_and_bytes]
+    @opts
+    @given(first=st.lists(good_message, min_size=1, max_size=3),
+           conversation=st.none() | st.sampled_from(["c1", "c2"]),
+           header_id=st.booleans(), streams=st.lists(st.booleans(), min_size=3, max_size=3),
+           forms=st.lists(st.sampled_from(ASSISTANT_FORMS), min_size=2, max_size=2),
+           corruptions=st.lists(st.sampled_from(CORRUPTIONS), min_size=2, max_size=2),
+           temperature=st.sampled_from([None, 0.0, 0.9]),
+           rendering=st.sampled_from(["", "", "", "<template v2>"]))
+    def conversation(first: list[dict[str, Any]], conversation: str | None, header_id: bool,
+                     streams: list[bool], forms: list[str], corruptions: list[Corruption],
+                     temperature: float | None, rendering: str) -> None:
+        """Three turns; P's chat template changes to ``rendering`` after the first."""
+        harness.conv.cluster.preamble = ""
+        hdrs = [auth, ctype]
+        base: dict[str, Any] = {"model": "mock", "max_tokens": 6}
+        if temperature is not None:
+            base["temperature"] = temperature
+        if conversation is not None and header_id:
+            hdrs.append((b"x-session-id", conversation.encode()))
+        elif conversation is not None:
+            base["conversation_id"] = conversation
+        messages = [SYSTEM, *first, {"role": "user", "content": "start"}]
+        for turn in range(3):
+            body = {**base, "messages": messages, "stream": streams[turn]}
+            answer = harness.request("POST", "/v1/chat/completions", hdrs, encode(body),
+                                     rig=harness.conv)
+            if answer.status != 200 or turn == 2:
+                return
+            harness.deliver(corruptions[turn])
+            harness.conv.cluster.preamble = rendering
+            text = answer_text(answer, streams[turn])
+            messages = [*resent(messages, text, forms[turn]),
+                        {"role": "user", "content": f"next {turn}"}]
+
+    @opts
+    @given(report=json_values | st.fixed_dictionaries(
+               {"turn_id": scalars | st.text(max_size=40)},
+               optional={"kv_transfer_params": json_values,
+                         "num_prompt_tokens": st.integers(-2, 10**6) | scalars,
+                         "num_output_tokens": st.integers(-2, 10**6) | scalars})
+           | st.lists(json_values, max_size=70),
+           method=st.sampled_from(["POST", "POST", "GET", "PUT"]),
+           path=st.sampled_from(["/internal/kv-report", "/health", "/v1/chat/completions",
+                                 "/internal/kv-report/x"]),
+           raw=st.none() | raw_bodies)
+    def reports(report: Any, method: str, path: str, raw: bytes | None) -> None:
+        harness.request(method, path, [JSON_TYPE], raw if raw is not None else encode(report),
+                        internal=True)
+
+    return [chat, completions, anything, headers_and_bytes, conversation, reports]
 
 
 def test_fuzzed_requests_never_get_a_5xx() -> None:
     harness = Harness()
     try:
-        for i, examples in enumerate((2200, 1800, 3600, 2500)):
+        for i, examples in enumerate((2200, 1800, 3600, 2500, 500, 800)):
             fuzz(harness, examples)[i]()
+        decisions = harness.conv.ctx.stats.by_reason
     finally:
         harness.close()
     assert harness.count >= 10_000, harness.count
@@ -154,3 +292,9 @@ def test_fuzzed_requests_never_get_a_5xx() -> None:
     assert statuses.get(200, 0) > 100  # plenty of requests were routed end to end
     for status in (400, 401, 404, 405, 413):
         assert statuses.get(status, 0) > 0, statuses
+    # the conversations reached every kind of decision the guard makes in tokenize mode
+    for reason in ("no_entry", "pull", "prefix_mismatch"):
+        assert decisions[reason] > 0, decisions
+    for outcome in ("matched", "late", "unknown_turn", "invalid", "mismatch_engine",
+                    "mismatch_tokens"):
+        assert harness.report_outcomes.get(outcome, 0) > 0, harness.report_outcomes
