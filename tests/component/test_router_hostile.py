@@ -136,6 +136,22 @@ async def test_huge_max_tokens_is_left_to_the_engine(rig: Rig) -> None:
     assert resp.json()["error"]["code"] == 400
 
 
+async def test_a_client_that_leaves_cancels_its_turn(rig: Rig) -> None:
+    """The client goes away while P computes: the turn stops there (D never asked),
+    nothing is kept, the slot is free again."""
+    rig.cluster.node("prefill-0").faults.append("hang")
+    answer = await call(rig.app, "POST", CHAT, [JSON], [body(conversation_id="gone")],
+                        disconnect_after_body=True)
+    assert answer.status == 0  # nobody left to answer
+    assert rig.ctx.admission.in_flight == 0
+    assert rig.ctx.metrics.requests.labels(CHAT, "499")._value.get() == 1
+    last = await rig.last_decision()
+    assert (last["outcome"], last["state"]) == ("client_gone", "failed")
+    assert len(rig.cluster.node("prefill-0").generation_requests()) == 1
+    assert not rig.cluster.node("decode-0").generation_requests()
+    assert len(rig.ctx.desk) == 0 and len(rig.ctx.index) == 0
+
+
 # -- slow clients against the real server -------------------------------------------------
 
 
