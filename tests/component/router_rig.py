@@ -94,6 +94,21 @@ def assert_no_internal_fields(payloads: list[Any]) -> None:
                 assert value is None, (key, value)
 
 
+async def lookup(
+    ctx: RouterContext,
+    body: dict[str, Any],
+    *,
+    endpoint: Endpoint = "chat",
+    headers: dict[str, str] | None = None,
+    tenant: str = "default",
+) -> Found | None:
+    """The entry ``ctx``'s router would find for the request ``body`` (see ``Rig.lookup``)."""
+    lower = {k.lower(): v for k, v in (headers or {}).items()}
+    req = parse_request(endpoint, json.dumps(body).encode(), lower, tenant,
+                        ctx.config.session_headers)
+    return await ctx.index.lookup(req.identity)
+
+
 @dataclass
 class Rig:
     """A router app (no lifespan: no health loop) on a mock cluster, with an ASGI client."""
@@ -156,11 +171,7 @@ class Rig:
         """The entry the router would find for the request ``body`` (a follow-up turn): the
         request parsed as the router parses it (scope from tenant, ``conversation_id`` or a
         session header), then ``index.lookup`` on its digests."""
-        assert self.config is not None
-        lower = {k.lower(): v for k, v in (headers or {}).items()}
-        req = parse_request(endpoint, json.dumps(body).encode(), lower, tenant,
-                            self.config.session_headers)
-        return await self.ctx.index.lookup(req.identity)
+        return await lookup(self.ctx, body, endpoint=endpoint, headers=headers, tenant=tenant)
 
 
 @dataclass

@@ -8,11 +8,11 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.core.conversation import ConversationKey
+from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.config import ConfigError, build_config
-from tests.component.router_fake import Routed, routed
+from tests.component.router_fake import Routed, routed, until
 from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Chat, Rig, sse_events, stream_text
+from tests.component.router_rig import Chat, Rig, lookup, sse_events, stream_text
 
 FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
 KEYS = ["tenant-a:key-a-123", "tenant-b:key-b-456", "bare-key-789"]
@@ -30,40 +30,70 @@ def assert_error(resp: httpx.Response, status: int) -> dict[str, Any]:
     return dict(err)
 
 
+def request(messages: list[dict[str, Any]], conversation_id: str | None) -> dict[str, Any]:
+    body: dict[str, Any] = {"model": "tiny", "messages": messages, "max_tokens": 8,
+                            "stream": True}
+    if conversation_id is not None:
+        body["conversation_id"] = conversation_id
+    return body
+
+
 async def chat(r: Routed, headers: dict[str, str], messages: list[dict[str, Any]],
-               conversation_id: str = "shared") -> httpx.Response:
+               conversation_id: str | None = "shared") -> httpx.Response:
     async with r.client() as c:
-        resp = await c.post("/v1/chat/completions", headers=headers, json={
-            "model": "tiny", "messages": messages, "max_tokens": 8, "stream": True,
-            "conversation_id": conversation_id})
+        resp = await c.post("/v1/chat/completions", headers=headers,
+                            json=request(messages, conversation_id))
     assert resp.status_code == 200, resp.text
     return resp
 
 
-async def test_tenants_cannot_address_each_others_conversations() -> None:
+async def settle(r: Routed) -> None:
+    """D's reports are in and every pending turn settled."""
+    await r.cluster.drain_reports()
+    await until(lambda: len(r.ctx.desk) == 0, "reports settled")
+
+
+async def entry_of(r: Routed, tenant: str, messages: list[dict[str, Any]],
+                   conversation_id: str | None) -> ConversationEntry | None:
+    """The entry a follow-up of ``messages`` by ``tenant`` would continue."""
+    follow_up = [*messages, {"role": "user", "content": "(probe)"}]
+    found = await lookup(r.ctx, request(follow_up, conversation_id), tenant=tenant)
+    return found.entry if found is not None else None
+
+
+@pytest.mark.parametrize("conversation_id", ["shared", None])
+async def test_tenants_cannot_address_each_others_conversations(
+    conversation_id: str | None,
+) -> None:
+    """Whether B sends A's conversation id or no id at all, with A's exact history, it
+    never finds, consumes or learns about A's entry."""
     async with routed(api_keys=KEYS) as r:
         a_msgs: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
-        resp = await chat(r, A, a_msgs)
+        resp = await chat(r, A, a_msgs, conversation_id)
         a_msgs.append({"role": "assistant", "content": stream_text(sse_events(resp.text))})
-        await r.settle()
-        key_a = ConversationKey("tenant-a", "shared")
-        entry_a = await r.ctx.store.get(key_a)
+        await settle(r)
+        entry_a = await entry_of(r, "tenant-a", a_msgs, conversation_id)
         assert entry_a is not None
+        assert await entry_of(r, "tenant-b", a_msgs, conversation_id) is None
 
-        # B sends A's conversation id with A's exact history: nothing of A's is used
+        # B sends A's history (and A's id, if any): nothing of A's is used
         b_msgs = [*a_msgs, {"role": "user", "content": "And then?"}]
-        resp = await chat(r, B, b_msgs)
+        resp = await chat(r, B, b_msgs, conversation_id)
         assert resp.headers["x-kvrelay-reason"] == "no_entry"
         assert resp.headers["x-kvrelay-reused-tokens"] == "0"
-        await r.settle()
-        assert await r.ctx.store.get(key_a) == entry_a  # A's entry untouched
-        assert await r.ctx.store.get(ConversationKey("tenant-b", "shared")) is not None
+        await settle(r)
+        assert await entry_of(r, "tenant-a", a_msgs, conversation_id) == entry_a  # untouched
+        b_msgs.append({"role": "assistant", "content": stream_text(sse_events(resp.text))})
+        assert await entry_of(r, "tenant-b", b_msgs, conversation_id) is not None
+        # B's new entry is B's: A, sending the same history, still finds only its own
+        assert await entry_of(r, "tenant-a", b_msgs, conversation_id) == entry_a
 
-        # A's next turn still pulls its own entry
-        resp = await chat(r, A, [*a_msgs, {"role": "user", "content": "Tell me more."}])
+        # A's next turn still pulls its own entry, all of it
+        resp = await chat(r, A, [*a_msgs, {"role": "user", "content": "Tell me more."}],
+                          conversation_id)
         assert (resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"]) == (
             "pull", "pull")
-        assert int(resp.headers["x-kvrelay-reused-tokens"]) > 0
+        assert int(resp.headers["x-kvrelay-reused-tokens"]) == entry_a.num_tokens
 
         # /stats: each tenant sees only its own decisions, the admin-less router none to B
         async with r.client() as c:
@@ -73,6 +103,9 @@ async def test_tenants_cannot_address_each_others_conversations() -> None:
         assert {d["tenant"] for d in stats_a["decisions"]["recent"]} == {"tenant-a"}
         assert len(stats_a["decisions"]["recent"]) == 2
         assert [d["reason"] for d in stats_b["decisions"]["recent"]] == ["no_entry"]
+        a_keys = {d["key"] for d in stats_a["decisions"]["recent"]}
+        assert len(a_keys) == 1  # one conversation, and B's is not it
+        assert stats_b["decisions"]["recent"][0]["key"] not in a_keys
         for stats in (stats_a, stats_b):
             assert "shared" not in str(stats)
 
@@ -111,7 +144,8 @@ async def test_bare_key_maps_to_the_default_tenant() -> None:
         resp, _ = await chat_.turn(LONG)
         assert resp.status_code == 200
         await rig.settle()
-        assert await rig.ctx.store.get(ConversationKey("default", "c")) is not None
+        assert await chat_.entry(tenant="default") is not None
+        assert await chat_.entry(tenant="bare-key-789") is None
         assert (await rig.client.get("/v1/models")).status_code == 200
     finally:
         await rig.close()
@@ -127,6 +161,15 @@ async def test_admin_endpoints_need_the_admin_key() -> None:
         assert_error(await rig.client.get(path, headers=ADMIN), 405)
         resp = await rig.post(path, b"", headers=ADMIN)
         assert resp.json() == {"node": "decode-0", "drained": True}
+        # node details are the admin's: /admin/nodes
+        assert_error(await rig.client.get("/admin/nodes"), 401)
+        assert_error(await rig.client.get("/admin/nodes", headers=A), 403)
+        nodes = (await rig.client.get("/admin/nodes", headers=ADMIN)).json()["nodes"]
+        assert [(n["id"], n["url"], n["drained"]) for n in nodes] == [
+            ("prefill-0", "http://prefill-0.test", False),
+            ("decode-0", "http://decode-0.test", True),
+            ("decode-1", "http://decode-1.test", False)]
+        assert [n["guard"] for n in nodes] == ["tokenize"] * 3  # stock vLLM, nothing seen
         rig.client.headers.update(A)
         for i in range(3):  # no new turn goes to the drained node
             resp, _ = await Chat(rig, f"d{i}").turn(LONG)
@@ -145,8 +188,12 @@ async def test_admin_endpoints_need_the_admin_key() -> None:
         assert_error(await rig.post("/admin/conversations/drop", body, headers=B), 403)
         assert_error(await rig.post("/admin/conversations/drop", {"tenant": "x"},
                                     headers=ADMIN), 400)
+        assert await chat_a.entry(tenant="tenant-a") is not None
         resp = await rig.post("/admin/conversations/drop", body, headers=ADMIN)
-        assert resp.json() == {"dropped": True}
+        assert resp.json() == {"dropped": True, "entries": 1}
+        assert await chat_a.entry(tenant="tenant-a") is None
+        resp = await rig.post("/admin/conversations/drop", body, headers=ADMIN)
+        assert resp.json() == {"dropped": False, "entries": 0}
         await chat_a.turn("next")
         assert (await rig.last_decision())["reason"] == "no_entry"
         # the admin sees every tenant's decisions
