@@ -45,7 +45,8 @@ async def test_requests_beyond_the_limit_get_429_until_others_finish() -> None:
 
             d.faults.hang = False
             assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
-            assert r.ctx.metrics.in_flight._value.get() == 0
+            # (a scrape-time gauge: its value is read by rendering, not from ._value)
+            assert "kvrelay_router_in_flight 0.0" in (await c.get("/metrics")).text
             results = await asyncio.gather(*(c.post("/v1/chat/completions", json=body())
                                              for _ in range(2)))
             assert [x.status_code for x in results] == [200, 200]
@@ -78,3 +79,33 @@ async def test_default_limit_is_1024() -> None:
         async with r.client() as c:
             resp = await c.post("/v1/chat/completions", json=body())
         assert resp.status_code == 200
+
+
+async def test_auth_comes_first_and_each_tenant_has_its_share() -> None:
+    """Unauthenticated requests never take a slot; one tenant cannot take all of them."""
+    keys = ["tenant-a:key-a", "tenant-b:key-b"]
+    a = {"Authorization": "Bearer key-a"}
+    b = {"Authorization": "Bearer key-b"}
+    async with routed(max_in_flight=3, max_in_flight_per_tenant=1, api_keys=keys) as r:
+        d = r.cluster.decode[0]
+        d.faults.hang = True
+        async with r.client() as c:
+            held_a = asyncio.create_task(c.post("/v1/chat/completions", json=body(),
+                                                headers=a))
+            await until(lambda: d.faults.num_hung == 1, "tenant a's request held by D")
+            for _ in range(5):  # far more than the free slots: all 401, none 429
+                resp = await c.post("/v1/chat/completions", json=body())
+                assert resp.status_code == 401
+            resp = await c.post("/v1/chat/completions", json=body(), headers=a)
+            assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["type"] == "RateLimitError"
+            held_b = asyncio.create_task(c.post("/v1/chat/completions", json=body(),
+                                                headers=b))
+            await until(lambda: d.faults.num_hung == 2, "tenant b served meanwhile")
+            assert rejected(r) == 1
+            assert "kvrelay_router_in_flight 2.0" in (await c.get("/metrics")).text
+            d.faults.hang = False
+            assert [t.status_code for t in await asyncio.gather(held_a, held_b)] == [200, 200]
+            resp = await c.post("/v1/chat/completions", json=body(), headers=a)
+            assert resp.status_code == 200
+        assert r.ctx.admission.in_flight == 0
