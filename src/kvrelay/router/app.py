@@ -31,6 +31,7 @@ from kvrelay.router.index import ConversationIndex, InMemoryIndex
 from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.request import PATHS
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
 from kvrelay.router.turnlog import TurnLogWriter
@@ -39,6 +40,7 @@ from kvrelay.router.upstream import AiohttpTransport, Transport, Upstream
 log = logging.getLogger("kvrelay.router")
 
 _OPEN_WHILE_DRAINING = frozenset({"/metrics"})
+_GENERATION_PATHS = frozenset(PATHS.values())
 
 
 class RouterApp:
@@ -46,7 +48,7 @@ class RouterApp:
 
     def __init__(self, ctx: RouterContext, public: Routes, internal: Routes) -> None:
         self.ctx = ctx
-        self.public = _Draining(ctx.admission, public)
+        self.public = _Draining(ctx.admission, ctx.metrics, public)
         self.internal = internal
         self._health: asyncio.Task[None] | None = None
 
@@ -112,14 +114,21 @@ class RouterApp:
 
 
 class _Draining:
-    """While draining, every public request but ``/metrics`` gets 503."""
+    """While draining, every public request but ``/metrics`` gets 503, counted in
+    ``rejected_requests_total{reason="draining"}`` (and, for generation, in
+    ``requests_total``)."""
 
-    def __init__(self, admission: Admission, routes: Routes) -> None:
+    def __init__(self, admission: Admission, metrics: RouterMetrics, routes: Routes) -> None:
         self._admission = admission
+        self._metrics = metrics
         self._routes = routes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._admission.draining and scope["path"] not in _OPEN_WHILE_DRAINING:
+        path = scope["path"]
+        if self._admission.draining and path not in _OPEN_WHILE_DRAINING:
+            self._metrics.rejected.labels("draining").inc()
+            if path in _GENERATION_PATHS:
+                self._metrics.request_done(path, 503)
             await send_error(send, 503, "The router is shutting down", {"Connection": "close"})
             return
         await self._routes(scope, receive, send)
