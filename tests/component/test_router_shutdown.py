@@ -1,10 +1,13 @@
-"""Graceful shutdown of ``python -m kvrelay.cli route``: on SIGTERM it refuses new work, lets
-streams in flight finish (up to ``--drain-timeout-s``) and exits 0."""
+"""Graceful shutdown of ``python -m kvrelay.cli route``: on SIGTERM it refuses new work with
+503 (its listeners stay open; ``/metrics`` still answers), lets streams in flight finish (up
+to ``--drain-timeout-s``), ends the streams still open then with an SSE error event and
+``[DONE]`` (one log line each), and exits 0."""
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -12,8 +15,9 @@ from collections.abc import AsyncIterator
 import httpx
 
 from kvrelay.testing import FakeCluster
-from tests.component.router_fake import ENGINE_CONFIG, free_port
+from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.test_router_cli import wait_healthy
+from tests.ports import free_port
 
 BODY = {"model": "tiny", "stream": True, "max_tokens": 12,
         "messages": [{"role": "user", "content": "Count slowly from one to twelve."}]}
@@ -27,7 +31,8 @@ async def router(cluster: FakeCluster, *args: str) -> AsyncIterator[
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay.cli", "route",
         "--prefill", cluster.prefill_urls[0], "--decode", cluster.decode_urls[0],
-        "--port", str(port), "--block-size", "128", "--log-level", "info", *args,
+        "--port", str(port), "--internal-port", str(free_port()), "--block-size", "128",
+        "--log-level", "info", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     try:
@@ -39,16 +44,24 @@ async def router(cluster: FakeCluster, *args: str) -> AsyncIterator[
             await proc.wait()
 
 
-async def new_request_after_sigterm(url: str) -> str:
-    """What a new client gets: a refused connection or a 503."""
+async def assert_draining(url: str) -> None:
+    """While draining: new work gets 503 with ``Connection: close`` (the listener stays open
+    so a load balancer sees a clear answer), the metrics still answer."""
     async with httpx.AsyncClient(trust_env=False, timeout=10) as c:
-        try:
+        for _ in range(200):  # the signal is handled asynchronously
             resp = await c.post(url + "/v1/chat/completions", json=BODY)
-        except httpx.TransportError:
-            return "refused"
-    assert resp.status_code == 503, resp.text
-    assert resp.json()["error"]["code"] == 503
-    return "503"
+            if resp.status_code == 503:
+                break
+            await asyncio.sleep(0.01)
+        assert resp.status_code == 503, resp.text
+        assert resp.json()["error"]["code"] == 503
+        assert resp.headers["connection"] == "close"
+        assert (await c.get(url + "/health")).status_code == 503
+        metrics = await c.get(url + "/metrics")
+        assert metrics.status_code == 200
+        assert 'kvrelay_router_rejected_requests_total{reason="draining"}' in metrics.text
+        assert ('kvrelay_router_requests_total{endpoint="/v1/chat/completions",status="503"}'
+                in metrics.text)
 
 
 async def test_sigterm_lets_the_stream_finish_then_exits_0() -> None:
@@ -62,13 +75,15 @@ async def test_sigterm_lets_the_stream_finish_then_exits_0() -> None:
             first = await anext(lines)
             assert first.startswith("data: ")
             proc.send_signal(signal.SIGTERM)
-            assert await new_request_after_sigterm(url) in ("refused", "503")
+            await assert_draining(url)
             rest = [line async for line in lines if line.startswith("data: ")]
             assert rest[-1] == "data: [DONE]"
             assert len(rest) > 5  # the tokens kept coming after SIGTERM
+            assert not any('"error"' in line for line in rest)
             out, _ = await asyncio.wait_for(proc.communicate(), 60)
         assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
         assert b"draining" in out and b"Traceback" not in out
+        assert b"cut at the drain deadline" not in out
 
 
 async def test_drain_deadline_cuts_streams_that_take_too_long_and_exits_0() -> None:
@@ -81,9 +96,16 @@ async def test_drain_deadline_cuts_streams_that_take_too_long_and_exits_0() -> N
             lines = stream.aiter_lines()
             await anext(lines)
             proc.send_signal(signal.SIGTERM)
+            await assert_draining(url)
             out, _ = await asyncio.wait_for(proc.communicate(), 60)
             assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
-            got: list[str] = []
-            with contextlib.suppress(httpx.TransportError):
-                got.extend([line async for line in lines])
-            assert "data: [DONE]" not in got
+            got = [line async for line in lines if line.startswith("data: ")]
+        # the stream ended cleanly: an OpenAI error event, then [DONE]
+        assert got[-1] == "data: [DONE]"
+        err = json.loads(got[-2].removeprefix("data: "))["error"]
+        assert (err["code"], err["type"]) == (503, "ServiceUnavailableError")
+        assert err["message"] == "the router is shutting down"
+        assert all("error" not in json.loads(line[6:]) for line in got[:-2])
+        log = out.decode(errors="replace")
+        assert log.count("stream of a recompute turn cut at the drain deadline") == 1, log
+        assert "Traceback" not in log
