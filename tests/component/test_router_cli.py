@@ -1,5 +1,6 @@
 """``python -m kvrelay.cli route`` as a subprocess in front of in-process fake engines:
-``serve()`` with its lifespan (health loop), reports over loopback, clean exit on SIGINT."""
+``serve()`` with its lifespan (health loop), reports over loopback to the internal listener,
+the prefix guard in the engines' connector, clean exit on SIGINT."""
 
 from __future__ import annotations
 
@@ -10,8 +11,9 @@ import sys
 import httpx
 
 from kvrelay.testing import FakeCluster
-from tests.component.router_fake import ENGINE_CONFIG, free_port
+from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.router_rig import sse_events, stream_text
+from tests.ports import free_port
 
 FIRST = "What is the capital of France, and why? " * 8
 
@@ -32,13 +34,13 @@ async def wait_healthy(url: str, proc: asyncio.subprocess.Process) -> None:
 
 async def test_route_subprocess_serves_pulls_and_stops_on_sigint() -> None:
     async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster:
-        port = free_port()
+        port, internal = free_port(), free_port()
         url = f"http://127.0.0.1:{port}"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvrelay.cli", "route",
             "--prefill", cluster.prefill_urls[0], "--decode", cluster.decode_urls[0],
-            "--port", str(port), "--block-size", "128", "--health-interval-s", "0.2",
-            "--log-level", "warning",
+            "--port", str(port), "--internal-port", str(internal), "--block-size", "128",
+            "--health-interval-s", "0.2", "--log-level", "warning",
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         try:
@@ -64,8 +66,19 @@ async def test_route_subprocess_serves_pulls_and_stops_on_sigint() -> None:
                 stats = (await c.get("/stats")).json()
                 assert [d["reason"] for d in stats["decisions"]["recent"]] == [
                     "no_entry", "pull", "pull"]
+                # kvrelay's connector on both nodes: P proved the pulls (verified_tokens
+                # from P), the router had no token ids (exact: false; no /tokenize)
+                assert stats["guard"] == {"mode": "auto", "nodes": {
+                    "prefill-0": "connector", "decode-0": "connector"}}
+                assert [d["exact"] for d in stats["decisions"]["recent"]] == [False] * 3
+                assert all(d["verified_tokens"] > 0 for d in stats["decisions"]["recent"][1:])
                 metrics = (await c.get("/metrics")).text
                 assert 'kvrelay_router_node_up{node="decode-0",role="decode"} 1.0' in metrics
+                assert 'kvrelay_router_reports_total{outcome="matched"} 2.0' in metrics
+                # D's reports go to the internal listener only
+                assert (await c.post("/internal/kv-report", json={})).status_code == 404
+                internal_health = await c.get(f"http://127.0.0.1:{internal}/health")
+                assert internal_health.json() == {"status": "ok"}
             cluster.decode[0].faults.unhealthy = True  # the health loop notices by itself
             async with httpx.AsyncClient(base_url=url, timeout=30, trust_env=False) as c:
                 for _ in range(200):
@@ -78,4 +91,7 @@ async def test_route_subprocess_serves_pulls_and_stops_on_sigint() -> None:
             if proc.returncode is None:
                 proc.send_signal(signal.SIGINT)
             out, _ = await asyncio.wait_for(proc.communicate(), 30)
-        assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+        log = out.decode(errors="replace")
+        assert proc.returncode == 0, log[-2000:]
+        assert (f"kvrelay router on {url} (reports on http://127.0.0.1:{internal}"
+                "/internal/kv-report, prefix guard auto)") in log
