@@ -10,6 +10,7 @@ import pytest
 from kvrelay.cli import build_parser
 from kvrelay.router.cli import config_from_args
 from kvrelay.router.config import (
+    DEFAULT_SESSION_HEADERS,
     ConfigError,
     RouterConfig,
     SideChannel,
@@ -30,9 +31,13 @@ def test_from_urls_defaults() -> None:
     assert [n.node_id for n in cfg.nodes] == ["prefill-0", "decode-0", "decode-1"]
     assert cfg.decode[1].url == "http://d1:8102"
     assert all(n.ttl_s == 480.0 and n.side_channel is None for n in cfg.nodes)
-    assert cfg.report_url == "http://127.0.0.1:8000/internal/kv-report"
+    # reports go to the internal listener: loopback, the public port + 1
+    assert (cfg.internal_host, cfg.listen_internal_port) == ("127.0.0.1", 8001)
+    assert cfg.report_url == "http://127.0.0.1:8001/internal/kv-report"
     assert cfg.policy.direct_enabled is False and cfg.report_wait_s == 1.0
-    assert cfg.tenant == "default"
+    assert cfg.tenant == "default" and cfg.guard == "auto"
+    assert cfg.session_headers == DEFAULT_SESSION_HEADERS
+    assert {"x-session-id", "x-conversation-id"} <= set(cfg.session_headers)
 
 
 def test_side_channels_by_url_or_id() -> None:
@@ -59,6 +64,12 @@ def test_side_channels_by_url_or_id() -> None:
         {"prefill": [P], "decode": [{"url": D, "colour": "red"}]},
         {"prefill": [P], "decode": [D], "kv_recompute_threshold": -1},
         {"prefill": [{"url": P, "id": "x"}], "decode": [{"url": D, "id": "x"}]},
+        {"prefill": [P], "decode": [D], "guard": "sometimes"},
+        {"prefill": [P], "decode": [D], "port": 9000, "internal_port": 9000},
+        {"prefill": [P], "decode": [D], "session_headers": 5},
+        {"prefill": [P], "decode": [D], "session_headers": ["x-a", 3]},
+        {"prefill": [P], "decode": [D], "max_in_flight_per_tenant": 0},
+        {"prefill": [P], "decode": [D], "max_entries_per_tenant": 0},
     ],
 )
 def test_invalid_settings(layer: dict[str, object]) -> None:
@@ -85,19 +96,42 @@ def test_layers_toml_env_flags(tmp_path: Path) -> None:
     assert cfg.prefill[0].block_size == 16
     assert (cfg.decode[0].node_id, cfg.decode[0].ttl_s, cfg.decode[0].block_size) == (
         "big-d", 900.0, 32)
-    assert cfg.report_url == "http://127.0.0.1:9100/internal/kv-report"
+    assert cfg.report_url == "http://127.0.0.1:9101/internal/kv-report"  # follows --port
 
 
 def test_flags_alone() -> None:
     args = parse(["--prefill", P, "--prefill", "http://p1:8100", "--decode", D,
                   "--side-channel", f"{D}=10.0.0.9:5601", "--ttl-s", "120",
                   "--block-size", "128", "--kv-recompute-threshold", "64",
-                  "--public-url", "http://router.internal:8000", "--host", "127.0.0.1"])
+                  "--internal-url", "http://router.internal:8001", "--host", "127.0.0.1",
+                  "--internal-host", "10.0.0.5", "--internal-port", "7001",
+                  "--guard", "tokenize", "--session-header", "X-My-Session",
+                  "--session-header", "x-other", "--max-in-flight-per-tenant", "8",
+                  "--max-entries-per-tenant", "500"])
     cfg = config_from_args(args, environ={})
     assert [n.url for n in cfg.prefill] == [P, "http://p1:8100"]
     assert cfg.decode[0].side_channel == SideChannel("10.0.0.9", 5601)
     assert cfg.decode[0].ttl_s == 120.0 and cfg.decode[0].block_size == 128
-    assert cfg.report_url == "http://router.internal:8000/internal/kv-report"
+    assert (cfg.internal_host, cfg.listen_internal_port) == ("10.0.0.5", 7001)
+    assert cfg.report_url == "http://router.internal:8001/internal/kv-report"
+    assert cfg.guard == "tokenize"
+    assert cfg.session_headers == ("x-my-session", "x-other")  # replaces the defaults
+    assert (cfg.tenant_in_flight, cfg.tenant_entries) == (8, 500)
+
+
+def test_internal_listener_address_in_the_report_url() -> None:
+    """D must reach the internal listener: a wildcard listen address is reported as
+    loopback, an IPv6 host bracketed."""
+    base = {"prefill": [P], "decode": [D], "port": 9000}
+    assert build_config(base, {"internal_host": "0.0.0.0"}).report_url == \
+        "http://127.0.0.1:9001/internal/kv-report"
+    assert build_config(base, {"internal_host": "::1", "internal_port": 7000}).report_url == \
+        "http://[::1]:7000/internal/kv-report"
+    env = settings_from_env({"KVRELAY_GUARD": "connector", "KVRELAY_INTERNAL_PORT": "7100",
+                             "KVRELAY_SESSION_HEADERS": "X-A, x-b"})
+    cfg = build_config(base, env)
+    assert (cfg.guard, cfg.listen_internal_port, cfg.session_headers) == (
+        "connector", 7100, ("x-a", "x-b"))
 
 
 def test_env_node_lists_and_bad_numbers() -> None:
