@@ -192,6 +192,38 @@ async def test_d_failure_after_send_prefills_again(fault: str, stream: bool) -> 
         await rig.close()
 
 
+@pytest.mark.parametrize("conversation_id", ["c", None])
+@pytest.mark.parametrize("fault", ["timeout", "reset", ("status", 500)])
+async def test_d_failure_after_a_pull_recomputes_and_never_reads_d_again(
+    fault: Any, conversation_id: str | None
+) -> None:
+    """Turn 2 pulled turn 1's KV from D0 into P, then D0 failed after receiving P's params:
+    P computes the turn afresh for D1; D0's old blocks are never read a second time."""
+    rig = await make(num_decode=2)
+    try:
+        chat = Chat(rig, conversation_id)
+        await chat.turn(LONG)
+        held = await chat.entry()
+        assert held is not None
+        d0 = rig.cluster.node(held.decode_node_id)  # turn 2 goes back to it (affinity)
+        d0.faults.append(fault)
+        resp, _ = await chat.turn("next")
+        assert resp.status_code == 200
+        last = await rig.last_decision()
+        assert (last["action"], last["retries"]) == ("pull", 1)
+        assert last["decode_node"] != d0.node_id
+        p_params = [b["kv_transfer_params"]
+                    for b in rig.cluster.node("prefill-0").generation_requests()]
+        assert p_params[1]["remote_block_ids"]  # the pull
+        assert p_params[2] == {"do_remote_decode": True}  # then a recompute
+        assert len(rig.cluster.reads) == 1
+        assert not rig.cluster.double_reads and not rig.cluster.wrong_reuses
+        entry = await chat.entry()
+        assert entry is not None and entry.decode_node_id == last["decode_node"]
+    finally:
+        await rig.close()
+
+
 async def test_streamed_d_dying_before_first_event_is_retried() -> None:
     rig = await make(num_decode=2)
     try:
