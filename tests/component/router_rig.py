@@ -183,6 +183,7 @@ class Chat:
     stream: bool = False
     max_tokens: int = 8
     messages: list[dict[str, Any]] = field(default_factory=list)
+    last_response: httpx.Response | None = None
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """The request for the messages so far (the last one is the new user message)."""
@@ -210,6 +211,7 @@ class Chat:
         self.messages.append({"role": "user", "content": user})
         body = self.body(**extra)
         resp = await self.rig.post("/v1/chat/completions", body)
+        self.last_response = resp
         text = ""
         if resp.status_code == 200:
             if self.stream:

@@ -203,6 +203,31 @@ async def test_admin_endpoints_need_the_admin_key() -> None:
         await rig.close()
 
 
+async def test_one_tenant_cannot_evict_anothers_entries() -> None:
+    """Each tenant holds at most ``max_entries_per_tenant`` entries: a tenant starting many
+    conversations evicts its own oldest, never another tenant's."""
+    rig = Rig(MockCluster(), {"api_keys": KEYS, "max_entries_per_tenant": 2,
+                              "max_entries": 10})
+    try:
+        rig.client.headers.update(B)
+        b_chat = Chat(rig, None)
+        await b_chat.turn(LONG)
+        rig.client.headers.update(A)
+        a_chats = [Chat(rig, None) for _ in range(4)]
+        for i, c in enumerate(a_chats):
+            assert (await c.turn(f"{LONG} {i}"))[0].status_code == 200
+        assert len(rig.ctx.index) == 3
+        assert [await c.entry(tenant="tenant-a") is not None for c in a_chats] == [
+            False, False, True, True]
+        assert await b_chat.entry(tenant="tenant-b") is not None
+        assert rig.ctx.metrics.dropped.labels("capacity")._value.get() == 2
+        rig.client.headers.update(B)
+        resp, _ = await b_chat.turn("next")
+        assert resp.headers["x-kvrelay-action"] == "pull"
+    finally:
+        await rig.close()
+
+
 async def test_admin_endpoints_do_not_exist_without_an_admin_key() -> None:
     rig = Rig(MockCluster(), {"api_keys": KEYS})
     try:

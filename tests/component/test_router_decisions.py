@@ -321,6 +321,12 @@ async def test_direct_when_enabled(stream: bool) -> None:
         assert d_body["kv_transfer_params"]["do_remote_decode"] is False
         # a report target only for streams: a non-streamed answer carries D's params
         assert ("kvrelay_turn_id" in d_body["kv_transfer_params"]) is stream
+        if not stream:  # usage counts what D served from its own cache as cached
+            reused = last["reused_tokens"]
+            assert reused > 0
+            assert chat.last_response is not None
+            usage = chat.last_response.json()["usage"]
+            assert usage["prompt_tokens_details"]["cached_tokens"] == reused
         await rig.settle()
         entry = await chat.entry()
         assert entry is not None and entry.turn == 2

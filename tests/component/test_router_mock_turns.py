@@ -8,6 +8,7 @@ import asyncio
 from collections.abc import AsyncIterator
 from typing import Any
 
+import httpx
 import pytest
 
 from kvrelay.core.conversation import ConversationKey
@@ -180,10 +181,11 @@ async def test_final_chunk_params_v033_commit_without_report() -> None:
         await rig.close()
 
 
-async def test_next_turn_waits_for_a_late_report() -> None:
+@pytest.mark.parametrize("conversation_id", ["c", None])
+async def test_next_turn_waits_for_a_late_report(conversation_id: str | None) -> None:
     rig = Rig(MockCluster(report_mode="manual"))
     try:
-        chat = Chat(rig, "c", stream=True)
+        chat = Chat(rig, conversation_id, stream=True)
         await chat.turn(LONG)
         assert len(rig.ctx.desk) == 1 and len(rig.ctx.index) == 0
         turn2 = asyncio.create_task(chat.turn("again"))
@@ -194,6 +196,28 @@ async def test_next_turn_waits_for_a_late_report() -> None:
         resp, _ = await turn2
         assert resp.status_code == 200
         assert (await rig.last_decision())["reason"] == "pull"
+    finally:
+        await rig.close()
+
+
+async def test_batched_reports_commit_every_turn() -> None:
+    """D's connector posts the reports that are due together, as one JSON list."""
+    rig = Rig(MockCluster(1, 2, report_mode="manual"))
+    try:
+        chats = [Chat(rig, None, stream=True) for _ in range(3)]
+        for i, chat in enumerate(chats):
+            await chat.turn(f"{LONG} number {i}")
+        assert len(rig.ctx.desk) == 3 and len(rig.ctx.index) == 0
+        held, rig.cluster.held_reports = rig.cluster.held_reports, []
+        forged = {**held[0], "turn_id": "forged"}
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=rig.app.internal),
+                                     base_url="http://router") as internal:
+            resp = await internal.post("/internal/kv-report", json=[*held, forged, {}])
+        assert resp.json() == {"outcomes": ["matched"] * 3 + ["unknown_turn", "invalid"]}
+        assert len(rig.ctx.desk) == 0 and len(rig.ctx.index) == 3
+        for chat in chats:
+            resp, _ = await chat.turn("next")
+            assert resp.headers["x-kvrelay-action"] == "pull"
     finally:
         await rig.close()
 
