@@ -426,6 +426,32 @@ async def test_completions_sharing_only_a_prefix_never_consume_an_entry(rig: Rig
     assert resp.headers["x-kvrelay-action"] == "pull"
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_guard_connector_forced_on_stock_nodes_never_pulls_unproven_kv(
+    stream: bool,
+) -> None:
+    """``guard = connector`` in front of stock vLLM (a misconfiguration): the router neither
+    tokenizes nor asks for token ids, D's params carry no fingerprint, so no entry is ever
+    kept and nothing is pulled: slower, never wrong."""
+    rig = Rig(MockCluster(), {"guard": "connector"})
+    try:
+        chat = Chat(rig, None, stream=stream)
+        for user in (LONG, "again", "and again"):
+            resp, _ = await chat.turn(user)
+            assert resp.status_code == 200
+            assert resp.headers["x-kvrelay-reason"] == "no_entry"
+            await rig.settle()
+        assert "/tokenize" not in p_paths(rig)
+        d_bodies = rig.cluster.node("decode-0").generation_requests()
+        assert all("return_token_ids" not in b for b in d_bodies)
+        assert len(rig.ctx.index) == 0 and not rig.cluster.reads
+        assert rig.ctx.metrics.turn_entries.labels("no_fingerprint")._value.get() == 3
+        assert (await rig.stats())["guard"]["nodes"] == {"prefill-0": "connector",
+                                                         "decode-0": "connector"}
+    finally:
+        await rig.close()
+
+
 # -- what the router shows ----------------------------------------------------------------
 
 
