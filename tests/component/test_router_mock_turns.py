@@ -253,8 +253,9 @@ async def test_report_timeout_settles_the_pending_turn() -> None:
 async def test_completions_streamed_and_not(rig: Rig, conversation_id: str | None) -> None:
     prompt = "once upon a time " * 5
     for stream in (False, True):
-        body = {"model": "mock", "prompt": f"{stream}: {prompt}", "max_tokens": 8,
-                "stream": stream}
+        first = f"{stream}: {prompt}"
+        body: dict[str, Any] = {"model": "mock", "prompt": first, "max_tokens": 8,
+                                "stream": stream}
         if conversation_id is not None:
             body["conversation_id"] = f"{conversation_id}-{stream}"
         resp = await rig.post("/v1/completions", body)
@@ -263,7 +264,7 @@ async def test_completions_streamed_and_not(rig: Rig, conversation_id: str | Non
         assert_no_internal_fields(payloads)
         text = "".join(c["text"] for p in payloads if isinstance(p, dict) for c in p["choices"])
         await rig.settle()
-        follow_up = {**body, "prompt": body["prompt"] + text + " next"}
+        follow_up = {**body, "prompt": first + text + " next"}
         resp = await rig.post("/v1/completions", follow_up)
         assert resp.status_code == 200
         assert (await rig.last_decision())["reason"] == "pull", stream
