@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.config import ConfigError, build_config
-from tests.component.router_fake import Routed, routed, until
+from tests.component.router_fake import Routed, routed
 from tests.component.router_mock import MockCluster
 from tests.component.router_rig import Chat, Rig, lookup, sse_events, stream_text
 
@@ -47,12 +47,6 @@ async def chat(r: Routed, headers: dict[str, str], messages: list[dict[str, Any]
     return resp
 
 
-async def settle(r: Routed) -> None:
-    """D's reports are in and every pending turn settled."""
-    await r.cluster.drain_reports()
-    await until(lambda: len(r.ctx.desk) == 0, "reports settled")
-
-
 async def entry_of(r: Routed, tenant: str, messages: list[dict[str, Any]],
                    conversation_id: str | None) -> ConversationEntry | None:
     """The entry a follow-up of ``messages`` by ``tenant`` would continue."""
@@ -71,7 +65,7 @@ async def test_tenants_cannot_address_each_others_conversations(
         a_msgs: list[dict[str, Any]] = [{"role": "user", "content": FIRST}]
         resp = await chat(r, A, a_msgs, conversation_id)
         a_msgs.append({"role": "assistant", "content": stream_text(sse_events(resp.text))})
-        await settle(r)
+        await r.settle()
         entry_a = await entry_of(r, "tenant-a", a_msgs, conversation_id)
         assert entry_a is not None
         assert await entry_of(r, "tenant-b", a_msgs, conversation_id) is None
@@ -81,7 +75,7 @@ async def test_tenants_cannot_address_each_others_conversations(
         resp = await chat(r, B, b_msgs, conversation_id)
         assert resp.headers["x-kvrelay-reason"] == "no_entry"
         assert resp.headers["x-kvrelay-reused-tokens"] == "0"
-        await settle(r)
+        await r.settle()
         assert await entry_of(r, "tenant-a", a_msgs, conversation_id) == entry_a  # untouched
         b_msgs.append({"role": "assistant", "content": stream_text(sse_events(resp.text))})
         assert await entry_of(r, "tenant-b", b_msgs, conversation_id) is not None

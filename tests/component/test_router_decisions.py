@@ -198,16 +198,21 @@ async def test_engine_restarted() -> None:
         await rig.close()
 
 
-async def test_an_edited_earlier_message_is_a_new_conversation() -> None:
-    """The request no longer contains the entry's request: nothing to continue (and nothing
-    of the entry is read), whatever the id says."""
+@pytest.mark.parametrize(("conversation_id", "reason"), [
+    ("c", "prefix_mismatch"), (None, "no_entry")])
+async def test_an_edited_earlier_message(conversation_id: str | None, reason: str) -> None:
+    """The request no longer contains the entry's request. With an explicit id the scope's
+    latest entry is still this conversation's: the guard proves too little of it matches
+    (``prefix_mismatch``). Without an id it is a new conversation (``no_entry``): any other
+    conversation's entry could be taken for it. Nothing of the entry is read either way."""
     rig = await make()
     try:
         async def edit(chat: Chat) -> None:
             chat.messages[0]["content"] = "PLEASE" + chat.messages[0]["content"][6:]
 
-        last = await two_turns(rig, edit)
-        assert last["reason"] == "no_entry"
+        last = await two_turns(rig, edit, chat=Chat(rig, conversation_id))
+        assert last["reason"] == reason
+        assert (reason == "prefix_mismatch") is (last["exact"] and last["verified_tokens"] < 16)
         assert rig.cluster.node("prefill-0").generation_requests()[-1]["kv_transfer_params"] \
             == {"do_remote_decode": True}
         assert not rig.cluster.reads
@@ -388,7 +393,9 @@ async def test_concurrent_turns_pull_an_entry_at_most_once(conversation_id: str 
 async def test_many_concurrent_turns_never_pull_an_entry_twice(
     conversation_id: str | None,
 ) -> None:
-    """Forks: eight requests continue one entry at once; exactly one pulls it."""
+    """Forks: eight requests continue one entry at once; exactly one pulls it. With an
+    explicit id, a fork that finds its sibling's fresh entry (the scope's latest) may pull
+    that one, proven by the guard; but no entry is ever read twice."""
     rig = await make()
     try:
         chat = Chat(rig, conversation_id)
@@ -398,9 +405,13 @@ async def test_many_concurrent_turns_never_pull_an_entry_twice(
         results = await asyncio.gather(
             *(rig.post("/v1/chat/completions", body) for _ in range(8)))
         assert all(r.status_code == 200 for r in results)
-        assert len(pulled_request_ids(rig)) == 1 and len(rig.cluster.reads) == 1
-        reasons = sorted(r.headers["x-kvrelay-reason"] for r in results)
-        assert reasons == ["no_entry"] * 7 + ["pull"]
+        ids = pulled_request_ids(rig)
+        assert ids and len(ids) == len(set(ids)) == len(rig.cluster.reads)
+        assert ids.count(rig.cluster.reads[0].request_id) == 1  # turn 1's entry: once
+        if conversation_id is None:
+            assert len(ids) == 1
+            reasons = sorted(r.headers["x-kvrelay-reason"] for r in results)
+            assert reasons == ["no_entry"] * 7 + ["pull"]
     finally:
         await rig.close()
 

@@ -476,10 +476,12 @@ async def test_stats_hash_keys_and_show_nodes(rig: Rig) -> None:
     assert stats["decisions"]["pull"] == {} and stats["decisions"]["direct"] == {}
     recent = stats["decisions"]["recent"][-1]
     assert set(recent) == {
-        "at_s", "key", "turn", "tenant", "action", "reason", "exact", "verified_tokens",
+        "at_s", "key", "turn", "tenant", "action", "reason", "decided", "exact",
+        "verified_tokens",
         "reused_tokens", "prompt_tokens", "predicted_transfer_s", "predicted_prefill_s",
         "endpoint", "stream", "prefill_node", "decode_node", "retries", "state", "outcome"}
     assert (recent["outcome"], recent["state"], recent["turn"]) == ("ok", "done", 1)
+    assert recent["decided"] == "recompute/no_entry"
     assert (recent["tenant"], recent["endpoint"], recent["stream"]) == ("default", "chat", False)
 
 
