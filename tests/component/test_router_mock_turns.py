@@ -271,6 +271,19 @@ async def test_completions_streamed_and_not(rig: Rig, conversation_id: str | Non
     assert len(rig.cluster.reads) == 2
 
 
+async def test_completions_given_as_token_ids_pull_with_an_explicit_id(rig: Rig) -> None:
+    """A prompt of token ids: the router has the exact ids without ``/tokenize``."""
+    ids = list(b"once upon a time " * 6)
+    body = {"model": "mock", "prompt": ids, "max_tokens": 8, "conversation_id": "ids"}
+    resp = await rig.post("/v1/completions", body)
+    answer = list(resp.json()["choices"][0]["text"].encode())
+    resp = await rig.post("/v1/completions", {**body, "prompt": ids + answer + [32, 110]})
+    assert (resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"]) == (
+        "pull", "pull")
+    assert "/tokenize" not in p_paths(rig)
+    assert [r.num_tokens for r in rig.cluster.reads] == [len(ids) + len(answer) - 1]
+
+
 async def test_client_token_ids_are_kept_when_asked(rig: Rig) -> None:
     body = {"model": "mock", "messages": [{"role": "user", "content": LONG}],
             "max_tokens": 4, "return_token_ids": True, "conversation_id": "ids"}
