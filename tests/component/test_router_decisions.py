@@ -326,12 +326,11 @@ async def test_direct_when_enabled(stream: bool) -> None:
         assert d_body["kv_transfer_params"]["do_remote_decode"] is False
         # a report target only for streams: a non-streamed answer carries D's params
         assert ("kvrelay_turn_id" in d_body["kv_transfer_params"]) is stream
-        if not stream:  # usage counts what D served from its own cache as cached
-            reused = last["reused_tokens"]
-            assert reused > 0
+        if not stream:  # D's own usage: only D knows what its prefix cache still held
+            assert last["reused_tokens"] > 0  # the router's plan (X-KVRelay-Reused-Tokens)
             assert chat.last_response is not None
             usage = chat.last_response.json()["usage"]
-            assert usage["prompt_tokens_details"]["cached_tokens"] == reused
+            assert "prompt_tokens_details" not in usage
         await rig.settle()
         entry = await chat.entry()
         assert entry is not None and entry.turn == 2

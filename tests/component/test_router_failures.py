@@ -47,24 +47,57 @@ async def make(num_prefill: int = 1, num_decode: int = 1, **settings: Any) -> Ri
 # -- P failures ---------------------------------------------------------------------------
 
 
-async def test_p_connect_error_retries_on_other_p_as_recompute() -> None:
+@pytest.mark.parametrize("fault", ["connect", ("status", 503)])
+async def test_a_pull_p_never_received_is_the_same_pull_on_another_p(fault: Any) -> None:
+    """P refused the connection (or answered 503: nothing scheduled): D's blocks are
+    untouched, so the other P pulls them."""
     rig = await make(num_prefill=2)
     try:
         chat = Chat(rig, "c")
         await chat.turn(LONG)  # turn 1 on the least loaded P: prefill-0
         p0, p1 = rig.cluster.node("prefill-0"), rig.cluster.node("prefill-1")
-        p0.faults.append("connect")
+        p0.faults.append(fault)
         resp, _ = await chat.turn("next")
         assert resp.status_code == 200
         last = await rig.last_decision()
-        assert (last["action"], last["retries"]) == ("pull", 1)
+        assert (last["action"], last["reason"], last["retries"]) == ("pull", "pull", 1)
         assert last["prefill_node"] == "prefill-1"
-        assert p1.generation_requests()[-1]["kv_transfer_params"] == {"do_remote_decode": True}
-        # the pull's entry stays consumed (P may have read it); the retried turn left a new one
-        assert len(rig.ctx.index) == 1
+        sent0 = p0.generation_requests()[-1]["kv_transfer_params"]
+        sent1 = p1.generation_requests()[-1]["kv_transfer_params"]
+        assert sent1["remote_block_ids"] and sent1 == sent0  # the same pull
+        assert len(rig.cluster.reads) == 1 and rig.cluster.reads[0].correct
+        assert int(resp.headers["x-kvrelay-reused-tokens"]) == rig.cluster.reads[0].num_tokens
         entry = await chat.entry()
-        assert entry is not None and entry.turn == 2
-        assert not rig.ctx.nodes.state("prefill-0").up  # type: ignore[union-attr]
+        assert entry is not None and entry.turn == 2 and len(rig.ctx.index) == 1
+        assert rig.ctx.nodes.state("prefill-0").up is (fault != "connect")  # type: ignore[union-attr]
+    finally:
+        await rig.close()
+
+
+@pytest.mark.parametrize("fault", ["timeout", "reset", ("status", 500)])
+async def test_a_pull_p_may_have_read_is_recomputed_on_another_p(fault: Any) -> None:
+    """P got the pull and failed: it may have read D's blocks (which frees them), so the
+    entry stays spent and the other P recomputes (``prefill_failed``)."""
+    rig = await make(num_prefill=2)
+    try:
+        chat = Chat(rig, "c")
+        await chat.turn(LONG)
+        p0, p1 = rig.cluster.node("prefill-0"), rig.cluster.node("prefill-1")
+        p0.faults.append(fault)
+        resp, _ = await chat.turn("next")
+        assert resp.status_code == 200
+        last = await rig.last_decision()
+        assert (last["action"], last["reason"], last["decided"]) == (
+            "recompute", "prefill_failed", "pull/pull")
+        assert (last["retries"], last["prefill_node"], last["reused_tokens"]) == (
+            1, "prefill-1", 0)
+        assert resp.headers["x-kvrelay-reused-tokens"] == "0"
+        assert p0.generation_requests()[-1]["kv_transfer_params"]["remote_block_ids"]
+        assert p1.generation_requests()[-1]["kv_transfer_params"] == {"do_remote_decode": True}
+        # the pull's entry stays consumed; the retried turn left a new one
+        entry = await chat.entry()
+        assert entry is not None and entry.turn == 2 and len(rig.ctx.index) == 1
+        assert rig.ctx.metrics.retries.labels("prefill")._value.get() == 1
     finally:
         await rig.close()
 
