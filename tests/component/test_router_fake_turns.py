@@ -322,17 +322,16 @@ async def test_reply_resent_with_other_whitespace_pulls_only_the_verified_prefix
         assert resp.json()["choices"][0]["message"]["content"] == await r.recompute(body)
 
 
-async def test_edited_reply_continues_no_entry_and_takes_nothing() -> None:
-    """An edited answer means the request does not contain the entry's turn: it is not a
-    continuation (``no_entry``), the entry stays for the conversation that does continue it,
-    and both answers equal a recompute."""
+async def test_edited_reply_without_an_id_is_no_entry_and_takes_nothing() -> None:
+    """An edited answer means the request does not contain the entry's turn: without an id it
+    is not a continuation (``no_entry``), the entry stays for the conversation that does
+    continue it, and both answers equal a recompute."""
     async with routed() as r:
         p = r.cluster.prefill[0]
         history, held = await long_first_turn(r)
         edited = [*history[:-1], {"role": "assistant",
                                   "content": history[-1]["content"][:150] + "[edited]"}]
-        body = {"messages": [*edited, {"role": "user", "content": "go on"}], "max_tokens": 200,
-                "conversation_id": "edit"}
+        body = {"messages": [*edited, {"role": "user", "content": "go on"}], "max_tokens": 200}
         async with r.client() as c:
             resp = await c.post("/v1/chat/completions", json=body)
             assert resp.headers["x-kvrelay-reason"] == "no_entry"
@@ -347,6 +346,29 @@ async def test_edited_reply_continues_no_entry_and_takes_nothing() -> None:
         assert rec.plan == "pull" and rec.pulled_matches_prompt and not rec.wrong_reuse
         assert rec.pulled_tokens == held_tokens(held)
         assert rec.pulled_from_request == held.internal_request_id
+        assert resp.json()["choices"][0]["message"]["content"] == await r.recompute(body)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_edited_reply_with_its_id_pulls_only_the_unedited_prefix(guard: str) -> None:
+    """Under its own conversation id an edited history continues the id's latest entry; the
+    guard proves the prefix before the edit, only that is pulled, the answer equals a
+    recompute."""
+    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
+        p = r.cluster.prefill[0]
+        history, held = await long_first_turn(r)
+        edited = [*history[:-1], {"role": "assistant",
+                                  "content": history[-1]["content"][:150] + "[edited]"}]
+        body = {"messages": [*edited, {"role": "user", "content": "go on"}], "max_tokens": 200,
+                "conversation_id": "edit"}
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body)
+        decision = await r.last_decision()
+        rec = last_prefill_record(p)
+        assert decision["reason"] == "pull" and rec.plan == "pull"
+        assert len(held.prompt_token_ids) < rec.pulled_tokens < held_tokens(held)
+        assert rec.pulled_tokens == decision["reused_tokens"]
+        assert rec.pulled_matches_prompt and not rec.wrong_reuse
         assert resp.json()["choices"][0]["message"]["content"] == await r.recompute(body)
 
 
@@ -381,7 +403,8 @@ async def test_a_wrong_fingerprint_costs_reuse_never_correctness(
         assert resp.json()["usage"]["prompt_tokens_details"]["cached_tokens"] == proven
         assert decision["verified_tokens"] == proven
         if guard == "connector":  # the router pulls; P's connector proves and cuts
-            assert decision["reason"] == "pull"
+            assert decision["decided"] == "pull/pull"
+            assert decision["reason"] == ("prefix_mismatch" if proven == 0 else "pull")
             assert rec.guard == ("prefix_mismatch" if proven == 0 else "pull")
             assert rec.verified_tokens == proven
         else:  # the router proves and cuts (or recomputes) itself
@@ -434,3 +457,42 @@ async def test_a_stale_fingerprint_proves_only_what_it_covers(guard: str) -> Non
         assert rec.pulled_matches_prompt and not rec.wrong_reuse
         assert decision["reused_tokens"] == stale.num_tokens
         assert resp.json()["choices"][0]["message"]["content"] == await r.recompute(body)
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("client_asks_ids", [False, True])
+async def test_token_id_prompts_without_an_id_pull(
+    guard: str, stream: bool, client_asks_ids: bool
+) -> None:
+    """A completions prompt of token ids, continued with the answer's ids (asked from D with
+    ``return_token_ids``, or tokenized by the client itself): the router finds the entry
+    from the ids alone. It asks D for the output ids itself, and the client gets none it did
+    not ask for."""
+    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        prompt = list(d.model.encode_prompt(FIRST))
+        async with r.client() as c:
+            for turn in range(3):
+                body: dict[str, Any] = {"model": "tiny", "prompt": prompt, "max_tokens": 24,
+                                        "stream": stream}
+                if client_asks_ids:
+                    body["return_token_ids"] = True
+                resp = await c.post("/v1/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                payloads = sse_events(resp.text) if stream else [resp.json()]
+                choices = [x["choices"][0] for x in payloads
+                           if isinstance(x, dict) and x.get("choices")]
+                shown = [t for ch in choices for t in ch.get("token_ids") or []]
+                output = list(d.records[-1].output_token_ids)
+                assert shown == (output if client_asks_ids else [])
+                await r.settle()
+                decision = await r.last_decision()
+                assert decision["reason"] == ("no_entry" if turn == 0 else "pull")
+                if turn:
+                    rec = last_prefill_record(p)
+                    assert rec.pulled_tokens == decision["reused_tokens"] > 0
+                    assert rec.pulled_matches_prompt and not rec.wrong_reuse
+                more = d.model.encode_prompt(" and then?", add_special_tokens=False)
+                prompt = [*prompt, *output, *more]
+        assert not d.freed_reads

@@ -61,4 +61,5 @@ def text(prompt: str, scope: bytes = SCOPE) -> RequestIdentity:
 
 
 def text_stored_at(identity: RequestIdentity, answer: str) -> EntryRef:
-    return EntryRef(identity.scope, identity.anchor, text_continuation(identity, answer).slot())
+    cont = text_continuation(identity, answer.encode())
+    return EntryRef(identity.scope, identity.anchor, cont.slot())

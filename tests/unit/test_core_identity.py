@@ -69,7 +69,7 @@ def test_text_anchors_every_block_and_continues_with_prompt_tail_and_answer() ->
     prompt = ("x" * (2 * TEXT_BLOCK_BYTES + 100)).encode()
     turn1 = text_identity(SCOPE, b"ctx", prompt)
     assert turn1.tail_offset == 2 * TEXT_BLOCK_BYTES
-    cont = text_continuation(turn1, " answer")
+    cont = text_continuation(turn1, b" answer")
     assert cont.num_bytes == 100 + len(" answer")
     follow = text_identity(SCOPE, b"ctx", prompt + b" answer and more")
     probe = next(p for p in follow.probes if p.offset == turn1.tail_offset)
@@ -85,4 +85,4 @@ def test_a_short_prompt_anchors_at_the_context() -> None:
     assert turn1.tail_offset == 0 and len(turn1.probes) == 1
     follow = text_identity(SCOPE, b"ctx", b"hello world, again")
     assert follow.probes[-1].anchor == turn1.anchor
-    assert text_matches(follow, follow.probes[-1], text_continuation(turn1, " world"))
+    assert text_matches(follow, follow.probes[-1], text_continuation(turn1, b" world"))

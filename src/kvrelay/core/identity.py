@@ -185,10 +185,17 @@ def text_identity(
     )
 
 
-def text_continuation(identity: RequestIdentity, answer: str) -> Continuation:
-    """The continuation of a completions entry: the prompt after its anchor, then the answer."""
+def pack_token_ids(token_ids: Sequence[int]) -> bytes:
+    """A token-id prompt (or answer) as the bytes its completions identity is cut from."""
+    return b"".join(t.to_bytes(4, "little") for t in token_ids)
+
+
+def text_continuation(identity: RequestIdentity, answer: bytes) -> Continuation:
+    """The continuation of a completions entry: the prompt after its anchor, then the answer
+    as the next prompt carries it (UTF-8 text, or ``pack_token_ids`` of D's output ids for a
+    token-id prompt)."""
     assert identity.text is not None
-    rest = identity.text[identity.tail_offset :] + answer.encode("utf-8")
+    rest = identity.text[identity.tail_offset :] + answer
     return Continuation(digest(b"text", rest), len(rest))
 
 

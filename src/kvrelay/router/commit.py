@@ -56,11 +56,11 @@ _DECODER = msgspec.json.Decoder()
 
 class DecodeAnswer(msgspec.Struct, frozen=True):
     """What D answered, as the next turn will carry it: the continuation of the answer
-    (``answer_text`` for completions, else ``chat``), its size, and, in ``/tokenize`` mode,
-    the token ids D returned."""
+    (``text`` for completions: UTF-8, or the packed output ids after a token-id prompt; else
+    ``chat``), its size, and the token ids D returned when the router asked for them."""
 
     chat: Continuation | None
-    text: str | None
+    text: bytes | None
     num_bytes: int
     prompt_token_ids: Sequence[int] | None = None
     output_token_ids: Sequence[int] = ()
@@ -281,7 +281,7 @@ class ReportDesk:
         blocks, slot = p.blocks, p.slot
         if p.outcome is not None or blocks is None or slot is None:
             return
-        if p.token_ids is not None:
+        if p.token_ids is not None and blocks.fingerprint is None:
             prompt_ids, output_ids = p.token_ids
             expected = p.num_prompt_tokens
             if expected is not None and expected != len(prompt_ids):

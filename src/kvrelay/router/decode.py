@@ -25,7 +25,7 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.core.identity import answer_digest
+from kvrelay.core.identity import answer_digest, pack_token_ids
 from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_optional_remote_blocks
 from kvrelay.router.asgi import DisconnectWatch, Send, send_response, start_stream
 from kvrelay.router.commit import DecodeAnswer, PendingTurn
@@ -82,7 +82,7 @@ class Decoder:
             max_output_tokens=req.max_output_tokens,
         )
         turn.pending = pending
-        ids = not ctx.nodes.fingerprints(node.node_id)
+        ids = not ctx.nodes.fingerprints(node.node_id) or req.prompt_token_ids is not None
         body = decode_body(
             req, params, report=(ctx.config.report_url, pending.turn_id) if req.stream else None,
             token_ids=ids,
@@ -252,9 +252,13 @@ class Decoder:
         turn: Turn, text: str, calls: Any, prompt_ids: list[int] | None, output_ids: list[int]
     ) -> DecodeAnswer:
         chat = turn.request.endpoint == "chat"
+        carried: bytes | None = None
+        if not chat:
+            ids_prompt = turn.request.prompt_token_ids is not None
+            carried = pack_token_ids(output_ids) if ids_prompt else text.encode("utf-8")
         return DecodeAnswer(
             chat=answer_digest(text, calls) if chat else None,
-            text=None if chat else text,
+            text=carried,
             num_bytes=len(text.encode("utf-8")),
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,

@@ -30,6 +30,7 @@ from kvrelay.core.identity import (
     ToolCall,
     answer_digest,
     chat_identity,
+    pack_token_ids,
     scope_of,
     text_identity,
 )
@@ -145,8 +146,8 @@ def parse_request(
             identity = text_identity(scope, context, prompt.encode("utf-8"), explicit=explicit)
         else:
             prompt_ids = tuple(prompt)
-            packed = b"".join(t.to_bytes(4, "little") for t in prompt_ids)
-            identity = text_identity(scope, b"ids" + context, packed, explicit=explicit)
+            identity = text_identity(scope, b"ids" + context, pack_token_ids(prompt_ids),
+                                     explicit=explicit)
     return TurnRequest(
         endpoint=endpoint,
         body=body,
