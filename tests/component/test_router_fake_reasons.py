@@ -348,7 +348,8 @@ async def test_prefix_mismatch(guard: str) -> None:
     the question, so fewer than the threshold are proven. On stock P the router proves it
     (``prefix_mismatch``) and recomputes; with kvrelay's connector the router decides ``pull``
     from estimates and P's guard finds the mismatch: nothing is loaded, D is notified and
-    frees its blocks. The answer equals a recompute."""
+    frees its blocks, and the turn is reported as the recompute it was. The answer equals a
+    recompute."""
     async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
         p, d = r.cluster.prefill[0], r.cluster.decode[0]
         conv = Conversation(r, max_tokens=64)
@@ -365,13 +366,14 @@ async def test_prefix_mismatch(guard: str) -> None:
         assert decision["verified_tokens"] == proven and decision["reused_tokens"] == 0
         assert payloads[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert rec.pulled_tokens == 0 and rec.computed_tokens == len(rec.prompt_token_ids)
-        if guard == "connector":
-            assert (decision["action"], decision["reason"]) == ("pull", "pull")
+        assert (decision["action"], decision["reason"]) == ("recompute", "prefix_mismatch")
+        if guard == "connector":  # decided from estimates; P's guard refused it
+            assert decision["decided"] == "pull/pull"
             assert (rec.guard, rec.verified_tokens, rec.plan) == (
                 "prefix_mismatch", proven, "local_hit")
             assert rec.notified_engine == d.engine_id and not holds(d, turn1)
         else:
-            assert (decision["action"], decision["reason"]) == ("recompute", "prefix_mismatch")
+            assert decision["decided"] == "recompute/prefix_mismatch"
             assert decision["exact"] is True and rec.plan == "none" and rec.guard is None
 
 

@@ -97,6 +97,8 @@ class ClientError(Exception):
         self.param = param
         self.status = status
         self.headers = dict(headers or {})
+        if status == 503:
+            self.headers.setdefault("Retry-After", "1")
 
     def body(self) -> bytes:
         return error_json(self.status, self.message, self.param)
@@ -104,7 +106,9 @@ class ClientError(Exception):
 
 class RouterError(Exception):
     """A failure the router answers itself (502/503/504, or a passed-through upstream 4xx
-    when ``body`` is set)."""
+    when ``body`` is set). Every 503 carries ``Retry-After`` (1 s unless given): it is
+    capacity or a node coming back, and clients that honour it back off instead of
+    hammering."""
 
     def __init__(
         self,
