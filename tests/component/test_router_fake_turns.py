@@ -20,6 +20,7 @@ from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.params import parse_remote_blocks
 from kvrelay.testing import FakeEngine
 from kvrelay.testing.fake_config import RequestRecord
+from kvrelay.tune.trace import read_turns
 from tests.component.fake_engine_helpers import BLOCK, cdiv
 from tests.component.router_fake import (
     GUARD_CONFIGS,
@@ -496,3 +497,33 @@ async def test_token_id_prompts_without_an_id_pull(
                 more = d.model.encode_prompt(" and then?", add_special_tokens=False)
                 prompt = [*prompt, *output, *more]
         assert not d.freed_reads
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_turn_log_records_each_turn_as_it_happened(tmp_path: Any, stream: bool) -> None:
+    """``--turn-log``: one line per turn once its entry settled, one key per conversation
+    (id-less too), the decision as it happened, the reused tokens P reported, what D retains;
+    no content; ``kvrelay tune`` reads it back."""
+    path = tmp_path / "turns.jsonl"
+    async with routed(turn_log=str(path)) as r:
+        d = r.cluster.decode[0]
+        sent = await run_conversation(r, None, stream=stream)
+        decisions = (await r.stats())["decisions"]["recent"]
+        assert r.ctx.turn_log is not None
+        r.ctx.turn_log.flush()
+        held = [len(rec.prompt_token_ids) + len(rec.output_token_ids) - 1 for rec in d.records]
+    text = path.read_text()
+    assert FIRST.split()[0] not in text and sent[0].text[:8] not in text
+    records = [json.loads(line) for line in text.splitlines()]
+    assert [x["action"] for x in records] == ["recompute", "pull", "pull", "pull"]
+    assert [x["reason"] for x in records] == ["no_entry", "pull", "pull", "pull"]
+    assert len({x["key"] for x in records}) == 1 and records[0]["key"] == decisions[0]["key"]
+    assert [x["reused_tokens"] for x in records] == [x["reused_tokens"] for x in decisions]
+    assert [x["prompt_tokens"] for x in records] == [x["prompt_tokens"] for x in decisions]
+    assert [x["retained_tokens"] for x in records] == held
+    assert records[0]["gap_s"] is None and all(x["gap_s"] == 0.0 for x in records[1:])
+    assert all(x["decode_node"] == "decode-0" for x in records)
+    assert all((x["ttft_s"] is not None) == stream for x in records)
+    turns = list(read_turns(path))
+    assert [t.reused_tokens for t in turns] == [x["reused_tokens"] for x in records]
+    assert [t.retained_tokens for t in turns] == held
