@@ -174,7 +174,8 @@ async def test_p_killed_mid_prefill_is_retried_on_another_p(
         reply = await turn2
         assert reply.status == 200
         decision = await r.last_decision()
-        assert (decision["action"], decision["prefill_node"]) == ("pull", "prefill-1")
+        assert (decision["decided"], decision["prefill_node"]) == ("pull/pull", "prefill-1")
+        assert (decision["action"], decision["reason"]) == ("recompute", "prefill_failed")
         assert decision["retries"] == 1 and reply.headers["x-kvrelay-reused-tokens"] == "0"
         assert p1.records[-1].plan == "none"  # a recompute: the pulled entry stays spent
         # the next turns pull again, from D's newest entry, even with P-0 back
@@ -357,7 +358,8 @@ async def test_hung_p_times_out_and_the_turn_is_recomputed_elsewhere(
         reply = await chat.turn("And in the Andes?")
         assert reply.status == 200
         decision = await r.last_decision()
-        assert (decision["action"], decision["prefill_node"]) == ("pull", "prefill-1")
+        assert (decision["decided"], decision["prefill_node"]) == ("pull/pull", "prefill-1")
+        assert (decision["action"], decision["reason"]) == ("recompute", "prefill_failed")
         assert decision["retries"] == 1 and p1.records[-1].plan == "none"
         assert reply.headers["x-kvrelay-reused-tokens"] == "0"
         assert p0.faults.num_hung == 1
@@ -411,7 +413,9 @@ async def test_entry_expiring_between_decision_and_pull(
         before = len(p.records)
         reply = await chat.turn("And in Patagonia?")
         assert advanced and reply.status == 200
-        assert reply.headers["x-kvrelay-action"] == "pull"
+        # P recomputed in place (policy recompute), or failed and another try recomputed
+        assert reply.headers["x-kvrelay-action"] == ("pull" if policy == "recompute"
+                                                     else "recompute")
         assert reply.headers["x-kvrelay-reused-tokens"] == "0"
         assert p.records[before].load_failure == "expired"
         assert (await r.last_decision())["retries"] == (0 if policy == "recompute" else 1)

@@ -97,8 +97,6 @@ class ClientError(Exception):
         self.param = param
         self.status = status
         self.headers = dict(headers or {})
-        if status == 503:
-            self.headers.setdefault("Retry-After", "1")
 
     def body(self) -> bytes:
         return error_json(self.status, self.message, self.param)
@@ -122,6 +120,8 @@ class RouterError(Exception):
         self.message = message
         self.passthrough = body
         self.headers = dict(headers or {})
+        if status == 503:
+            self.headers.setdefault("Retry-After", "1")
 
     def to_body(self) -> dict[str, object]:
         if self.passthrough is not None:
