@@ -323,7 +323,7 @@ async def test_v033_final_chunk_params_need_no_report(guard: str) -> None:
     stream itself (stock D: with the fingerprint the router computes from the token ids it
     asked D for), and the next turn pulls while the report is still held."""
     gate = PermitSleep()  # reports are held forever: only the final chunk can commit
-    config = replace(GUARD_CONFIGS[guard], stream_kv_params_on_final_chunk=True,
+    config = replace(GUARD_CONFIGS[guard], vllm_version="0.33",
                      report_delay_s=1.0)
     async with routed(engine_config=config, sleep=gate) as r:
         p = r.cluster.prefill[0]
