@@ -24,6 +24,12 @@ engine latency this is the router's own cost (plus one more HTTP hop). Numbers d
 machine; docs/perf.md has a run and the exact command.
 
     .venv/bin/python scripts/bench_router_overhead.py --clients 64 --turns 4 --rounds 3
+
+Against vLLM 0.33's protocol (D's params on the final streamed chunk, which the router parses
+out of every token chunk, since 0.33 puts ``"kv_transfer_params": null`` on each):
+
+    .venv/bin/python scripts/bench_router_overhead.py --engine-arg=--vllm-version \
+        --engine-arg=0.33
 """
 
 from __future__ import annotations

@@ -3,7 +3,8 @@ reports to the internal listener included), sharing one ``ManualClock`` so TTLs 
 sleeping, plus a fault-free reference engine of its own for recomputes.
 
 The engines run kvrelay's connector by default (the router's ``connector`` guard mode);
-``STOCK_CONFIG`` is stock vLLM (the router's ``/tokenize`` mode)."""
+``STOCK_CONFIG`` is stock vLLM (the router's ``/tokenize`` mode). They speak the vLLM
+protocol ``KVRELAY_FAKE_VLLM_VERSION`` names (``fake_vllm_version``; 0.32 by default)."""
 
 from __future__ import annotations
 
@@ -24,9 +25,10 @@ from kvrelay.router.state import RouterContext
 from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.testing.fake_config import RequestRecord
 from kvrelay.testing.fake_server import HttpServer
+from tests.component.fake_vllm_version import engine_config
 from tests.ports import free_port
 
-ENGINE_CONFIG = FakeEngineConfig(report_delay_s=0.0, default_max_tokens=16)
+ENGINE_CONFIG = engine_config(report_delay_s=0.0, default_max_tokens=16)
 STOCK_CONFIG = replace(ENGINE_CONFIG, kvrelay_connector=False)
 """Stock vLLM on every node: the router guards pulls itself (``/tokenize`` mode)."""
 GUARD_CONFIGS = {"connector": ENGINE_CONFIG, "tokenize": STOCK_CONFIG}

@@ -84,12 +84,13 @@ def walk_keys(obj: Any) -> list[tuple[str, Any]]:
 
 
 def assert_no_internal_fields(payloads: list[Any]) -> None:
-    """No router-internal field reaches the client: no ``kv_transfer_params`` or
-    ``kvrelay_*`` key at all, token ids only as vLLM's own ``null``."""
+    """No router-internal field reaches the client: no ``kv_transfer_params`` (vLLM 0.33's
+    ``null`` ones on stream chunks included), nothing from inside them, no ``kvrelay_*`` key
+    at all, token ids only as vLLM's own ``null``."""
     for payload in payloads:
         for key, value in walk_keys(payload):
             assert not key.startswith("kvrelay_"), key
-            assert key != "kv_transfer_params", payload
+            assert key not in ("kv_transfer_params", "remote_registration_generation"), payload
             if key in ("token_ids", "prompt_token_ids"):
                 assert value is None, (key, value)
 

@@ -21,10 +21,12 @@ def test_fake_engine_command_follows_the_mode():
     assert (args["--prefill"], args["--decode"], args["--base-port"]) == ("2", "3", "9100")
     assert args["--ttl-s"] == "60" and args["--served-model-name"] == "tiny"
     assert "--no-bidirectional" not in cmd and "--prefill-prefix-caching" not in cmd
-    assert "--model" not in cmd
+    assert "--model" not in cmd and args["--vllm-version"] == "0.32"
     local_cmd = fake_engine_command(cluster_config_for(local, base), "cpu", "py")
     assert "--no-bidirectional" in local_cmd and "--prefill-prefix-caching" in local_cmd
     assert local_cmd[local_cmd.index("--prefill") + 1] == "1"
+    v033 = fake_engine_command(cluster_config_for(pull, base), "fast", "py", vllm_version="0.33")
+    assert v033[v033.index("--vllm-version") + 1] == "0.33"
 
 
 def test_sweep_pulls_in_pull_mode_and_recomputes_in_recompute_mode(tmp_path, capsys):

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.testing import FakeCluster, FakeEngineConfig, ManualClock
@@ -71,20 +72,58 @@ async def test_streamed_chat_chunks_are_shaped_like_vllm_032() -> None:
         assert len(d.held()) == 1
 
 
-async def test_kv_params_on_final_chunk_when_emulating_vllm_033() -> None:
-    config = replace(CONFIG, stream_kv_params_on_final_chunk=True)
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+async def test_vllm_033_streams_params_on_the_final_chunk_and_still_reports(
+    endpoint: str,
+) -> None:
+    """0.33: D's retained params ride on the chunk with ``finish_reason``, ``null`` before it,
+    not on the role or usage chunk; they carry ``remote_registration_generation`` like P's,
+    which D received unchanged. kvrelay's connector on D posts its report as well, with the
+    same params (docs/vllm-versions.md)."""
+    config = replace(CONFIG, vllm_version="0.33")
+    path = "/v1/chat/completions" if endpoint == "chat" else "/v1/completions"
+    prompt: dict[str, Any] = {"messages": PROMPT} if endpoint == "chat" else {
+        "prompt": "final chunk " * 30}
+    async with Receiver() as receiver, FakeCluster(1, 1, config) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        pr = await post(p, path, {**prompt, "max_tokens": 1,
+                                  "kv_transfer_params": {"do_remote_decode": True}})
+        assert pr["kv_transfer_params"]["remote_registration_generation"] == 1
+        params = {**pr["kv_transfer_params"], "kvrelay_report_url": receiver.url,
+                  "kvrelay_turn_id": "turn-33"}
+        chunks = sse_json(await sse_lines(d, path, {
+            **prompt, "max_tokens": 6, "stream": True, "kv_transfer_params": params,
+            "stream_options": {"include_usage": True}}))
+        rec = d.record(chunks[0]["id"])
+        assert rec.request_kv_transfer_params == params
+        body = await receiver.next_body()
+    tokens = chunks[1:-1] if endpoint == "chat" else chunks[:-1]
+    assert len(tokens) == 6 and chunks[-1]["choices"] == []
+    assert tokens[-1]["choices"][0]["finish_reason"] == "length"
+    assert [c.get("kv_transfer_params", "absent") for c in chunks] == (
+        ["absent"] * (endpoint == "chat") + [None] * 5 + [rec.kv_transfer_params, "absent"])
+    retained = tokens[-1]["kv_transfer_params"]
+    assert retained["do_remote_decode"] is True
+    assert retained["remote_registration_generation"] == 1
+    assert body["kv_transfer_params"] == retained and body["turn_id"] == "turn-33"
+    assert tokens[-1]["choices"][0]["weight_versions"] is None
+    assert chunks[-1]["system_fingerprint"] == "vllm-0.33.0-fake"
+
+
+async def test_vllm_033_final_chunk_says_null_when_d_retains_nothing() -> None:
+    """Without bidirectional transfer D retains nothing: 0.33's final chunk carries
+    ``"kv_transfer_params": null`` (the key is there), which means "nothing retained"."""
+    config = replace(CONFIG, vllm_version="0.33", bidirectional_kv_xfer=False)
     async with FakeCluster(1, 1, config) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
         pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})
         chunks = sse_json(await sse_lines(d, "/v1/chat/completions", {
-            "messages": PROMPT, "max_tokens": 6, "stream": True,
+            "messages": PROMPT, "max_tokens": 3, "stream": True,
             "kv_transfer_params": pr["kv_transfer_params"]}))
-        with_params = [c for c in chunks if "kv_transfer_params" in c]
-        assert with_params == [chunks[-1]]  # no usage chunk: the finish chunk is the last
-        params = with_params[0]["kv_transfer_params"]
-        assert params == d.record(chunks[0]["id"]).kv_transfer_params
-        assert params["do_remote_decode"] is True
-        assert chunks[-1]["system_fingerprint"] == config.system_fingerprint
+        assert d.record(chunks[0]["id"]).kv_transfer_params is None
+    assert [c.get("kv_transfer_params", "absent") for c in chunks] == [
+        "absent", None, None, None]
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
 async def test_non_streamed_responses_are_shaped_like_vllm_032() -> None:

@@ -7,6 +7,7 @@ import asyncio
 import io
 
 import httpx
+import pytest
 
 from kvrelay.cli import build_parser
 from kvrelay.testing.cli import cluster_from_args, serve
@@ -17,7 +18,7 @@ def test_arguments_map_to_engine_configs() -> None:
     args = build_parser().parse_args([
         "fake-engine", "--prefill", "2", "--decode", "3", "--base-port", "0",
         "--latency-preset", "cpu", "--ttl-s", "60", "--threshold", "128",
-        "--prefill-prefix-caching", "--kv-load-failure-policy", "fail", "--stream-kv-params"])
+        "--prefill-prefix-caching", "--kv-load-failure-policy", "fail", "--vllm-version", "0.33"])
     assert callable(args.func)
     cluster = cluster_from_args(args)
     assert (cluster.num_prefill, cluster.num_decode, cluster.base_port) == (2, 3, None)
@@ -25,7 +26,18 @@ def test_arguments_map_to_engine_configs() -> None:
     assert p.enable_prefix_caching and d.enable_prefix_caching
     assert p.decoder_kv_blocks_ttl == d.decoder_kv_blocks_ttl == 60
     assert p.kv_recompute_threshold == 128 and p.kv_load_failure_policy == "fail"
-    assert p.latency.decode_s_per_token > 0 and p.stream_kv_params_on_final_chunk
+    assert p.latency.decode_s_per_token > 0
+    assert p.vllm_version == d.vllm_version == "0.33" and p.protocol.stream_kv_params
+
+
+def test_vllm_version_defaults_to_032_and_refuses_others(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    args = build_parser().parse_args(["fake-engine"])
+    assert cluster_from_args(args).decode_config.vllm_version == "0.32"
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["fake-engine", "--vllm-version", "0.34"])
+    assert "invalid choice: '0.34'" in capsys.readouterr().err
 
 
 async def test_serve_prints_urls_and_side_channels_until_stopped() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, request_bytes
 from tests.component.router_process import HeldSleep, eventually, run_router, until
 
@@ -27,7 +28,7 @@ BODY = {"model": "tiny", "max_tokens": 50,
 
 async def test_abandoned_non_streamed_request_is_cancelled_on_d(tmp_path: Path) -> None:
     sleep = HeldSleep()
-    async with FakeCluster(1, 1, FakeEngineConfig(report_delay_s=0.0), sleep=sleep) as cluster, \
+    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0), sleep=sleep) as cluster, \
             run_router(cluster, tmp_path) as router:
         d = cluster.decode[0]
         d.faults.slow_stream_s = 0.01  # every token is a step of ``sleep``

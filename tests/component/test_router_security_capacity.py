@@ -16,7 +16,8 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
     Metrics,
     RouterProcess,
@@ -40,7 +41,7 @@ class Rig:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     log_dir = tmp_path_factory.mktemp("router-capacity")
-    async with FakeCluster(1, 1, FakeEngineConfig(report_delay_s=0.0)) as cluster, \
+    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
             run_router(cluster, log_dir) as router:
         yield Rig(cluster, router)
 

@@ -28,7 +28,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import HeldSleep, run_router, until
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -71,7 +72,7 @@ async def test_streams_open_at_the_drain_deadline_end_with_an_error_event(
     tmp_path: Path,
 ) -> None:
     sleep = HeldSleep()
-    async with FakeCluster(1, 1, FakeEngineConfig(report_delay_s=0.0), sleep=sleep) as cluster, \
+    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0), sleep=sleep) as cluster, \
             run_router(cluster, tmp_path, "--drain-timeout-s", str(DRAIN_TIMEOUT_S),
                        internal=True) as router, \
             contextlib.AsyncExitStack() as stack:

@@ -28,7 +28,8 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, RawResponse, request_bytes
 from tests.component.router_process import PATIENCE_S, RouterProcess, is_openai_error, run_router
 
@@ -55,7 +56,7 @@ class Harness:
 
     async def _start(self, log_dir: Path) -> tuple[FakeCluster, RouterProcess]:
         cluster = await self.stack.enter_async_context(
-            FakeCluster(1, 1, FakeEngineConfig(report_delay_s=0.0)))
+            FakeCluster(1, 1, engine_config(report_delay_s=0.0)))
         router = await self.stack.enter_async_context(run_router(cluster, log_dir, *KEYS))
         return cluster, router
 

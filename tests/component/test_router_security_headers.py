@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, RawResponse, request_bytes
 from tests.component.router_process import (
     PATIENCE_S,
@@ -42,7 +43,7 @@ class Rig:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     log_dir = tmp_path_factory.mktemp("router-headers")
-    async with FakeCluster(1, 1, FakeEngineConfig(report_delay_s=0.0)) as cluster, \
+    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
             run_router(cluster, log_dir, *KEYS) as router:
         yield Rig(cluster, router)
 

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import RouterProcess, is_openai_error, run_router
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -42,7 +43,7 @@ class Rig:
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     log_dir = tmp_path_factory.mktemp("router-input")
-    async with FakeCluster(1, 1, FakeEngineConfig(report_delay_s=0.0)) as cluster, \
+    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
             run_router(cluster, log_dir, *KEYS) as router:
         yield Rig(cluster, router)
 

@@ -23,7 +23,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
     HeldSleep,
     RouterProcess,
@@ -41,7 +42,7 @@ ADMIN = "ADM-key"
 ARGS = ("--api-key", "alice:KA", "--api-key", "bob:KB", "--admin-key", ADMIN)
 ALICE = {"authorization": "Bearer KA"}
 BOB = {"authorization": "Bearer KB"}
-CONFIG = FakeEngineConfig(report_delay_s=0.0)
+CONFIG = engine_config(report_delay_s=0.0)
 MESSAGES = [{"role": "user", "content": "Tell me about rivers and the rocks they carve."}]
 #: Exception reprs and library names that must never reach a client.
 REPRS = ("RemoteProtocolError", "Error(", "Exception", "Traceback", "httpx", "httpcore",

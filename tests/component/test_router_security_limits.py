@@ -18,7 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.testing import FakeCluster
+from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, RawResponse, request_bytes
 from tests.component.router_process import (
     PATIENCE_S,
@@ -33,7 +34,7 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CHAT = "/v1/chat/completions"
 KEYS = ("--api-key", "alice:KA", "--api-key", "bob:KB")
-CONFIG = FakeEngineConfig(report_delay_s=0.0)
+CONFIG = engine_config(report_delay_s=0.0)
 BODY = {"model": "tiny", "max_tokens": 4,
         "messages": [{"role": "user", "content": "Name three rivers."}]}
 

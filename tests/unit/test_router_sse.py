@@ -337,3 +337,45 @@ def test_rewrite_body_chat_with_tool_calls() -> None:
     assert (prompt_ids, output_ids) == ([7, 8, 9], [1, 2])
     assert "prompt_token_ids" not in obj and "token_ids" not in obj["choices"][0]
     assert obj["usage"]["prompt_tokens_details"] == {"cached_tokens": 0}
+
+
+# -- vLLM 0.33: kv_transfer_params on the stream's chunks ----------------------------------
+
+PARAMS_033 = {"do_remote_prefill": False, "do_remote_decode": True,
+              "remote_block_ids": [[3, 4]], "remote_registration_generation": 1}
+
+
+def text_chunk(text: str, *, final: bool = False, **top: Any) -> bytes:
+    choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
+              "finish_reason": "length" if final else None}
+    return event({"id": "chatcmpl-1", "object": "chat.completion.chunk", "choices": [choice],
+                  **top})
+
+
+def relay_events(*events: bytes) -> tuple[StreamScan, bytes]:
+    scan = StreamScan(Rewrite())
+    out = b"".join(scan.feed(e) for e in (*events, SSE_DONE))
+    assert scan.done
+    return scan, out
+
+
+def test_a_032_stream_carries_no_params() -> None:
+    scan, out = relay_events(text_chunk("a"), text_chunk("b", final=True))
+    assert (scan.params_seen, scan.params) == (False, None)
+    assert out == text_chunk("a") + text_chunk("b", final=True) + SSE_DONE  # passed as is
+    assert scan.answer()[0] == "ab"
+
+
+def test_a_033_stream_gives_the_final_chunks_params_and_hides_every_one() -> None:
+    scan, out = relay_events(text_chunk("a", kv_transfer_params=None),
+                             text_chunk("b", final=True, kv_transfer_params=PARAMS_033))
+    assert (scan.params_seen, scan.params) == (True, PARAMS_033)
+    assert b"kv_transfer_params" not in out and b"registration" not in out
+    assert scan.answer()[0] == "ab"
+
+
+def test_a_033_final_chunk_with_null_params_means_nothing_retained() -> None:
+    scan, out = relay_events(text_chunk("a", kv_transfer_params=None),
+                             text_chunk("b", final=True, kv_transfer_params=None))
+    assert (scan.params_seen, scan.params) == (True, None)
+    assert b"kv_transfer_params" not in out

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.bench.modes import DEFAULT_MODES
+from kvrelay.testing.fake_versions import VLLM_VERSIONS
 
 
 def register(sub: Any) -> None:
@@ -113,6 +114,9 @@ def _common(parser: argparse.ArgumentParser) -> None:
                         "engines (no vLLM needed; simulated latency, see --fake-latency)")
     g.add_argument("--fake-latency", choices=["cpu", "fast"], default="cpu",
                    help="latency preset of --engines fake")
+    g.add_argument("--fake-vllm-version", choices=VLLM_VERSIONS, default="0.32",
+                   help="vLLM protocol of --engines fake (0.33: D's params on the final "
+                        "streamed chunk)")
     c = parser.add_argument_group("cluster (without --router-url; modes set bidirectional and "
                                   "P prefix caching)")
     add_cluster_arguments(c)  # type: ignore[arg-type]
@@ -166,8 +170,10 @@ def _bench(args: argparse.Namespace) -> int:
             if args.engines == "fake":
                 from kvrelay.bench.fake_engines import fake_engine_cluster
 
-                factory = fake_engine_cluster(args.fake_latency)
-                meta["engines"] = f"fake ({args.fake_latency} latency)"
+                factory = fake_engine_cluster(args.fake_latency,
+                                              vllm_version=args.fake_vllm_version)
+                meta["engines"] = (f"fake ({args.fake_latency} latency, "
+                                   f"vLLM {args.fake_vllm_version} protocol)")
             try:
                 runs = run_managed(workload, modes, cluster_config_from_args(args), run_dir,
                                    options, cluster_factory=factory,
@@ -225,6 +231,7 @@ def _trace(args: argparse.Namespace) -> int:
     out = args.out or Path("results") / f"bench-trace-{time.strftime('%Y%m%d-%H%M%S')}"
     options = ReplayOptions(
         time_scale=args.time_scale, latency=args.fake_latency,
+        vllm_version=args.fake_vllm_version,
         num_gpu_blocks=args.num_gpu_blocks, tenant=args.tenant, id_prefix=f"{salt}-",
         extra_body=None if args.allow_eos else {"ignore_eos": True},
         timeout_s=args.timeout_s, router_args=tuple(getattr(args, "router_arg", None) or ()),

@@ -6,7 +6,8 @@ ports, with the config's bidirectional / prefix-caching / TTL / threshold settin
 returns once every engine answers ``/health``. With ``latency="cpu"`` the engines simulate
 the real CPU cluster's prefill, transfer and decode times (``docs/testing.md``), so the
 modes compare like the real thing in shape, in seconds instead of minutes; ``fast``
-simulates nothing (tests).
+simulates nothing (tests). ``vllm_version`` is the vLLM protocol the engines speak
+(``kvrelay fake-engine --vllm-version``: 0.32, or 0.33 with params on the final chunk).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def fake_engine_command(
     python: str,
     *,
     ttl_s: float | None = None,
+    vllm_version: str = "0.32",
     extra: Sequence[str] = (),
 ) -> list[str]:
     """The ``kvrelay fake-engine`` command line for ``config``; ``ttl_s`` (fractional
@@ -47,6 +49,7 @@ def fake_engine_command(
         "--kv-load-failure-policy", config.kv_load_failure_policy,
         "--max-model-len", str(config.max_model_len),
         "--served-model-name", served_name(config),
+        "--vllm-version", vllm_version,
     ]
     if config.model != "tiny":  # the fake's default tokenizer is tiny's
         from kvrelay.cluster.launcher import resolve_model
@@ -81,7 +84,8 @@ class FakeEngines:
 
 
 def fake_engine_cluster(
-    latency: FakeLatency = "cpu", python: str = sys.executable, ready_timeout_s: float = 120.0
+    latency: FakeLatency = "cpu", python: str = sys.executable, ready_timeout_s: float = 120.0,
+    vllm_version: str = "0.32",
 ) -> ClusterFactory:
     """A cluster factory starting fake engines (see the module docstring)."""
 
@@ -90,7 +94,8 @@ def fake_engine_cluster(
         urls = [f"{base}{config.base_port + i}"
                 for i in range(config.num_prefill + config.num_decode)]
         process = ServiceProcess(
-            "fake engines", fake_engine_command(config, latency, python),
+            "fake engines", fake_engine_command(config, latency, python,
+                                                vllm_version=vllm_version),
             [f"{u}/health" for u in urls], run_dir / "fake-engine.log", ready_timeout_s,
         ).start()
         return FakeEngines(process, urls[: config.num_prefill], urls[config.num_prefill :],

@@ -271,6 +271,7 @@ class ReplayOptions:
 
     time_scale: float
     latency: FakeLatency = "fast"
+    vllm_version: str = "0.32"
     num_gpu_blocks: int = 1 << 16
     sample_interval_s: float = 0.25
     tenant: str = "default"
@@ -303,6 +304,7 @@ def run_ttl(
     urls = [f"http://{config.host}:{config.base_port + i}" for i in range(nodes)]
     engines_cmd = fake_engine_command(
         config, options.latency, config.python, ttl_s=settings.engine_ttl_s,
+        vllm_version=options.vllm_version,
         extra=["--report-delay-s", "0", "--num-gpu-blocks", str(options.num_gpu_blocks)],
     )
     run_dir.mkdir(parents=True, exist_ok=True)

@@ -214,7 +214,7 @@ class Decoder:
         answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
         blocks = self._retained(node, scan.params) if scan.params is not None else None
         await ctx.desk.response_finished(
-            pending, answer, blocks, retained=None if scan.params is None else blocks is not None,
+            pending, answer, blocks, retained=blocks is not None if scan.params_seen else None,
         )
         self._done(turn, "ok")
 

@@ -4,8 +4,10 @@ A streamed chunk from D reaches the client byte for byte. The relay only frames 
 (``frame``: up to the last blank line; no JSON parse) and looks for a handful of byte
 markers; only an event that holds one is parsed and rewritten:
 
-* ``kv_transfer_params`` (vLLM >= 0.33 puts D's retained params on the final chunk): taken
-  out and kept for the entry;
+* ``kv_transfer_params`` (vLLM >= 0.33 puts D's retained params on the final chunk, ``null``
+  on the chunks before it, and ``null`` on the final one when D retained nothing): taken out,
+  the last value kept for the entry (``params_seen`` tells a 0.33 ``null`` from a stream
+  that never carries the key);
 * the usage event, when the client asked for ``stream_options.include_usage``: it gets
   ``prompt_tokens_details.cached_tokens``, the prompt tokens P did not compute, unless D
   already reported them (OpenAI's convention, so clients and benchmarks see cache reads);
@@ -130,6 +132,7 @@ class StreamScan:
         self.done = False
         self.error: object = None
         self.params: object = None
+        self.params_seen = False
         self.prompt_token_ids: list[int] | None = None
         self.output_token_ids: list[int] = []
 
@@ -169,6 +172,7 @@ class StreamScan:
             self.error = obj["error"]
         if "kv_transfer_params" in obj:
             self.params = obj.pop("kv_transfer_params")
+            self.params_seen = True
             changed = True
         rw = self._rewrite
         if rw.collect_ids:

@@ -1,5 +1,6 @@
-"""Test doubles for kvrelay: a protocol-faithful fake vLLM 0.32 P/D engine (NixlConnector, pull
-mode, bidirectional KV transfer) that runs many instances in one process. See docs/testing.md.
+"""Test doubles for kvrelay: a protocol-faithful fake vLLM P/D engine (NixlConnector, pull
+mode, bidirectional KV transfer; vLLM 0.32's protocol or 0.33's, ``fake_versions``) that runs
+many instances in one process. See docs/testing.md.
 
 Start engines with ``FakeCluster`` (``async with``), talk HTTP to ``engine.url``, inject faults
 through ``engine.faults`` (or ``POST /fake/faults``), and read what each request reused with

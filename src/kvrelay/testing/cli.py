@@ -18,6 +18,7 @@ import sys
 from typing import Any, TextIO
 
 from kvrelay.core.report import DEFAULT_REPORT_HOSTS
+from kvrelay.testing.fake_versions import VLLM_VERSIONS
 
 DEFAULT_BASE_PORT = 8200
 DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600
@@ -57,8 +58,10 @@ def add_fake_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill-prefix-caching", action="store_true",
                         help="enable prefix caching on P (off by default, like kvrelay up)")
     parser.add_argument("--no-decode-prefix-caching", action="store_true")
-    parser.add_argument("--stream-kv-params", action="store_true",
-                        help="put kv_transfer_params on the final streamed chunk (vLLM >= 0.33)")
+    parser.add_argument("--vllm-version", choices=VLLM_VERSIONS, default="0.32",
+                        help="vLLM release whose wire protocol the engines speak (0.33: "
+                             "kv_transfer_params on the final streamed chunk, "
+                             "remote_registration_generation in every params)")
     parser.add_argument("--model", default=None,
                         help="local HF model dir for tokenizer + chat template (default: tiny)")
     parser.add_argument("--served-model-name", default="tiny")
@@ -91,7 +94,7 @@ def cluster_from_args(args: argparse.Namespace) -> Any:
         decoder_kv_blocks_ttl=args.ttl_s,
         kv_lease_duration=args.lease_s,
         kv_load_failure_policy=args.kv_load_failure_policy,
-        stream_kv_params_on_final_chunk=args.stream_kv_params,
+        vllm_version=args.vllm_version,
         latency=latency_preset(args.latency_preset),
         seed=args.seed,
         report_delay_s=args.report_delay_s,
@@ -114,7 +117,8 @@ async def serve(args: argparse.Namespace, stop: asyncio.Event, out: TextIO = sys
     """Start the engines, print where they are, run until ``stop`` is set, then stop them."""
     cluster = cluster_from_args(args)
     print(f"starting {args.prefill} fake P + {args.decode} fake D "
-          f"(latency {args.latency_preset})", file=out, flush=True)
+          f"(latency {args.latency_preset}, vLLM {args.vllm_version} protocol)",
+          file=out, flush=True)
     await cluster.start()
     try:
         for engine in cluster.engines:

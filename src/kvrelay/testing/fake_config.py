@@ -9,6 +9,7 @@ from kvrelay.core.report import DEFAULT_REPORT_HOSTS
 from kvrelay.testing.fake_connector import KVRole, PlanReason
 from kvrelay.testing.fake_latency import FAST, LatencyModel
 from kvrelay.testing.fake_report import ReportOutcome
+from kvrelay.testing.fake_versions import VllmVersion, WireProtocol, wire_protocol
 
 FailurePolicy = Literal["recompute", "fail"]
 
@@ -24,12 +25,16 @@ class FakeEngineConfig:
     ``default_max_tokens`` applies to chat requests without ``max_tokens`` /
     ``max_completion_tokens`` (vLLM would generate up to ``max_model_len``, and the fake never
     emits EOS); ``None`` restores vLLM's behaviour. Completions default to 16, as in vLLM.
-    ``stream_kv_params_on_final_chunk`` emulates vLLM >= 0.33, which puts
-    ``kv_transfer_params`` on the final streamed chunk; 0.32 (default False) never streams them.
+    ``vllm_version``: the release whose wire protocol the engine speaks, ``0.32`` (default)
+    or ``0.33``; ``protocol`` says what that changes (``fake_versions``: 0.33 streams D's
+    params on the final chunk and adds ``remote_registration_generation`` to every params).
+    ``system_fingerprint`` defaults to ``vllm-<release>-fake``.
     ``report_delay_s`` / ``report_hosts``: kvrelay's D-side report (see ``fake_report``).
     ``kvrelay_connector``: the engine runs kvrelay's connector (as ``kvrelay up`` sets it up):
     D adds the fingerprint of what it retains to its params, P proves a pull against its
-    prompt before loading (``kvrelay.core.guard``); False is stock vLLM.
+    prompt before loading (``kvrelay.core.guard``); False is stock vLLM. kvrelay's connector
+    reports on every version (the router asks for a report on every streamed turn), so a
+    0.33 D both streams its params and posts them.
     ``deterministic_ids``: engine and request ids derived from ``seed``, engine name and side
     channel instead of random ones (generated text depends only on ``seed`` either way).
     ``records_limit`` bounds the request records, freed-block reads and expired ids kept (a
@@ -46,7 +51,7 @@ class FakeEngineConfig:
     decoder_kv_blocks_ttl: float = 480.0
     kv_lease_duration: float = 30.0
     kv_load_failure_policy: FailurePolicy = "recompute"
-    stream_kv_params_on_final_chunk: bool = False
+    vllm_version: VllmVersion = "0.32"
     default_max_tokens: int | None = 16
     latency: LatencyModel = FAST
     seed: int = 0
@@ -54,7 +59,7 @@ class FakeEngineConfig:
     tp_size: int = 1
     dcp_size: int = 1
     pp_size: int = 1
-    system_fingerprint: str = "vllm-0.32.0-fake"
+    system_fingerprint: str | None = None
     records_limit: int = 1000
     deterministic_ids: bool = False
     report_delay_s: float = 0.1
@@ -62,6 +67,7 @@ class FakeEngineConfig:
     kvrelay_connector: bool = True
 
     def __post_init__(self) -> None:
+        wire_protocol(self.vllm_version)
         if self.kv_load_failure_policy not in ("recompute", "fail"):
             raise ValueError("kv_load_failure_policy must be 'recompute' or 'fail'")
         if self.block_size < 1 or self.num_gpu_blocks < 2 or self.max_model_len < 2:
@@ -70,6 +76,18 @@ class FakeEngineConfig:
             raise ValueError("TTLs must be >= 0")
         if self.report_delay_s < 0 or self.records_limit < 1:
             raise ValueError("report_delay_s >= 0 and records_limit >= 1")
+
+    @property
+    def protocol(self) -> WireProtocol:
+        """What ``vllm_version`` puts on the wire (``fake_versions``)."""
+        return wire_protocol(self.vllm_version)
+
+    @property
+    def effective_system_fingerprint(self) -> str:
+        """The ``system_fingerprint`` the engine answers with."""
+        if self.system_fingerprint is not None:
+            return self.system_fingerprint
+        return f"vllm-{self.protocol.release}-fake"
 
 
 @dataclass

@@ -1,4 +1,4 @@
-"""A fake vLLM 0.32 engine with NixlConnector (pull mode, bidirectional): state and lifecycle.
+"""A fake vLLM engine with NixlConnector (pull mode, bidirectional): state and lifecycle.
 
 ``FakeEngine`` owns one engine's KV cache, its held blocks, counters and request records, its
 HTTP server (``fake_http``) and its place on the in-process "NIXL" fabric (``fake_kv``). The

@@ -26,6 +26,7 @@ from kvrelay.testing.fake_connector import KVPlan, plan_kv
 from kvrelay.testing.fake_kv import Hold, KVReadError, block_hashes
 from kvrelay.testing.fake_model import generate_tokens
 from kvrelay.testing.fake_report import ReportOutcome, report_target
+from kvrelay.testing.fake_versions import with_registration_generation
 
 if TYPE_CHECKING:
     from kvrelay.testing.fake_engine import EngineState, FakeEngine
@@ -150,6 +151,8 @@ class Generation:
                 block_size=bs if kvrelay and not on_p else None,
                 verified_tokens=rec.verified_tokens if kvrelay and on_p else None,
             ).to_json()
+            if cfg.protocol.registration_generation:
+                params = with_registration_generation(params, cfg.tp_size * cfg.pp_size)
         else:
             st.pool.free(self.blocks)
         rec.kv_transfer_params = params

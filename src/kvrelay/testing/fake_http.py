@@ -233,7 +233,8 @@ async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -
         "num_prompt_tokens": len(inp.prompt_token_ids),
         "num_output_tokens": len(gen.output),
         "kv_transfer_params": params,
-        "system_fingerprint": cfg.system_fingerprint,
+        "system_fingerprint": cfg.effective_system_fingerprint,
+        "weight_versions": cfg.protocol.weight_versions,
     }
     build = oai.chat_response if inp.endpoint == "chat" else oai.completion_response
     return Response(
@@ -245,8 +246,11 @@ async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -
 
 async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> AsyncIterator[str]:
     """vLLM's SSE stream. ``finish()`` runs when the last token is produced (before its chunk
-    is sent), the D-side report once ``[DONE]`` was written or the connection went away."""
+    is sent), the D-side report once ``[DONE]`` was written or the connection went away.
+    On 0.33 every token chunk carries ``kv_transfer_params``: the request's params on the
+    one with ``finish_reason`` (``null`` if none), ``null`` before it."""
     inp, cfg = parsed.inp, engine.config
+    wire = cfg.protocol
     chat = inp.endpoint == "chat"
     created = int(time.time())
     model = cfg.served_model_name
@@ -281,17 +285,18 @@ async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> 
             ids = [token] if parsed.return_token_ids else None
             text = engine.model.decode([token])
             if chat:
-                chunk = oai.chat_token_chunk(inp.request_id, created, model, text, ids, final=final)
+                chunk = oai.chat_token_chunk(inp.request_id, created, model, text, ids,
+                                             final=final, weight_versions=wire.weight_versions)
             else:
                 first_ids = prompt_ids if sent == 1 else None
-                chunk = oai.completion_chunk(
-                    inp.request_id, created, model, text, ids, first_ids, final=final
-                )
+                chunk = oai.completion_chunk(inp.request_id, created, model, text, ids,
+                                             first_ids, final=final,
+                                             weight_versions=wire.weight_versions)
             if parsed.continuous_usage:
                 chunk["usage"] = oai.usage(n_prompt, sent, full=False)
             if final and not parsed.include_usage:
-                chunk["system_fingerprint"] = cfg.system_fingerprint
-            if final and params is not None and cfg.stream_kv_params_on_final_chunk:
+                chunk["system_fingerprint"] = cfg.effective_system_fingerprint
+            if wire.stream_kv_params:
                 chunk["kv_transfer_params"] = params
             yield oai.sse(chunk)
             if sent == cut:
@@ -301,9 +306,8 @@ async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> 
         if parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield oai.sse(
-                oai.usage_chunk(
-                    inp.request_id, created, model, obj, n_prompt, total, cfg.system_fingerprint
-                )
+                oai.usage_chunk(inp.request_id, created, model, obj, n_prompt, total,
+                                cfg.effective_system_fingerprint)
             )
         yield oai.SSE_DONE
     finally:

@@ -1,9 +1,11 @@
-"""Response bodies and SSE chunks shaped exactly like vLLM 0.32's OpenAI server.
+"""Response bodies and SSE chunks shaped exactly like vLLM 0.32's or 0.33's OpenAI server.
 
 Field sets and order follow vLLM's pydantic models as serialized by its server: non-streamed
 responses dump every field (``None`` as ``null``); streamed chunks use ``exclude_unset`` (only
 the fields vLLM sets); the trailing usage chunk uses ``exclude_none``. Captured real responses
-are in ``tests/data/vllm-0.32.0``.
+are in ``tests/data/vllm-0.32.0``. ``weight_versions=True`` adds 0.33's ``weight_versions``
+choice field where 0.33 sets it (``fake_versions``); streamed ``kv_transfer_params`` are
+added by the caller.
 """
 
 from __future__ import annotations
@@ -68,33 +70,35 @@ def chat_response(
     num_output_tokens: int,
     kv_transfer_params: dict[str, object] | None,
     system_fingerprint: str,
+    weight_versions: bool = False,
 ) -> dict[str, object]:
     """A non-streamed ``chat.completion`` (``token_ids``/``prompt_token_ids``: only with
     ``return_token_ids``)."""
+    choice: dict[str, object] = {
+        "index": 0,
+        "message": {
+            "role": "assistant",
+            "content": text,
+            "refusal": None,
+            "annotations": None,
+            "audio": None,
+            "function_call": None,
+            "reasoning": None,
+        },
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": token_ids,
+        "routed_experts": None,
+    }
+    if weight_versions:
+        choice["weight_versions"] = None
     return {
         "id": request_id,
         "object": "chat.completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "message": {
-                    "role": "assistant",
-                    "content": text,
-                    "refusal": None,
-                    "annotations": None,
-                    "audio": None,
-                    "function_call": None,
-                    "reasoning": None,
-                },
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": token_ids,
-                "routed_experts": None,
-            }
-        ],
+        "choices": [choice],
         "service_tier": None,
         "system_fingerprint": system_fingerprint,
         "usage": usage(num_prompt_tokens, num_output_tokens, full=True),
@@ -119,26 +123,28 @@ def completion_response(
     num_output_tokens: int,
     kv_transfer_params: dict[str, object] | None,
     system_fingerprint: str,
+    weight_versions: bool = False,
 ) -> dict[str, object]:
     """A non-streamed ``text_completion``; token ids sit in the choice, as in vLLM."""
+    choice: dict[str, object] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": "length",
+        "stop_reason": None,
+        "token_ids": token_ids,
+        "prompt_logprobs": None,
+        "prompt_token_ids": prompt_token_ids,
+        "routed_experts": None,
+    }
+    if weight_versions:
+        choice["weight_versions"] = None
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": "length",
-                "stop_reason": None,
-                "token_ids": token_ids,
-                "prompt_logprobs": None,
-                "prompt_token_ids": prompt_token_ids,
-                "routed_experts": None,
-            }
-        ],
+        "choices": [choice],
         "service_tier": None,
         "system_fingerprint": system_fingerprint,
         "usage": usage(num_prompt_tokens, num_output_tokens, full=True),
@@ -178,8 +184,10 @@ def chat_token_chunk(
     token_ids: list[int] | None,
     *,
     final: bool,
+    weight_versions: bool = False,
 ) -> dict[str, object]:
-    """One generated token; the final one carries ``finish_reason``/``stop_reason``."""
+    """One generated token; the final one carries ``finish_reason``/``stop_reason`` (and,
+    with ``weight_versions``, 0.33's ``weight_versions``)."""
     choice: dict[str, object] = {
         "index": 0,
         "delta": {"content": text},
@@ -189,6 +197,8 @@ def chat_token_chunk(
     if final:
         choice["stop_reason"] = None
     choice["token_ids"] = token_ids
+    if final and weight_versions:
+        choice["weight_versions"] = None
     return {
         "id": request_id,
         "object": "chat.completion.chunk",
@@ -207,24 +217,27 @@ def completion_chunk(
     prompt_token_ids: list[int] | None,
     *,
     final: bool,
+    weight_versions: bool = False,
 ) -> dict[str, object]:
-    """One generated token of a streamed completion (prompt ids only on the first chunk)."""
+    """One generated token of a streamed completion (prompt ids only on the first chunk;
+    0.33's ``weight_versions`` on every chunk)."""
+    choice: dict[str, object] = {
+        "index": 0,
+        "text": text,
+        "logprobs": None,
+        "finish_reason": "length" if final else None,
+        "stop_reason": None,
+        "prompt_token_ids": prompt_token_ids,
+        "token_ids": token_ids,
+    }
+    if weight_versions:
+        choice["weight_versions"] = None
     return {
         "id": request_id,
         "object": "text_completion",
         "created": created,
         "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "text": text,
-                "logprobs": None,
-                "finish_reason": "length" if final else None,
-                "stop_reason": None,
-                "prompt_token_ids": prompt_token_ids,
-                "token_ids": token_ids,
-            }
-        ],
+        "choices": [choice],
     }
 
 

@@ -7,6 +7,8 @@ the router which blocks D retained by POSTing, when a request finishes,
 ``kvrelay_turn_id``). ``kv_transfer_params`` in the report is D's retained params
 (``do_remote_decode: true``), or ``null`` when nothing was retained (aborted request,
 bidirectional transfer off). Only hosts in ``report_hosts`` (default: loopback) are contacted.
+The connector reports on vLLM 0.33 too, where the final streamed chunk also carries the params,
+so the fake does the same whatever its ``vllm_version``.
 
 The real connector posts from a background thread about 100 ms after the last chunk; the fake
 posts ``report_delay_s`` after the response completed (streamed: after ``data: [DONE]`` was

@@ -1,0 +1,312 @@
+"""What the router does differently for vLLM 0.32 and 0.33 D nodes (fake engines, real HTTP).
+
+0.32 streams carry no ``kv_transfer_params``: a streamed turn's entry needs kvrelay's D-side
+report. 0.33 puts D's retained params on the final chunk (``null`` on earlier chunks, and
+``null`` on the final one when D retained nothing), and kvrelay's connector on D still
+reports: the router commits from the final chunk without waiting for the report, counts the
+report that follows ``late``, and commits once. 0.33 params also carry
+``remote_registration_generation``, which must travel unchanged from P's params to D and from
+D's retained params to P's pull (docs/vllm-versions.md).
+
+Each test names the versions it runs on (``KVRELAY_FAKE_VLLM_VERSION`` does not apply here:
+this file is the same in both runs of ``make test``, which runs it once).
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import replace
+from typing import Any
+
+import pytest
+
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.testing import FakeEngine, FakeEngineConfig
+from kvrelay.testing.fake_versions import REGISTRATION_GENERATION_KEY, VLLM_VERSIONS, VllmVersion
+from tests.component.router_fake import GUARD_CONFIGS, PermitSleep, Routed, routed, until
+from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
+
+FIRST = "Explain how a lighthouse keeper spent a winter night, hour by hour. " * 5
+FOLLOW_UPS = ["And at dawn?", "What did the keeper eat?"]
+GUARDS = list(GUARD_CONFIGS)
+
+
+def config(version: VllmVersion, guard: str = "connector", **changes: Any) -> FakeEngineConfig:
+    return replace(GUARD_CONFIGS[guard], vllm_version=version, **changes)
+
+
+def count(metrics: RouterMetrics, family: str, label: str) -> float:
+    value: float = getattr(metrics, family).labels(label)._value.get()
+    return value
+
+
+class Chat:
+    """One conversation through the router; every answer checked for internal fields."""
+
+    def __init__(self, r: Routed, *, stream: bool, endpoint: str = "chat") -> None:
+        self.r = r
+        self.stream = stream
+        self.endpoint = endpoint
+        self.messages: list[dict[str, Any]] = []
+        self.prompt = ""
+        self.last: tuple[dict[str, Any], str] = ({}, "")
+
+    def body(self, user: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 16, "stream": self.stream,
+                                "conversation_id": "lighthouse"}
+        if self.endpoint == "chat":
+            body["messages"] = [*self.messages, {"role": "user", "content": user}]
+        else:
+            body["prompt"] = self.prompt + user
+        if self.stream:
+            body["stream_options"] = {"include_usage": True}
+        return body
+
+    async def turn(self, user: str) -> str:
+        body = self.body(user)
+        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        async with self.r.client() as c:
+            resp = await c.post(path, json=body)
+        assert resp.status_code == 200, resp.text
+        payloads = sse_events(resp.text) if self.stream else [resp.json()]
+        assert_no_internal_fields(payloads)
+        assert REGISTRATION_GENERATION_KEY not in resp.text
+        if self.stream:
+            text = stream_text(payloads)
+        else:
+            choice = payloads[0]["choices"][0]
+            text = choice["message"]["content"] if self.endpoint == "chat" else choice["text"]
+        if self.endpoint == "chat":
+            self.messages = [*body["messages"], {"role": "assistant", "content": text}]
+        else:
+            self.prompt = body["prompt"] + text
+        self.last = (body, text)
+        return text
+
+    async def last_equals_a_recompute(self) -> bool:
+        """Whether the last answer is what a plain recompute of its request gives."""
+        body, text = self.last
+        return await self.r.recompute(body, self.endpoint) == text  # type: ignore[arg-type]
+
+
+def d_records(d: FakeEngine) -> list[Any]:
+    """D's records of generation requests the router sent (P's params or direct)."""
+    return [rec for rec in d.records if rec.request_kv_transfer_params is not None]
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_registration_generation_travels_unchanged_and_each_turn_commits_once(
+    version: VllmVersion, stream: bool, endpoint: str, guard: str
+) -> None:
+    """Three turns, each settled: turns 2-3 pull and equal a recompute; each turn commits
+    exactly one entry (on 0.33 streamed: from the final chunk, D's report then counted
+    ``late``). What P returned reaches D unchanged, generation included, and what D retained
+    reaches P's pull unchanged; 0.32 params have no generation anywhere."""
+    async with routed(engine_config=config(version, guard)) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        chat = Chat(r, stream=stream, endpoint=endpoint)
+        for user in [FIRST, *FOLLOW_UPS]:
+            await chat.turn(user)
+            await r.settle()
+            assert await chat.last_equals_a_recompute()
+        decisions = (await r.stats())["decisions"]["recent"]
+        assert [x["reason"] for x in decisions] == ["no_entry", "pull", "pull"]
+        metrics = r.ctx.metrics
+        assert count(metrics, "turn_entries", "committed") == 3
+        assert len(r.ctx.index) == 1
+        late_reports = count(metrics, "reports", "late")
+        matched = count(metrics, "reports", "matched")
+        if stream:
+            assert matched + late_reports == 3  # D's connector reported every streamed turn
+            if version == "0.32":
+                assert late_reports == 0
+        else:
+            assert matched == late_reports == 0  # no report asked for
+
+        p_turns = [rec for rec in p.records if rec.kv_transfer_params is not None]
+        d_turns = d_records(d)
+        assert len(p_turns) == len(d_turns) == 3
+        generation = 1 if version == "0.33" else None
+        for p_rec, d_rec in zip(p_turns, d_turns, strict=True):
+            returned = p_rec.kv_transfer_params or {}
+            received = d_rec.request_kv_transfer_params or {}
+            assert received.get(REGISTRATION_GENERATION_KEY) == generation
+            assert returned.get(REGISTRATION_GENERATION_KEY) == generation
+            assert received["remote_engine_id"] == p.engine_id
+        for d_rec, pull in zip(d_turns[:-1], p_turns[1:], strict=True):
+            retained = d_rec.kv_transfer_params or {}
+            asked = pull.request_kv_transfer_params or {}
+            assert retained.get(REGISTRATION_GENERATION_KEY) == generation
+            assert asked.get(REGISTRATION_GENERATION_KEY) == generation
+            assert asked["remote_request_id"] == retained["remote_request_id"]
+            assert pull.plan == "pull" and pull.pulled_matches_prompt
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("endpoint", ["chat", "completions"])
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_a_streamed_turn_whose_report_never_comes(
+    version: VllmVersion, endpoint: str, guard: str
+) -> None:
+    """D's connector may not post to the router (``report_hosts`` leaves it out). 0.32: the
+    streamed turn has no entry, the next turn recomputes (``no_entry``); 0.33: the final
+    chunk is enough, the next turn pulls. Either way the answers equal a recompute."""
+    engine = config(version, guard, report_hosts=())
+    async with routed(engine_config=engine, report_wait_s=0.05, report_timeout_s=0.05) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        chat = Chat(r, stream=True, endpoint=endpoint)
+        await chat.turn(FIRST)
+        report = d_records(d)[-1].report
+        assert report is not None and report.status is None
+        assert report.error is not None and "not in report_hosts" in report.error
+        await until(lambda: len(r.ctx.desk) == 0, "the first turn settled")
+        await chat.turn(FOLLOW_UPS[0])
+        assert await chat.last_equals_a_recompute()
+        await r.settle()
+        decision = await r.last_decision()
+        metrics = r.ctx.metrics
+        if version == "0.33":
+            assert decision["reason"] == "pull"
+            assert p.records[-1].plan == "pull" and p.records[-1].pulled_matches_prompt
+            assert count(metrics, "turn_entries", "committed") == 2
+            assert count(metrics, "turn_entries", "report_timeout") == 0
+        else:
+            assert decision["reason"] == "no_entry"
+            assert p.records[-1].plan == "none"
+            assert count(metrics, "turn_entries", "committed") == 0
+            assert count(metrics, "turn_entries", "report_timeout") == 2
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_the_next_turn_waits_for_a_held_report_only_on_032(version: VllmVersion) -> None:
+    """D's report is held back. 0.32: the streamed turn stays pending, the next turn waits
+    for the report, then pulls. 0.33: the turn committed from its final chunk at once, the
+    next turn pulls without waiting; the held report, once posted, is ``late`` and changes
+    nothing."""
+    gate = PermitSleep()
+    async with routed(engine_config=config(version, report_delay_s=0.1), sleep=gate) as r:
+        metrics = r.ctx.metrics
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        await until(lambda: gate.waiting == 1, "D's report held")
+        if version == "0.33":
+            assert len(r.ctx.desk) == 0 and len(r.ctx.index) == 1
+            assert count(metrics, "turn_entries", "committed") == 1
+            await chat.turn(FOLLOW_UPS[0])
+        else:
+            assert len(r.ctx.desk) == 1 and len(r.ctx.index) == 0
+            turn2 = asyncio.create_task(chat.turn(FOLLOW_UPS[0]))
+            await asyncio.sleep(0.05)
+            assert not turn2.done()  # waiting for turn 1's report
+            gate.grant(2)
+            await turn2
+        assert await chat.last_equals_a_recompute()
+        assert (await r.last_decision())["reason"] == "pull"
+        gate.grant(10)
+        await r.settle()
+        assert count(metrics, "turn_entries", "committed") == 2
+        assert count(metrics, "reports", "late") == (2 if version == "0.33" else 0)
+        assert count(metrics, "reports", "matched") == (0 if version == "0.33" else 2)
+        assert len(r.ctx.index) == 1
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_a_report_after_report_timeout(version: VllmVersion) -> None:
+    """D's report comes after ``report_timeout_s``. 0.32: the turn settled without an entry,
+    the report is ``late`` and commits nothing, the next turn recomputes. 0.33: the entry
+    came from the final chunk long before; the report is just as ``late`` and the next turn
+    pulls."""
+    gate = PermitSleep()
+    async with routed(engine_config=config(version, report_delay_s=0.1), sleep=gate,
+                      report_timeout_s=0.05) as r:
+        metrics = r.ctx.metrics
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        await until(lambda: gate.waiting == 1, "D's report held")
+        await until(lambda: len(r.ctx.desk) == 0, "the turn settled without its report")
+        outcome = "committed" if version == "0.33" else "report_timeout"
+        assert count(metrics, "turn_entries", outcome) == 1
+        gate.grant(10)
+        await r.cluster.drain_reports()
+        assert count(metrics, "reports", "late") == 1
+        assert count(metrics, "reports", "matched") == 0
+        assert len(r.ctx.index) == (1 if version == "0.33" else 0)
+        await chat.turn(FOLLOW_UPS[0])
+        assert await chat.last_equals_a_recompute()
+        assert (await r.last_decision())["reason"] == ("pull" if version == "0.33"
+                                                       else "no_entry")
+        gate.grant(10)
+        await r.settle()
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_a_d_that_retains_nothing(version: VllmVersion) -> None:
+    """Without bidirectional transfer D retains nothing. 0.33's final chunk says so
+    (``"kv_transfer_params": null``): the turn settles ``no_kv`` at once, while D's report is
+    still held. 0.32 learns it only from the report."""
+    gate = PermitSleep()
+    engine = config(version, bidirectional_kv_xfer=False, report_delay_s=0.1)
+    async with routed(engine_config=engine, sleep=gate) as r:
+        metrics = r.ctx.metrics
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        await until(lambda: gate.waiting == 1, "D's report held")
+        if version == "0.33":
+            assert len(r.ctx.desk) == 0
+            assert count(metrics, "turn_entries", "no_kv") == 1
+        else:
+            assert len(r.ctx.desk) == 1
+            assert count(metrics, "turn_entries", "no_kv") == 0
+        gate.grant(10)
+        await r.settle()
+        assert count(metrics, "turn_entries", "no_kv") == 1
+        assert len(r.ctx.index) == 0
+        await chat.turn(FOLLOW_UPS[0])
+        assert await chat.last_equals_a_recompute()
+        assert (await r.last_decision())["reason"] == "no_entry"
+        gate.grant(10)
+        await r.settle()
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_d_dying_mid_stream_commits_nothing(version: VllmVersion) -> None:
+    """D cuts the stream before its final chunk: no params reach the router (0.33's content
+    chunks carry ``null``), the client gets an error event, and no entry is kept."""
+    async with routed(engine_config=config(version)) as r:
+        d = r.cluster.decode[0]
+        d.faults.die_after_tokens = 3
+        body = Chat(r, stream=True).body(FIRST)
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body)
+        payloads = sse_events(resp.text)
+        assert_no_internal_fields(payloads)
+        assert payloads[-1] == "[DONE]" and payloads[-2]["error"]["code"] == 502
+        assert len(stream_text(payloads)) == 3
+        await r.settle()
+        assert len(r.ctx.index) == 0
+        assert count(r.ctx.metrics, "turn_entries", "committed") == 0
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_direct_needs_an_entry_only_033_streams_give_without_a_report(
+    version: VllmVersion,
+) -> None:
+    """With D's report never arriving, a streamed turn keeps an entry only on 0.33 (from its
+    final chunk); so only there does the next turn go ``direct`` (D serves it from its own
+    prefix cache)."""
+    engine = config(version, report_hosts=())
+    async with routed(engine_config=engine, direct_enabled=True, report_wait_s=0.05,
+                      report_timeout_s=0.05) as r:
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        await r.settle()
+        committed = count(r.ctx.metrics, "turn_entries", "committed")
+        assert committed == (1 if version == "0.33" else 0)
+        await chat.turn(FOLLOW_UPS[0])
+        assert await chat.last_equals_a_recompute()
+        expected = "direct" if version == "0.33" else "no_entry"
+        assert (await r.last_decision())["reason"] == expected
+        await r.settle()
