@@ -34,6 +34,9 @@ SSE_DONE = b"data: [DONE]\n\n"
 BATCH_BYTES = 64 * 1024
 
 _MARK_PARAMS = b'"kv_transfer_params"'
+_NULL_PARAMS = b',"kv_transfer_params":null'
+"""vLLM 0.33's key on every streamed token chunk (compact JSON, never first): cut as bytes.
+Inside a JSON string a quote is escaped, so these bytes only ever are the key itself."""
 _MARK_USAGE = b'"usage":{'
 _MARK_IDS = b'token_ids":['
 _MARK_ERROR = b'"error"'
@@ -140,6 +143,9 @@ class StreamScan:
         if events.endswith(SSE_DONE):
             self.done = True
         rw = self._rewrite
+        if _NULL_PARAMS in events:
+            events = events.replace(_NULL_PARAMS, b"")
+            self.params_seen = True
         if (
             _MARK_PARAMS in events
             or _MARK_ERROR in events
