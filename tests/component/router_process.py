@@ -236,6 +236,8 @@ async def run_router(
                 internal_port = int(value)
         else:
             dropped.append(flag)
+    if internal_port is None and "--internal-port" in known:
+        extra += ["--internal-port", "0"]  # not port + 1: it may be taken
     command = [sys.executable, "-m", "kvrelay.cli", "route"]
     for url in cluster.prefill_urls:
         command += ["--prefill", url]
