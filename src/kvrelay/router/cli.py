@@ -185,7 +185,9 @@ def _route(args: argparse.Namespace) -> int:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     nodes = ", ".join(f"{n.node_id}={n.url}" for n in config.nodes)
+    reports = (config.report_url if config.listen_internal_port != 0
+               else "a free port, logged once bound")
     print(f"kvrelay router on http://{config.host}:{config.port} (reports on "
-          f"{config.report_url}, prefix guard {config.guard}) -> {nodes}", flush=True)
+          f"{reports}, prefix guard {config.guard}) -> {nodes}", flush=True)
     serve(config)
     return 0

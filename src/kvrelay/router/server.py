@@ -306,6 +306,7 @@ def serve(config: RouterConfig, **uvicorn_options: Any) -> None:
                bind(config.internal_host, config.listen_internal_port)]
     if config.listen_internal_port == 0:
         config = replace(config, internal_port=sockets[1].getsockname()[1])
+        log.info("reports on %s", config.report_url)
     server = make_server(config, create_app(config), **uvicorn_options)
     gc.freeze()  # start-up objects never become garbage: keep them out of every collection
     uvloop.run(server.serve(sockets=sockets))
