@@ -20,6 +20,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.core.params import REPORT_URL_KEY
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.testing import FakeEngine, FakeEngineConfig
 from kvrelay.testing.fake_versions import REGISTRATION_GENERATION_KEY, VLLM_VERSIONS, VllmVersion
@@ -102,9 +103,10 @@ async def test_registration_generation_travels_unchanged_and_each_turn_commits_o
     version: VllmVersion, stream: bool, endpoint: str, guard: str
 ) -> None:
     """Three turns, each settled: turns 2-3 pull and equal a recompute; each turn commits
-    exactly one entry (on 0.33 streamed: from the final chunk, D's report then counted
-    ``late``). What P returned reaches D unchanged, generation included, and what D retained
-    reaches P's pull unchanged; 0.32 params have no generation anywhere."""
+    exactly one entry (on 0.33 streamed: from the final chunk; only the first stream asks
+    for a report, counted ``late`` if it comes). What P returned reaches D unchanged,
+    generation included, and what D retained reaches P's pull unchanged; 0.32 params have
+    no generation anywhere."""
     async with routed(engine_config=config(version, guard)) as r:
         p, d = r.cluster.prefill[0], r.cluster.decode[0]
         chat = Chat(r, stream=stream, endpoint=endpoint)
@@ -119,15 +121,15 @@ async def test_registration_generation_travels_unchanged_and_each_turn_commits_o
         assert len(r.ctx.index) == 1
         late_reports = count(metrics, "reports", "late")
         matched = count(metrics, "reports", "matched")
-        if stream:
-            assert matched + late_reports == 3  # D's connector reported every streamed turn
-            if version == "0.32":
-                assert late_reports == 0
-        else:
-            assert matched == late_reports == 0  # no report asked for
-
         p_turns = [rec for rec in p.records if rec.kv_transfer_params is not None]
         d_turns = d_records(d)
+        asked = [REPORT_URL_KEY in (rec.request_kv_transfer_params or {}) for rec in d_turns]
+        if stream and version == "0.32":
+            assert asked == [True] * 3 and matched == 3 and late_reports == 0
+        elif stream:  # once D's final chunk carried its params, no more reports are asked
+            assert asked == [True, False, False] and matched + late_reports == 1
+        else:
+            assert asked == [False] * 3 and matched == late_reports == 0
         assert len(p_turns) == len(d_turns) == 3
         generation = 1 if version == "0.33" else None
         for p_rec, d_rec in zip(p_turns, d_turns, strict=True):
@@ -184,8 +186,8 @@ async def test_a_streamed_turn_whose_report_never_comes(
 async def test_the_next_turn_waits_for_a_held_report_only_on_032(version: VllmVersion) -> None:
     """D's report is held back. 0.32: the streamed turn stays pending, the next turn waits
     for the report, then pulls. 0.33: the turn committed from its final chunk at once, the
-    next turn pulls without waiting; the held report, once posted, is ``late`` and changes
-    nothing."""
+    next turn pulls without waiting (and asks for no report); the held report, once posted,
+    is ``late`` and changes nothing."""
     gate = PermitSleep()
     async with routed(engine_config=config(version, report_delay_s=0.1), sleep=gate) as r:
         metrics = r.ctx.metrics
@@ -208,7 +210,8 @@ async def test_the_next_turn_waits_for_a_held_report_only_on_032(version: VllmVe
         gate.grant(10)
         await r.settle()
         assert count(metrics, "turn_entries", "committed") == 2
-        assert count(metrics, "reports", "late") == (2 if version == "0.33" else 0)
+        # 0.33: turn 2 asked for no report (turn 1's final chunk showed D streams params)
+        assert count(metrics, "reports", "late") == (1 if version == "0.33" else 0)
         assert count(metrics, "reports", "matched") == (0 if version == "0.33" else 2)
         assert len(r.ctx.index) == 1
 
@@ -310,3 +313,29 @@ async def test_direct_needs_an_entry_only_033_streams_give_without_a_report(
         expected = "direct" if version == "0.33" else "no_entry"
         assert (await r.last_decision())["reason"] == expected
         await r.settle()
+
+
+async def test_a_d_that_stops_streaming_params_is_asked_for_reports_again() -> None:
+    """A D whose streams carried their params gets no report target; if one of its streams
+    then ends without params (it now speaks 0.32), that turn settles at once without an
+    entry (``no_params``, nothing to wait for) and the next stream asks for a report again,
+    so the conversation is back to pulling."""
+    async with routed(engine_config=config("0.33")) as r:
+        d = r.cluster.decode[0]
+        chat = Chat(r, stream=True)
+        for user in [FIRST, FOLLOW_UPS[0]]:
+            await chat.turn(user)
+            await r.settle()
+        d.config = replace(d.config, vllm_version="0.32")
+        await chat.turn(FOLLOW_UPS[1])
+        await r.settle()
+        assert count(r.ctx.metrics, "turn_entries", "no_params") == 1
+        await chat.turn("And the shortest?")
+        await r.settle()
+        await chat.turn("Thanks.")
+        assert await chat.last_equals_a_recompute()
+        asked = [REPORT_URL_KEY in (rec.request_kv_transfer_params or {})
+                 for rec in d_records(d)]
+        assert asked == [True, False, False, True, True]
+        reasons = [x["reason"] for x in (await r.stats())["decisions"]["recent"]]
+        assert reasons == ["no_entry", "pull", "pull", "no_entry", "pull"]

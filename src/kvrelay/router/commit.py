@@ -85,6 +85,7 @@ class PendingTurn:
     blocks: RemoteBlocks | None = None
     response_done_s: float | None = None
     report_received: bool = False
+    awaits_report: bool = True
     outcome: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
@@ -202,6 +203,8 @@ class ReportDesk:
             p.blocks = params
         if p.blocks is not None:
             await self._commit(p)
+        elif not p.awaits_report:
+            self.settle(p, "no_params")
         elif not p.report_received:
             p.timer = asyncio.get_running_loop().call_later(
                 self._timeout, self.settle, p, "report_timeout"

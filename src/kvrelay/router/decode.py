@@ -82,9 +82,11 @@ class Decoder:
             max_output_tokens=req.max_output_tokens,
         )
         turn.pending = pending
+        pending.awaits_report = req.stream and not ctx.nodes.streams_params(node.node_id)
         ids = not ctx.nodes.fingerprints(node.node_id) or req.prompt_token_ids is not None
         body = decode_body(
-            req, params, report=(ctx.config.report_url, pending.turn_id) if req.stream else None,
+            req, params,
+            report=(ctx.config.report_url, pending.turn_id) if pending.awaits_report else None,
             token_ids=ids,
         )
         rewrite = Rewrite(
@@ -213,6 +215,7 @@ class Decoder:
         text, calls = scan.answer()
         answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
         blocks = self._retained(node, scan.params) if scan.params is not None else None
+        ctx.nodes.observe_stream(node.node_id, scan.params_seen)
         await ctx.desk.response_finished(
             pending, answer, blocks, retained=blocks is not None if scan.params_seen else None,
         )

@@ -21,7 +21,8 @@ Names (all prefixed ``kvrelay_router_``):
   forged, or for a turn already settled long ago), ``late`` (the turn had settled from D's
   own response), ``invalid`` (not the connector's format), ``mismatch_*`` (content disagrees
   with the turn, see ``core.report``); ``turn_entries_total{outcome}`` – how each D turn
-  settled (``committed``, ``no_kv``, ``report_timeout``, ``failed``, ...).
+  settled (``committed``, ``no_kv``, ``report_timeout``, ``no_params`` (a stream without a
+  report target ended without params), ``failed``, ...).
 * ``retained_tokens{node}`` – tokens each D retains for live entries (retention pressure);
   ``expired_unused_token_seconds_total`` – retention nobody read: tokens x seconds of
   entries that expired unused; ``turn_gap_seconds`` – time from a conversation's previous
