@@ -69,7 +69,8 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
            "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
            "--router-port", str(router_port), "--ttl-s", str(TTL_S),
            "--monitoring", "--prometheus-port", str(prometheus_port),
-           f"--router-arg=--admin-key={ADMIN_KEY}"]
+           f"--router-arg=--admin-key={ADMIN_KEY}",
+           f"--router-arg=--pull-cost-factor={PULL_COST_FACTOR}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -112,12 +113,18 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"
 
 
+PULL_COST_FACTOR = 0.01
+"""The tiny model prefills a 1k-token prompt in milliseconds, so the learned costs may
+rightly prefer recomputing; these tests check what a pull does (the cost model has its own
+unit and component tests), so their routers are made to choose pulls."""
+
+
 def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
                        extra: list[str]) -> ServiceProcess:
     """Another ``kvrelay route`` in front of the session cluster's engines (as ``kvrelay up``
     starts its own, plus ``extra`` flags); the caller stops it."""
     cmd = router_command([cluster.prefill_url], [cluster.decode_url], host="127.0.0.1",
                          port=port, ttl_s=cluster.ttl_s, block_size=CPU_BLOCK_SIZE,
-                         extra=extra)
+                         extra=["--pull-cost-factor", str(PULL_COST_FACTOR), *extra])
     url = f"http://127.0.0.1:{port}"
     return ServiceProcess(log_path.stem, cmd, [f"{url}/health"], log_path, url=url).start()
