@@ -17,12 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from kvrelay.bench.metrics import ModeSummary
-
-if TYPE_CHECKING:
-    from kvrelay.bench.report import BenchResults
 
 LOG_SCALE_SPAN = 20.0
 
@@ -31,17 +28,19 @@ _STYLES: Mapping[str, str] = MappingProxyType(
 )
 
 
-def write_charts(results: BenchResults, out_dir: Path) -> list[Path]:
-    """Draw the charts that apply to ``results`` into ``out_dir``; returns their paths."""
-    summaries = results.summaries()
+def write_charts(
+    workload: str, summaries: dict[str, ModeSummary], out_dir: Path
+) -> list[Path]:
+    """Draw the charts that apply to a workload's mode summaries into ``out_dir``; returns
+    their paths."""
     out: list[Path] = []
     if any(s.ttft_by_context for s in summaries.values()):
-        path = out_dir / f"{results.workload}_ttft_vs_context.png"
-        ttft_vs_context(summaries, path, title=f"TTFT vs context length ({results.workload})")
+        path = out_dir / f"{workload}_ttft_vs_context.png"
+        ttft_vs_context(summaries, path, title=f"TTFT vs context length ({workload})")
         out.append(path)
     if any(s.ttft_by_turn for s in summaries.values()):
-        path = out_dir / f"{results.workload}_ttft_by_turn.png"
-        ttft_by_turn(summaries, path, title=f"Mean TTFT by turn ({results.workload})")
+        path = out_dir / f"{workload}_ttft_by_turn.png"
+        ttft_by_turn(summaries, path, title=f"Mean TTFT by turn ({workload})")
         out.append(path)
     return out
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvrelay.bench.charts import write_charts
 from kvrelay.bench.metrics import Comparison, Dist, ModeSummary, TurnRecord, compare, summarize
 
 #: The seed's published numbers (Qwen3-32B on GPU), quoted in every report for scale.
@@ -99,9 +100,7 @@ def write_report(results: BenchResults, out_dir: str | Path, *, charts: bool = T
     md_path.write_text(markdown_report(results) + "\n")
     pngs: list[Path] = []
     if charts:
-        from kvrelay.bench.charts import write_charts
-
-        pngs = write_charts(results, out)
+        pngs = write_charts(results.workload, results.summaries(), out)
     return ReportFiles(json_path, md_path, tuple(pngs))
 
 
