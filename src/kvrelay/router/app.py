@@ -1,4 +1,4 @@
-"""The router's ASGI app: ``create_app(config)`` composes one, ``serve(config)`` runs it.
+"""The router's ASGI app: ``create_app(config)`` composes one (``router.server.serve`` runs it).
 
 Two listeners share one app: the public one (generation, ``/v1/models``, ``/health``,
 ``/metrics``, ``/stats``, ``/admin/*``) and the internal one, loopback by default, where D's
@@ -217,10 +217,3 @@ def _default_index(
         on_evict=evicted,
     )
 
-
-def serve(config: RouterConfig, **uvicorn_options: Any) -> None:
-    """Run the router with uvicorn on its two listeners until SIGTERM/SIGINT, then drain and
-    return (blocking; see ``router.server``). ``kvrelay route`` calls this."""
-    from kvrelay.router.server import serve as serve_router
-
-    serve_router(config, **uvicorn_options)

@@ -176,8 +176,8 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
 
 
 def _route(args: argparse.Namespace) -> int:
-    from kvrelay.router.app import serve
     from kvrelay.router.config import ConfigError
+    from kvrelay.router.server import serve
 
     try:
         config = config_from_args(args)
