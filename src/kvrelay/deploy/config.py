@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-
-import tomllib
 
 #: Kubernetes object names (DNS-1035 label): the StatefulSets' pod DNS names derive from them.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")

@@ -13,13 +13,12 @@ role reaches this node's NIXL side channel; when set, the router rewrites ``remo
 from __future__ import annotations
 
 import os
+import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any, Literal
 from urllib.parse import urlsplit
-
-import tomllib
 
 from kvrelay.core.conversation import (
     DEFAULT_DECODER_KV_BLOCKS_TTL_S,

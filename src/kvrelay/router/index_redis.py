@@ -488,7 +488,7 @@ class RedisIndex:
         """Await one Redis call within the timeout; ``IndexUnavailable`` if it fails."""
         try:
             result = await asyncio.wait_for(call, self._timeout)
-        except (RedisError, OSError, asyncio.TimeoutError) as exc:
+        except (TimeoutError, RedisError, OSError) as exc:
             self._failed(op, exc)
             raise IndexUnavailable(f"redis {op} failed: {exc!r}") from exc
         if self._failing:

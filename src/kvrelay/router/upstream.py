@@ -175,7 +175,7 @@ class _AiohttpStream:
                     self._done = True
                     return
                 yield chunk
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise _translate(self._node_id, exc, stream=True) from exc
 
     async def aclose(self) -> None:
@@ -222,7 +222,7 @@ class AiohttpTransport:
                 headers=_JSON_HEADERS if body is not None else None, timeout=timeout,
             ) as response:
                 return Answer(response.status, await response.read())
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise _translate(node.node_id, exc) from exc
 
     async def stream(
@@ -232,13 +232,13 @@ class AiohttpTransport:
             response = await self._client().post(
                 node.url + path, data=body, headers=_SSE_HEADERS
             )
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise _translate(node.node_id, exc) from exc
         if response.status < 400:
             return response.status, _AiohttpStream(node.node_id, response)
         try:
             return response.status, await response.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise _translate(node.node_id, exc) from exc
         finally:
             response.release()

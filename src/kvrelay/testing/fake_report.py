@@ -138,6 +138,6 @@ class Reporter:
                     await response.read()
                 for outcome in batch:
                     outcome.status = response.status
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             for outcome in batch:
                 outcome.error = f"{type(exc).__name__}: {exc}"
