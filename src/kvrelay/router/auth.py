@@ -19,9 +19,9 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Protocol
 
 from kvrelay.router.errors import ClientError
 
@@ -78,15 +78,38 @@ def _key(tenant: str | None, secret: str) -> ApiKey:
     return ApiKey(tenant.strip() if tenant is not None else None, secret)
 
 
-def check_security(config: Any) -> None:
+class SecuritySettings(Protocol):
+    """The settings ``check_security`` reads (``RouterConfig`` has them; ``config`` imports
+    this module, so it is named by shape here)."""
+
+    @property
+    def api_keys(self) -> Sequence[ApiKey]: ...
+    @property
+    def admin_key(self) -> str | None: ...
+    @property
+    def max_body_bytes(self) -> int: ...
+    @property
+    def max_in_flight(self) -> int: ...
+    @property
+    def header_timeout_s(self) -> float: ...
+    @property
+    def body_timeout_s(self) -> float: ...
+    @property
+    def drain_timeout_s(self) -> float: ...
+
+
+def check_security(config: SecuritySettings) -> None:
     """``ValueError`` for invalid security or limit settings of a ``RouterConfig``: a key
     configured twice or equal to the admin key, non-positive limits or timeouts."""
     if config.max_body_bytes < 1 or config.max_in_flight < 1:
         raise ValueError("max_body_bytes and max_in_flight must be >= 1")
-    for name in ("header_timeout_s", "body_timeout_s", "drain_timeout_s"):
-        if getattr(config, name) <= 0:
+    timeouts = {"header_timeout_s": config.header_timeout_s,
+                "body_timeout_s": config.body_timeout_s,
+                "drain_timeout_s": config.drain_timeout_s}
+    for name, seconds in timeouts.items():
+        if seconds <= 0:
             raise ValueError(f"{name} must be positive")
-    admin_key: str | None = config.admin_key
+    admin_key = config.admin_key
     secrets = [k.secret for k in config.api_keys]
     if len(set(secrets)) != len(secrets):
         raise ValueError("an API key is configured more than once")
