@@ -19,6 +19,7 @@ from kvrelay.core.report import (
     report_body,
     report_items,
     report_posts,
+    report_target,
     turn_id_for,
 )
 from tests.unit.test_core_guard import BLOCKS
@@ -104,3 +105,12 @@ def test_batches_stay_within_their_bounds_and_keep_order() -> None:
     assert report_posts(small[:1]) == [(small[0], 1)]
     with pytest.raises(ReportError):
         report_items([{}] * (MAX_REPORTS_PER_POST + 1))
+
+
+def test_a_report_target_needs_both_the_url_and_the_turn_id() -> None:
+    url = "http://127.0.0.1:8001/internal/kv-report"
+    params = {"do_remote_decode": True, "kvrelay_report_url": url, "kvrelay_turn_id": "t1"}
+    assert report_target(params) == (url, "t1")
+    assert report_target({**params, "kvrelay_turn_id": ""}) is None
+    assert report_target({"kvrelay_report_url": url}) is None
+    assert report_target(None) is None and report_target({}) is None

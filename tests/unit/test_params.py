@@ -5,8 +5,10 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.core.fingerprint import fingerprint_tokens
 from kvrelay.core.params import (
     KVParamsError,
+    kvrelay_keys,
     parse_optional_remote_blocks,
     parse_remote_blocks,
 )
@@ -93,3 +95,19 @@ def test_invalid_params_are_rejected(raw):
 def test_optional_params():
     assert parse_optional_remote_blocks(None) is None
     assert parse_optional_remote_blocks({"do_remote_decode": True}) is None
+
+
+def test_kvrelay_keys_added_to_vllm_params_parse_back_as_remote_blocks():
+    """What kvrelay's connector adds to vLLM's params is what the router parses (and what
+    ``RemoteBlocks.to_json`` writes)."""
+    raw = load("chat_turn1.json")["d1"]["kv_transfer_params"]
+    fingerprint = fingerprint_tokens(list(range(raw["remote_num_tokens"])))
+    marked = {**raw, **kvrelay_keys(guard_version=1, fingerprint=fingerprint, block_size=128)}
+    blocks = parse_remote_blocks(marked)
+    assert (blocks.guard_version, blocks.fingerprint, blocks.block_size) == (1, fingerprint, 128)
+    assert blocks.verified_tokens is None
+    assert blocks.to_json() == {**blocks.to_vllm_json(), **kvrelay_keys(
+        guard_version=1, fingerprint=fingerprint, block_size=128)}
+    assert kvrelay_keys() == {}
+    assert kvrelay_keys(guard_version=1, verified_tokens=0) == {
+        "kvrelay_guard": 1, "kvrelay_verified_tokens": 0}

@@ -91,21 +91,14 @@ from kvrelay.cluster.connector_fixes import FixFacts, FixPlan, FixSettings, plan
 from kvrelay.cluster.vllm_contract import fix_facts, installed_context
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
-from kvrelay.core.params import (
-    BLOCK_SIZE_KEY,
-    FINGERPRINT_KEY,
-    GUARD_KEY,
-    GUARD_VERSION,
-    REPORT_TURN_KEY,
-    REPORT_URL_KEY,
-    VERIFIED_TOKENS_KEY,
-)
+from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, VERIFIED_TOKENS_KEY, kvrelay_keys
 from kvrelay.core.report import (
     DEFAULT_REPORT_HOSTS,
     MAX_REPORTS_PER_POST,
     ReportHosts,
     report_body,
     report_posts,
+    report_target,
 )
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
@@ -187,30 +180,28 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         """kvrelay's keys on the params this node returns (module docstring)."""
         if not params:
             return
-        params[GUARD_KEY] = GUARD_VERSION
         if params.get("do_remote_decode"):
             held = int(params.get("remote_num_tokens") or 0)
             fingerprint = held_fingerprint(
                 request.prompt_token_ids or (), request.output_token_ids, held
             )
-            params[FINGERPRINT_KEY] = fingerprint.to_str()
-            params[BLOCK_SIZE_KEY] = self._block_size
+            params.update(kvrelay_keys(guard_version=GUARD_VERSION, fingerprint=fingerprint,
+                                       block_size=self._block_size))
             return
         sent = request.kv_transfer_params or {}
         verified = sent.get(VERIFIED_TOKENS_KEY)
-        if isinstance(verified, int):
-            params[VERIFIED_TOKENS_KEY] = verified
+        params.update(kvrelay_keys(guard_version=GUARD_VERSION,
+                                   verified_tokens=verified if isinstance(verified, int) else None))
 
     def _report(self, request: Any, params: dict[str, Any] | None) -> None:
-        sent = request.kv_transfer_params or {}
-        url, turn_id = sent.get(REPORT_URL_KEY), sent.get(REPORT_TURN_KEY)
-        if self._reporter is None or not url or not turn_id:
+        target = report_target(request.kv_transfer_params)
+        if self._reporter is None or target is None:
             return
+        url, turn_id = target
         self._reporter.submit(
-            str(url),
+            url,
             report_body(
-                str(turn_id), params, int(request.num_prompt_tokens),
-                int(request.num_output_tokens),
+                turn_id, params, int(request.num_prompt_tokens), int(request.num_output_tokens),
             ),
         )
 

@@ -52,6 +52,8 @@ REPORT_TURN_KEY = "kvrelay_turn_id"
 GUARD_VERSION = 1
 """Version of kvrelay's connector protocol (``kvrelay_guard``)."""
 
+_KVRELAY_ANSWER_KEYS = (GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY, VERIFIED_TOKENS_KEY)
+
 _VLLM_KEYS = frozenset({
     "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
     "remote_request_id", "remote_host", "remote_port", "tp_size", "dcp_size", "pp_size",
@@ -117,20 +119,16 @@ class RemoteBlocks(msgspec.Struct, frozen=True):
             out["remote_prefill_cached_tokens"] = self.prefill_cached_tokens
         for key, text in self.vllm_extra:
             out[key] = json.loads(text)
-        if self.guard_version is not None:
-            out[GUARD_KEY] = self.guard_version
-        if self.fingerprint is not None:
-            out[FINGERPRINT_KEY] = self.fingerprint.to_str()
-        if self.block_size is not None:
-            out[BLOCK_SIZE_KEY] = self.block_size
-        if self.verified_tokens is not None:
-            out[VERIFIED_TOKENS_KEY] = self.verified_tokens
+        out.update(kvrelay_keys(
+            guard_version=self.guard_version, fingerprint=self.fingerprint,
+            block_size=self.block_size, verified_tokens=self.verified_tokens,
+        ))
         return out
 
     def to_vllm_json(self) -> dict[str, object]:
         """``to_json`` without kvrelay's keys: what a node that is not the reader needs."""
         out = self.to_json()
-        for key in (GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY, VERIFIED_TOKENS_KEY):
+        for key in _KVRELAY_ANSWER_KEYS:
             out.pop(key, None)
         return out
 
@@ -164,6 +162,28 @@ class RemoteBlocks(msgspec.Struct, frozen=True):
             raise ValueError(f"{n} tokens need {keep} blocks of {block_size}; fewer are held")
         groups = tuple(group[:keep] for group in self.block_ids)
         return replace(self, num_tokens=n, block_ids=groups)
+
+
+def kvrelay_keys(
+    *,
+    guard_version: int | None = None,
+    fingerprint: TokenFingerprint | None = None,
+    block_size: int | None = None,
+    verified_tokens: int | None = None,
+) -> dict[str, object]:
+    """kvrelay's keys of a node's answer params as they travel (``None``: key absent), in
+    the order ``to_json`` writes them. kvrelay's connector adds them to the params vLLM
+    returns; the fake engine's come from ``RemoteBlocks.to_json``."""
+    out: dict[str, object] = {}
+    if guard_version is not None:
+        out[GUARD_KEY] = guard_version
+    if fingerprint is not None:
+        out[FINGERPRINT_KEY] = fingerprint.to_str()
+    if block_size is not None:
+        out[BLOCK_SIZE_KEY] = block_size
+    if verified_tokens is not None:
+        out[VERIFIED_TOKENS_KEY] = verified_tokens
+    return out
 
 
 def request_remote_decode() -> dict[str, object]:

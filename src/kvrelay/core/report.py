@@ -32,7 +32,13 @@ from typing import Literal
 
 import msgspec
 
-from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_optional_remote_blocks
+from kvrelay.core.params import (
+    REPORT_TURN_KEY,
+    REPORT_URL_KEY,
+    KVParamsError,
+    RemoteBlocks,
+    parse_optional_remote_blocks,
+)
 
 DEFAULT_REPORT_HOSTS: tuple[str, ...] = ("127.0.0.1", "localhost", "::1")
 """Hosts kvrelay's connector posts reports to unless configured (``kvrelay_report_hosts``)."""
@@ -82,6 +88,17 @@ class DecodeReport(msgspec.Struct, frozen=True):
     blocks: RemoteBlocks | None
     num_prompt_tokens: int | None
     num_output_tokens: int
+
+
+def report_target(params: Mapping[str, object] | None) -> tuple[str, str] | None:
+    """``(url, turn_id)`` when a D request's params ask for a report (the router put
+    ``kvrelay_report_url`` and ``kvrelay_turn_id`` there), else ``None``."""
+    if not params:
+        return None
+    url, turn_id = params.get(REPORT_URL_KEY), params.get(REPORT_TURN_KEY)
+    if not url or not turn_id:
+        return None
+    return str(url), str(turn_id)
 
 
 def report_body(

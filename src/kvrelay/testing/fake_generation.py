@@ -20,12 +20,12 @@ from typing import TYPE_CHECKING
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
 from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RemoteBlocks
-from kvrelay.core.report import report_body
+from kvrelay.core.report import report_body, report_target
 from kvrelay.testing.fake_config import RequestRecord
 from kvrelay.testing.fake_connector import KVPlan, plan_kv
 from kvrelay.testing.fake_kv import Hold, KVReadError, block_hashes
 from kvrelay.testing.fake_model import generate_tokens
-from kvrelay.testing.fake_report import ReportOutcome, report_target
+from kvrelay.testing.fake_report import ReportOutcome
 from kvrelay.testing.fake_versions import with_registration_generation
 
 if TYPE_CHECKING:

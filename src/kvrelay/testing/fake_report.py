@@ -22,13 +22,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import urllib.parse
-from collections.abc import Collection, Mapping
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import aiohttp
 import msgspec
 
-from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
 from kvrelay.core.report import ReportHosts, report_posts
 from kvrelay.testing.fake_latency import Sleep
 
@@ -42,16 +41,6 @@ class ReportOutcome:
     body: dict[str, object]
     status: int | None = None
     error: str | None = None
-
-
-def report_target(params: Mapping[str, object] | None) -> tuple[str, str] | None:
-    """``(url, turn_id)`` when a request's params ask for a report, else ``None``."""
-    if not params:
-        return None
-    url, turn_id = params.get(REPORT_URL_KEY), params.get(REPORT_TURN_KEY)
-    if not url or not turn_id:
-        return None
-    return str(url), str(turn_id)
 
 
 class Reporter:
