@@ -58,7 +58,7 @@ typecheck: setup
 ## `make test` checks every wheel already there.
 check-vllm: setup
 	@test -n "$(VERSION)" || { echo "usage: make check-vllm VERSION=0.33.0" >&2; exit 2; }
-	$(PY) -m kvrelay.cluster.vllm_contract --version $(VERSION)
+	$(PY) -m kvrelay.vllm_plugin.contract --version $(VERSION)
 
 demo: setup
 	$(VENV)/bin/kvrelay demo

@@ -19,7 +19,9 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvrelay.cluster.pysource import (
+from kvrelay.testing.fake_versions import VLLM_VERSIONS, VllmVersion
+from kvrelay.vllm_plugin.contract import SCHEDULER, installed_root, method
+from kvrelay.vllm_plugin.pysource import (
     DirectoryTree,
     Located,
     PyIndex,
@@ -28,9 +30,7 @@ from kvrelay.cluster.pysource import (
     calls,
     module_constant,
 )
-from kvrelay.cluster.vllm_contract import SCHEDULER, installed_root, method
-from kvrelay.cluster.vllm_wheels import cached_wheels, wheel_cache_dir
-from kvrelay.testing.fake_versions import VLLM_VERSIONS, VllmVersion
+from kvrelay.vllm_plugin.wheels import cached_wheels, wheel_cache_dir
 
 CHAT_PROTOCOL = "vllm.entrypoints.openai.chat_completion.protocol"
 CHAT_SERVING = "vllm.entrypoints.openai.chat_completion.serving"

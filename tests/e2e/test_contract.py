@@ -196,7 +196,7 @@ def test_fake_engine_matches_real_vllm(real_cluster: RealCluster):
 def test_fake_engine_matches_real_vllm_after_ttl(real_cluster: RealCluster):
     """A read of D's params after ``decoder_kv_blocks_ttl``: vLLM's P declines it and, under
     ``kv_load_failure_policy=recompute``, computes the prompt (with kvrelay's connector fix;
-    stock vLLM 0.32 hangs here, see ``kvrelay.cluster.connector``). The router never sends
+    stock vLLM 0.32 hangs here, see ``kvrelay.vllm_plugin.connector``). The router never sends
     such a read: it recomputes with reason ``expired``, and pulls again on the next turn."""
     ttl_s = real_cluster.ttl_s
 

@@ -47,7 +47,7 @@ def test_kv_transfer_config_per_role():
     assert kp["kv_role"] == "kv_producer" and kd["kv_role"] == "kv_consumer"
     for kv in (kp, kd):
         assert kv["kv_connector"] == "NixlConnector"
-        assert kv["kv_connector_module_path"] == "kvrelay.cluster.connector"
+        assert kv["kv_connector_module_path"] == "kvrelay.vllm_plugin.connector"
         assert kv["kv_load_failure_policy"] == "recompute"
         extra = kv["kv_connector_extra_config"]
         assert isinstance(extra, dict)

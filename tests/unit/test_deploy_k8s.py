@@ -155,7 +155,7 @@ def test_engines_get_the_kv_transfer_config_and_nixl_side_channel_they_need(caps
         args = c["args"]
         kv = json.loads(flag_values(args, "--kv-transfer-config")[0])
         assert kv["kv_connector"] == "NixlConnector"
-        assert kv["kv_connector_module_path"] == "kvrelay.cluster.connector"
+        assert kv["kv_connector_module_path"] == "kvrelay.vllm_plugin.connector"
         assert kv["kv_role"] == kv_role and kv["kv_buffer_device"] == "cuda"
         assert kv["kv_load_failure_policy"] == "recompute"
         extra = kv["kv_connector_extra_config"]

@@ -14,6 +14,13 @@ from pathlib import Path
 from typing import Literal, cast
 
 from kvrelay.cluster.model import MODEL_SPECS
+from kvrelay.vllm_plugin.settings import (
+    CONNECTOR_MODULE_PATH,
+    CONNECTOR_NAME,
+    PROGRESS_DELAY_KEY,
+    REPORT_HOSTS_KEY,
+    RESTORE_AFFINITY_KEY,
+)
 
 Role = Literal["prefill", "decode"]
 
@@ -209,7 +216,8 @@ class KvTransferSettings:
     ``report_hosts``: where D's connector may post its reports (``kvrelay_report_hosts``:
     names, addresses, IP networks); empty keeps the connector's default, loopback.
     ``restore_affinity`` and ``nixl_progress_delay_us`` are the CPU fixes of
-    ``kvrelay.cluster.connector`` (no effect on GPUs; 0 keeps vLLM's progress thread).
+    ``kvrelay.vllm_plugin.connector`` (no effect on GPUs; 0 keeps vLLM's progress thread).
+    The keys and the module path are ``kvrelay.vllm_plugin.settings``'s.
     """
 
     device: Literal["cpu", "cuda"] = "cpu"
@@ -229,14 +237,14 @@ class KvTransferSettings:
             "decoder_kv_blocks_ttl": self.decoder_kv_blocks_ttl_s,
             "kv_recompute_threshold": self.kv_recompute_threshold,
             "kv_lease_duration": self.kv_lease_duration_s,
-            "kvrelay_restore_affinity": self.restore_affinity,
-            "kvrelay_nixl_progress_delay_us": self.nixl_progress_delay_us,
+            RESTORE_AFFINITY_KEY: self.restore_affinity,
+            PROGRESS_DELAY_KEY: self.nixl_progress_delay_us,
         }
         if self.report_hosts and role == "decode":
-            extra["kvrelay_report_hosts"] = list(self.report_hosts)
+            extra[REPORT_HOSTS_KEY] = list(self.report_hosts)
         return {
-            "kv_connector": "NixlConnector",
-            "kv_connector_module_path": "kvrelay.cluster.connector",
+            "kv_connector": CONNECTOR_NAME,
+            "kv_connector_module_path": CONNECTOR_MODULE_PATH,
             "kv_role": "kv_producer" if role == "prefill" else "kv_consumer",
             "kv_buffer_device": "cpu" if self.device == "cpu" else "cuda",
             "kv_load_failure_policy": self.kv_load_failure_policy,

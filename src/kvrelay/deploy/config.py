@@ -35,7 +35,8 @@ class DeployConfig:
 
     name: str = "kvrelay"
     namespace: str | None = None
-    #: vLLM with kvrelay installed (P, D: ``kv_connector_module_path: kvrelay.cluster.connector``).
+    #: vLLM with kvrelay installed (P, D load
+    #: ``kv_connector_module_path: kvrelay.vllm_plugin.connector``).
     image: str = "kvrelay-vllm:latest"
     #: The router needs only kvrelay; default: ``image``.
     router_image: str | None = None

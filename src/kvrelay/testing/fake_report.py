@@ -1,4 +1,4 @@
-"""kvrelay's D-side report, as the fake engine sends it (see ``kvrelay.cluster.connector``).
+"""kvrelay's D-side report, as the fake engine sends it (see ``kvrelay.vllm_plugin.connector``).
 
 vLLM 0.32 does not put ``kv_transfer_params`` on streamed chunks, so kvrelay's connector tells
 the router which blocks D retained by POSTing, when a request finishes,

@@ -1,6 +1,6 @@
 """Python source trees read without importing them: a directory or a wheel, parsed with ``ast``.
 
-kvrelay checks what it needs from vLLM's and NIXL's code (``kvrelay.cluster.vllm_contract``)
+kvrelay checks what it needs from vLLM's and NIXL's code (``kvrelay.vllm_plugin.contract``)
 in releases it cannot import here: a CUDA wheel of vLLM on a CPU-only machine. A
 :class:`PyIndex` answers the few questions that needs, by reading sources only:
 

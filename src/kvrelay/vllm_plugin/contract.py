@@ -1,14 +1,14 @@
 """What kvrelay's connector needs from vLLM (and NIXL), checked by reading their sources.
 
-kvrelay's ``NixlConnector`` (``kvrelay.cluster.connector``) subclasses vLLM's
+kvrelay's ``NixlConnector`` (``kvrelay.vllm_plugin.connector``) subclasses vLLM's
 ``NixlPullConnector``, overrides its scheduler hooks and wraps its worker's constructor. A
 hook renamed or given a new parameter in a vLLM release would break every node that loads
 kvrelay's connector, and only at run time, so each release is checked here first, without
 importing it (GPU users run CUDA wheels this machine cannot import):
 
-    python -m kvrelay.cluster.vllm_contract --version 0.33.0   # PyPI wheel, cached
-    python -m kvrelay.cluster.vllm_contract --source DIR|WHEEL  # a checkout or a wheel
-    python -m kvrelay.cluster.vllm_contract --installed         # the vLLM installed here
+    python -m kvrelay.vllm_plugin.contract --version 0.33.0   # PyPI wheel, cached
+    python -m kvrelay.vllm_plugin.contract --source DIR|WHEEL  # a checkout or a wheel
+    python -m kvrelay.vllm_plugin.contract --installed         # the vLLM installed here
     make check-vllm VERSION=0.33.0
 
 ``CONTRACT`` below is the whole contract, one requirement per line: adding a hook to the
@@ -32,8 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
 
-from kvrelay.cluster.connector_fixes import FixFacts
-from kvrelay.cluster.pysource import (
+from kvrelay.vllm_plugin.fixes import FixFacts
+from kvrelay.vllm_plugin.pysource import (
     DirectoryTree,
     Located,
     PyIndex,
@@ -47,7 +47,7 @@ from kvrelay.cluster.pysource import (
     module_constant,
     positional_params,
 )
-from kvrelay.cluster.vllm_wheels import (
+from kvrelay.vllm_plugin.wheels import (
     WheelDownloadError,
     download_wheel,
     find_wheel,
@@ -417,7 +417,7 @@ class NixlVersionFloor:
                        f"({fn.module.relpath}:{line})", self.why)
 
 
-#: Everything kvrelay's connector (``kvrelay.cluster.connector``) relies on. One line each.
+#: Everything kvrelay's connector (``kvrelay.vllm_plugin.connector``) relies on. One line each.
 CONTRACT: tuple[Requirement, ...] = (
     # What connector.py imports and how vLLM loads it.
     Symbol(CONNECTOR.module, CONNECTOR.name, "kvrelay's NixlConnector subclasses it"),
@@ -427,7 +427,7 @@ CONTRACT: tuple[Requirement, ...] = (
     Hook(TRANSFER_CONFIG, "get_from_extra_config", ("key", "default"),
          "kvrelay_* switches come from kv_connector_extra_config", "vllm.config"),
     Mentions(method(FACTORY, "get_connector_class"), "kv_connector_module_path",
-             "vLLM loads kvrelay.cluster.connector from kv_connector_module_path"),
+             "vLLM loads kvrelay.vllm_plugin.connector from kv_connector_module_path"),
     # Hooks kvrelay overrides and calls through super().
     Hook(CONNECTOR, "__init__", ("vllm_config", "role", "kv_cache_config"),
          "fixes 1-2 wrap the constructor"),
@@ -520,7 +520,7 @@ SKIPS_PROCESSED = "the pull scheduler skips processed D->P params (fix 3 upstrea
 
 
 def fix_facts(ctx: Context, device_type: str) -> FixFacts:
-    """The facts ``kvrelay.cluster.connector_fixes.plan_fixes`` decides from."""
+    """The facts ``kvrelay.vllm_plugin.fixes.plan_fixes`` decides from."""
     return FixFacts(
         device_type=device_type,
         worker_pins_main_thread=_pins_main_thread(ctx).value,
@@ -758,7 +758,7 @@ def installed_context() -> Context:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvrelay.cluster.vllm_contract",
+        prog="python -m kvrelay.vllm_plugin.contract",
         description="Check that a vLLM release provides what kvrelay's connector needs, "
         "by reading its sources (nothing is imported from it).",
     )

@@ -1,7 +1,7 @@
 """vLLM release wheels from PyPI, cached locally, for reading their Python sources.
 
 The wheels are CUDA builds (~330 MB each); kvrelay never installs or imports them, it only
-reads ``.py`` members (``kvrelay.cluster.vllm_contract``). They are kept in
+reads ``.py`` members (``kvrelay.vllm_plugin.contract``). They are kept in
 ``~/.cache/kvrelay/vllm-wheels`` (next to the generated models in ``~/.cache/kvrelay``, shared
 by every checkout on the machine); ``KVRELAY_VLLM_WHEELS`` points elsewhere.
 """

@@ -3,7 +3,7 @@
 Loaded by vLLM through ``kv_transfer_config``::
 
     {"kv_connector": "NixlConnector",
-     "kv_connector_module_path": "kvrelay.cluster.connector", ...}
+     "kv_connector_module_path": "kvrelay.vllm_plugin.connector", ...}
 
 The class keeps the name ``NixlConnector`` because vLLM's config and CPU platform code switch
 behaviour on that name (``has_connector("NixlConnector")``). On GPUs only fix 3 and the
@@ -40,8 +40,8 @@ Fix 3: a failed D->P read is retried as a recompute, not as a read nobody perfor
 Fixes 1-3 are proposals for upstream; docs/cpu-notes.md has the measurements.
 
 Each fix runs only where its problem exists: at start-up the connector reads the installed
-vLLM's and nixl's sources (``kvrelay.cluster.vllm_contract.fix_facts``, no import) and
-``kvrelay.cluster.connector_fixes.plan_fixes`` decides. Fixes 1-2 are off on GPU platforms
+vLLM's and nixl's sources (``kvrelay.vllm_plugin.contract.fix_facts``, no import) and
+``kvrelay.vllm_plugin.fixes.plan_fixes`` decides. Fixes 1-2 are off on GPU platforms
 (vLLM re-pins on CPU only; the progress delay was only measured on CPU); fix 3 is off once
 vLLM's pull scheduler checks ``_remote_blocks_processed`` itself. The decision and its reason
 are logged once per process. ``make check-vllm VERSION=X`` checks that a vLLM release still
@@ -87,8 +87,6 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.nixl.connector import NixlPullConnector
 from vllm.logger import init_logger
 
-from kvrelay.cluster.connector_fixes import FixFacts, FixPlan, FixSettings, plan_fixes
-from kvrelay.cluster.vllm_contract import fix_facts, installed_context
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
 from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, VERIFIED_TOKENS_KEY, kvrelay_keys
@@ -100,14 +98,13 @@ from kvrelay.core.report import (
     report_posts,
     report_target,
 )
+from kvrelay.vllm_plugin.contract import fix_facts, installed_context
+from kvrelay.vllm_plugin.fixes import FixFacts, FixPlan, FixSettings, plan_fixes
+from kvrelay.vllm_plugin.settings import PROGRESS_DELAY_KEY, REPORT_HOSTS_KEY, RESTORE_AFFINITY_KEY
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
 # outside that namespace has no handler in a vLLM process and its info lines are dropped.
 logger = init_logger(f"vllm.{__name__}")
-
-RESTORE_AFFINITY_KEY = "kvrelay_restore_affinity"
-PROGRESS_DELAY_KEY = "kvrelay_nixl_progress_delay_us"
-REPORT_HOSTS_KEY = "kvrelay_report_hosts"
 
 
 class NixlConnector(NixlPullConnector):  # type: ignore[misc]

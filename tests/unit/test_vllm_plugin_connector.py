@@ -7,8 +7,8 @@ import sys
 import threading
 import types
 
-from kvrelay.cluster import connector
 from kvrelay.core.report import ReportHosts
+from kvrelay.vllm_plugin import connector
 
 
 def serve_reports():
@@ -142,3 +142,72 @@ def test_fix_plan_on_this_cpu_vllm_keeps_all_fixes_the_operator_asked_for():
     plan = connector._fix_plan(_TransferConfig({"kvrelay_restore_affinity": False}))
     assert (plan.restore_affinity, plan.progress_delay_us, plan.skip_processed_pull) == (
         False, 0, True)
+
+
+def test_vllm_finds_the_connector_where_the_launcher_says_it_is():
+    """``kv_connector_module_path`` as ``kvrelay up`` and ``deploy k8s`` write it names this
+    module, and the class there has the name vLLM switches on."""
+    import importlib
+
+    from kvrelay.vllm_plugin.settings import CONNECTOR_MODULE_PATH, CONNECTOR_NAME
+
+    module = importlib.import_module(CONNECTOR_MODULE_PATH)
+    assert module is connector
+    assert issubclass(getattr(module, CONNECTOR_NAME), connector.NixlPullConnector)
+
+
+class _Finished:
+    """What ``request_finished`` reads of vLLM's ``Request``."""
+
+    def __init__(self, params, prompt, output):
+        self.kv_transfer_params = params
+        self.prompt_token_ids = prompt
+        self.output_token_ids = output
+        self.num_prompt_tokens = len(prompt)
+        self.num_output_tokens = len(output)
+
+
+def _finishing_connector(monkeypatch, returned):
+    monkeypatch.setattr(connector.NixlPullConnector, "request_finished",
+                        lambda self, request, block_ids: (True, returned))
+    conn = object.__new__(connector.NixlConnector)
+    conn._block_size = 4
+    conn._reporter = None
+    return conn
+
+
+def test_d_marks_the_params_it_retains_with_the_fingerprint_of_its_own_tokens(monkeypatch):
+    from kvrelay.core.fingerprint import held_fingerprint
+    from kvrelay.core.params import parse_remote_blocks
+
+    retained = {"do_remote_decode": True, "do_remote_prefill": False,
+                "remote_block_ids": [[7, 8, 9]], "remote_engine_id": "d",
+                "remote_request_id": "r", "remote_host": "127.0.0.1", "remote_port": 5601,
+                "remote_num_tokens": 9}
+    conn = _finishing_connector(monkeypatch, retained)
+    prompt, output = list(range(100, 106)), [1, 2, 3, 4]
+    _, params = conn.request_finished(_Finished({}, prompt, output), [[7, 8, 9]])
+    blocks = parse_remote_blocks(params)
+    assert (blocks.guard_version, blocks.block_size) == (1, 4)
+    assert blocks.fingerprint == held_fingerprint(prompt, output, 9)
+
+
+def test_p_answers_how_many_tokens_its_guard_verified(monkeypatch):
+    answer = {"do_remote_prefill": True, "remote_num_tokens": 6}
+    conn = _finishing_connector(monkeypatch, answer)
+    sent = {"do_remote_decode": True, "kvrelay_verified_tokens": 5}
+    _, params = conn.request_finished(_Finished(sent, [1] * 6, [2]), [[1]])
+    assert params == {"do_remote_prefill": True, "remote_num_tokens": 6, "kvrelay_guard": 1,
+                      "kvrelay_verified_tokens": 5}
+
+
+def test_d_reports_where_the_router_asked_with_the_report_body(monkeypatch):
+    submitted: list[tuple[str, dict]] = []
+    conn = _finishing_connector(monkeypatch, None)
+    conn._reporter = types.SimpleNamespace(submit=lambda url, body: submitted.append((url, body)))
+    url = "http://127.0.0.1:8001/internal/kv-report"
+    sent = {"kvrelay_report_url": url, "kvrelay_turn_id": "t1"}
+    conn.request_finished(_Finished(sent, [1, 2, 3], [4, 5]), [[1]])
+    conn.request_finished(_Finished({"kvrelay_report_url": url}, [1], [2]), [[1]])
+    assert submitted == [(url, {"turn_id": "t1", "kv_transfer_params": None,
+                                "num_prompt_tokens": 3, "num_output_tokens": 2})]

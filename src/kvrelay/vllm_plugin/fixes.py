@@ -1,6 +1,6 @@
 """Which of kvrelay's connector fixes a node runs, decided from what its vLLM and NIXL do.
 
-kvrelay's ``NixlConnector`` (``kvrelay.cluster.connector``) carries three fixes; each one is
+kvrelay's ``NixlConnector`` (``kvrelay.vllm_plugin.connector``) carries three fixes; each one is
 only worth running where the problem it fixes exists (docs/cpu-notes.md, "The fixes on each
 vLLM version"):
 
@@ -14,7 +14,7 @@ vLLM version"):
    load ``update_state_after_alloc`` will never queue; on every platform.
 
 The facts come from reading the installed vLLM and nixl sources
-(``kvrelay.cluster.vllm_contract.fix_facts``); a fact that could not be read is ``None`` and
+(``kvrelay.vllm_plugin.contract.fix_facts``); a fact that could not be read is ``None`` and
 keeps its fix on, which is what kvrelay did before it could tell.
 """
 

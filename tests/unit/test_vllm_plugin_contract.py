@@ -7,13 +7,13 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.cluster import vllm_contract
-from kvrelay.cluster.connector_fixes import FixFacts
-from kvrelay.cluster.pysource import DirectoryTree, PyIndex, WheelTree
-from kvrelay.cluster.vllm_contract import Context, check, fix_facts, installed_nixl
-from kvrelay.cluster.vllm_wheels import cached_wheels, find_wheel, wheel_cache_dir
+from kvrelay.vllm_plugin import contract
+from kvrelay.vllm_plugin.contract import Context, check, fix_facts, installed_nixl
+from kvrelay.vllm_plugin.fixes import FixFacts
+from kvrelay.vllm_plugin.pysource import DirectoryTree, PyIndex, WheelTree
+from kvrelay.vllm_plugin.wheels import cached_wheels, find_wheel, wheel_cache_dir
 
-INSTALLED_ROOT = vllm_contract.installed_root("vllm")
+INSTALLED_ROOT = contract.installed_root("vllm")
 NIXL_PKG = "vllm/distributed/kv_transfer/kv_connector/v1/nixl"
 
 
@@ -66,7 +66,7 @@ def test_a_renamed_hook_fails_the_check_naming_it(vllm_copy, capsys):
     assert "abstract" in report.failures[0].detail
     assert "v1/base.py" in report.failures[0].detail
 
-    assert vllm_contract.main(["--source", str(vllm_copy)]) == 1
+    assert contract.main(["--source", str(vllm_copy)]) == 1
     assert "FAILED: hook NixlPullConnector.get_num_new_matched_tokens" in capsys.readouterr().out
 
 
@@ -91,7 +91,7 @@ def test_pinning_outside_the_worker_constructor_fails_the_affinity_contract(vllm
 
 
 def test_installed_sources_say_which_fixes_are_needed():
-    ctx = vllm_contract.installed_context()
+    ctx = contract.installed_context()
     assert fix_facts(ctx, "cpu") == FixFacts(
         device_type="cpu",
         worker_pins_main_thread=True,
@@ -160,6 +160,6 @@ def test_wheel_cache_lists_and_finds_wheels_by_version(tmp_path):
 
 
 def test_cli_refuses_a_missing_wheel_without_downloading(tmp_path, capsys):
-    assert vllm_contract.main(
+    assert contract.main(
         ["--version", "0.31.0", "--cache-dir", str(tmp_path), "--no-download"]) == 2
     assert "not in" in capsys.readouterr().err

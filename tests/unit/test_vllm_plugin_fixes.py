@@ -2,7 +2,7 @@
 
 import pytest
 
-from kvrelay.cluster.connector_fixes import FixFacts, FixSettings, plan_fixes
+from kvrelay.vllm_plugin.fixes import FixFacts, FixSettings, plan_fixes
 
 VLLM_032_033_CPU = FixFacts("cpu", worker_pins_main_thread=True, nixl_busy_polls=True,
                             scheduler_skips_processed_pull=False)
