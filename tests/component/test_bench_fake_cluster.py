@@ -5,28 +5,8 @@ from __future__ import annotations
 
 import json
 
-from kvrelay.bench.fake_engines import fake_engine_command
-from kvrelay.bench.modes import cluster_config_for, parse_modes
 from kvrelay.cli import main
-from kvrelay.cluster.config import ClusterConfig
 from tests.ports import free_port_block
-
-
-def test_fake_engine_command_follows_the_mode():
-    pull, local = parse_modes("pull,local")
-    base = ClusterConfig(num_prefill=2, num_decode=3, base_port=9100, decoder_kv_blocks_ttl_s=60)
-    cmd = fake_engine_command(cluster_config_for(pull, base), "fast", "py")
-    assert cmd[:4] == ["py", "-m", "kvrelay.cli", "fake-engine"]
-    args = dict(zip(cmd[4::2], cmd[5::2], strict=False))
-    assert (args["--prefill"], args["--decode"], args["--base-port"]) == ("2", "3", "9100")
-    assert args["--ttl-s"] == "60" and args["--served-model-name"] == "tiny"
-    assert "--no-bidirectional" not in cmd and "--prefill-prefix-caching" not in cmd
-    assert "--model" not in cmd and args["--vllm-version"] == "0.32"
-    local_cmd = fake_engine_command(cluster_config_for(local, base), "cpu", "py")
-    assert "--no-bidirectional" in local_cmd and "--prefill-prefix-caching" in local_cmd
-    assert local_cmd[local_cmd.index("--prefill") + 1] == "1"
-    v033 = fake_engine_command(cluster_config_for(pull, base), "fast", "py", vllm_version="0.33")
-    assert v033[v033.index("--vllm-version") + 1] == "0.33"
 
 
 def test_sweep_pulls_in_pull_mode_and_recomputes_in_recompute_mode(tmp_path, capsys):

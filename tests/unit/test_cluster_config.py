@@ -109,7 +109,7 @@ def test_auto_tool_choice_flags_and_engine_args_per_role():
 
 def test_engine_arg_flags_pass_each_value_as_one_argument():
     from kvrelay.cli import build_parser
-    from kvrelay.cluster.cli import cluster_config_from_args
+    from kvrelay.cluster.arguments import cluster_config_from_args
 
     json_value = '--structured-outputs-config={"disable_any_whitespace": true}'
     args = build_parser().parse_args([

@@ -90,7 +90,7 @@ def register(sub: Any) -> None:
 
 
 def _common(parser: argparse.ArgumentParser) -> None:
-    from kvrelay.cluster.cli import add_cluster_arguments
+    from kvrelay.cluster.arguments import add_cluster_arguments
 
     g = parser.add_argument_group("benchmark")
     g.add_argument("--modes", default=DEFAULT_MODES,
@@ -162,7 +162,7 @@ def _bench(args: argparse.Namespace) -> int:
                                 _served_model(args), options)
         else:
             from kvrelay.bench.runner import ClusterFactory, local_cluster, run_managed
-            from kvrelay.cluster.cli import cluster_config_from_args
+            from kvrelay.cluster.arguments import cluster_config_from_args
             from kvrelay.cluster.launcher import ClusterStartError
 
             run_dir = args.run_dir or out / "runs"
@@ -209,7 +209,7 @@ def _trace(args: argparse.Namespace) -> int:
         run_trace_replay,
         trace_workload,
     )
-    from kvrelay.cluster.cli import cluster_config_from_args
+    from kvrelay.cluster.arguments import cluster_config_from_args
     from kvrelay.cluster.launcher import ServiceStartError
     from kvrelay.tune.cli import parse_ttls
     from kvrelay.tune.trace import TraceFormatError, read_turns

@@ -26,13 +26,13 @@ def register(sub: Any) -> None:
 def _demo(args: argparse.Namespace) -> int:
     from kvrelay.bench.demo import run_demo
     from kvrelay.bench.showcase import run_showcase
-    from kvrelay.cluster.cli import start_router
     from kvrelay.cluster.config import ClusterConfig
     from kvrelay.cluster.launcher import (
         ClusterStartError,
         LocalCluster,
         ServiceProcess,
         free_port_block,
+        start_router,
     )
 
     out = args.out or Path("results") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"

@@ -53,7 +53,6 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from kvrelay.bench.client import ChatClient, StatsDecisions
-from kvrelay.bench.fake_engines import FakeLatency
 from kvrelay.bench.metrics import TurnRecord
 from kvrelay.bench.progress import Progress
 from kvrelay.bench.report import ModeRun
@@ -68,8 +67,10 @@ from kvrelay.bench.workloads import (
     placeholder_answer,
 )
 from kvrelay.cluster.config import ClusterConfig
+from kvrelay.cluster.fake_engines import FakeLatency
 from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S
 from kvrelay.core.policy import PolicyConfig
+from kvrelay.testing.fake_versions import VllmVersion
 from kvrelay.tune.trace import TraceTurn
 
 #: vLLM's (and the fake engine's) reader declines D's blocks this close to their expiry.
@@ -271,7 +272,7 @@ class ReplayOptions:
 
     time_scale: float
     latency: FakeLatency = "fast"
-    vllm_version: str = "0.32"
+    vllm_version: VllmVersion = "0.32"
     num_gpu_blocks: int = 1 << 16
     sample_interval_s: float = 0.25
     tenant: str = "default"
@@ -294,19 +295,17 @@ def run_ttl(
     options: ReplayOptions,
 ) -> TtlRun:
     """Fresh fake engines and router at ``settings``, the workload through them."""
-    from kvrelay.bench.fake_engines import fake_engine_command, served_name
     from kvrelay.cluster.config import router_command
+    from kvrelay.cluster.fake_engines import fake_engine_options, fake_engine_process
     from kvrelay.cluster.launcher import ServiceProcess, free_port, free_port_block
 
     nodes = base.num_prefill + base.num_decode
     config = replace(base, base_port=free_port_block(nodes), bidirectional=True,
                      prefill_prefix_caching=False, decode_prefix_caching=True)
-    urls = [f"http://{config.host}:{config.base_port + i}" for i in range(nodes)]
-    engines_cmd = fake_engine_command(
-        config, options.latency, config.python, ttl_s=settings.engine_ttl_s,
-        vllm_version=options.vllm_version,
-        extra=["--report-delay-s", "0", "--num-gpu-blocks", str(options.num_gpu_blocks)],
-    )
+    engines = fake_engine_options(config, options.latency, ttl_s=settings.engine_ttl_s,
+                                  num_gpu_blocks=options.num_gpu_blocks, report_delay_s=0.0,
+                                  vllm_version=options.vllm_version)
+    urls = engines.urls
     run_dir.mkdir(parents=True, exist_ok=True)
     router_toml = run_dir / "router.toml"
     router_toml.write_text(f"ttl_safety_margin_s = {settings.ttl_safety_margin_s!r}\n")
@@ -327,12 +326,11 @@ def run_ttl(
             "ttl_safety_margin_s": settings.ttl_safety_margin_s,
             "near_expiry_s": settings.near_expiry_s, "num_prefill": config.num_prefill,
             "num_decode": config.num_decode, "run_dir": str(run_dir)}
-    with ServiceProcess("fake engines", engines_cmd, [f"{u}/health" for u in urls],
-                        run_dir / "fake-engine.log", 120.0), \
+    with fake_engine_process(engines, run_dir / "fake-engine.log", config.python), \
          ServiceProcess("router", router_cmd, [f"{router_url}/stats"],
                         run_dir / "router.log", 60.0):
         run, samples = asyncio.run(_bench(workload, mode, router_url, decode,
-                                          served_name(config), options, info))
+                                          engines.served_model_name, options, info))
     return TtlRun(settings, run, samples)
 
 

@@ -7,21 +7,16 @@ import signal
 import sys
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
-from kvrelay.cluster.config import (
-    DEFAULT_NIXL_PROGRESS_DELAY_US,
-    ClusterConfig,
-    RestartPolicy,
-    block_size_of,
-    router_command,
-)
+from kvrelay.cluster.arguments import add_cluster_arguments, cluster_config_from_args
+from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.launcher import (
     ClusterStartError,
     LocalCluster,
     ServiceProcess,
     ServiceStartError,
+    start_router,
 )
 from kvrelay.cluster.supervisor import GaveUp, NodeUnit, ServiceUnit, Supervised, Supervisor
 
@@ -42,112 +37,11 @@ def register(sub: Any) -> None:
     up.set_defaults(func=_up)
 
 
-def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
-    d = ClusterConfig()
-    parser.add_argument("--prefill", type=int, default=d.num_prefill, help="number of P nodes")
-    parser.add_argument("--decode", type=int, default=d.num_decode, help="number of D nodes")
-    parser.add_argument(
-        "--model", default=d.model, help="default model size (tiny, bench) or a local model dir"
-    )
-    parser.add_argument("--served-model-name", default=None)
-    parser.add_argument("--host", default=d.host)
-    parser.add_argument("--base-port", type=int, default=d.base_port)
-    parser.add_argument("--side-channel-base-port", type=int, default=d.side_channel_base_port)
-    parser.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
-    parser.add_argument("--dtype", default=None, help="default: float32 on cpu, auto on cuda")
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
-    parser.add_argument("--kv-cache-space-gib", type=int, default=d.kv_cache_space_gib)
-    parser.add_argument("--ttl-s", type=int, default=d.decoder_kv_blocks_ttl_s,
-                        help="decoder_kv_blocks_ttl: how long D keeps a finished turn's KV")
-    parser.add_argument("--kv-recompute-threshold", type=int, default=d.kv_recompute_threshold)
-    parser.add_argument("--no-bidirectional", action="store_true",
-                        help="one-way P->D only (the recompute baseline)")
-    parser.add_argument("--prefill-prefix-caching", action="store_true",
-                        help="enable prefix caching on P (off by default, as in the seed)")
-    parser.add_argument("--no-decode-prefix-caching", action="store_true")
-    parser.add_argument("--nixl-progress-delay-us", type=int,
-                        default=DEFAULT_NIXL_PROGRESS_DELAY_US)
-    parser.add_argument("--no-restore-affinity", action="store_true",
-                        help="keep vLLM's CPU main-thread re-pinning (reproduces the stall)")
-    parser.add_argument("--no-pin-processes", action="store_true",
-                        help="let each CPU server's API server and engine core float over all "
-                             "cores (reproduces P's slowdown while D retains blocks)")
-    parser.add_argument("--startup-timeout-s", type=float, default=d.startup_timeout_s)
-    parser.add_argument(
-        "--max-restarts", type=int, default=d.restart.max_attempts, metavar="N",
-        help="restart a node or the router that exits, up to N times in a row with backoff "
-             "(0: stop the cluster instead)")
-    parser.add_argument(
-        "--tool-call-parser", default=d.tool_call_parser, metavar="NAME",
-        help="vLLM tool-call parser for auto tool choice: auto (from the model's model_type; "
-             "the default models use hermes), none (off), or any vLLM parser name")
-    for flag, role in (("--engine-arg", "every node"), ("--prefill-engine-arg", "P nodes"),
-                       ("--decode-engine-arg", "D nodes")):
-        parser.add_argument(
-            flag, action="append", default=[], metavar="ARGS",
-            help=f"one extra vLLM server argument for {role}, passed as is (repeatable: "
-                 f"{flag}=--max-num-seqs=8, or {flag}=--max-num-seqs {flag}=8); they come "
-                 "last and override kvrelay's")
-    parser.add_argument("--run-dir", type=Path, default=None, help="where node logs go")
-    parser.add_argument("--router-port", type=int, default=8000,
-                        help="port of the kvrelay router started in front of the cluster")
-    parser.add_argument("--no-router", action="store_true", help="start the engines only")
-    parser.add_argument("--router-arg", action="append", default=[], metavar="ARG",
-                        help="extra argument for `kvrelay route` (repeatable)")
-
-
-
-def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
-    dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
-    return ClusterConfig(
-        num_prefill=args.prefill,
-        num_decode=args.decode,
-        model=args.model,
-        served_model_name=args.served_model_name,
-        host=args.host,
-        base_port=args.base_port,
-        side_channel_base_port=args.side_channel_base_port,
-        device=args.device,
-        dtype=dtype,
-        max_model_len=args.max_model_len,
-        kv_cache_space_gib=args.kv_cache_space_gib,
-        decoder_kv_blocks_ttl_s=args.ttl_s,
-        kv_recompute_threshold=args.kv_recompute_threshold,
-        bidirectional=not args.no_bidirectional,
-        prefill_prefix_caching=args.prefill_prefix_caching,
-        decode_prefix_caching=not args.no_decode_prefix_caching,
-        nixl_progress_delay_us=args.nixl_progress_delay_us,
-        restore_affinity=not args.no_restore_affinity,
-        pin_processes=not args.no_pin_processes,
-        startup_timeout_s=args.startup_timeout_s,
-        tool_call_parser=args.tool_call_parser,
-        restart=RestartPolicy(max_attempts=args.max_restarts),
-        engine_args=tuple(args.engine_arg),
-        prefill_engine_args=tuple(args.prefill_engine_arg),
-        decode_engine_args=tuple(args.decode_engine_arg),
-    )
-
-
 def _model_init(args: argparse.Namespace) -> int:
     from kvrelay.cluster.model import ensure_model
 
     print(ensure_model(args.size))
     return 0
-
-
-def start_router(
-    config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
-) -> ServiceProcess:
-    """Start ``kvrelay route`` in front of ``cluster`` and wait until it answers /health."""
-    cmd = router_command(
-        [n.url for n in cluster.prefill], [n.url for n in cluster.decode],
-        host=config.host, port=port, ttl_s=config.decoder_kv_blocks_ttl_s,
-        block_size=block_size_of(config), kv_recompute_threshold=config.kv_recompute_threshold,
-        python=config.python, extra=extra,
-    )
-    url = f"http://{config.host}:{port}"
-    return ServiceProcess("router", cmd, [f"{url}/health"], cluster.run_dir / "router.log",
-                          url=url).start()
 
 
 def start_monitoring(config: ClusterConfig, cluster: LocalCluster,

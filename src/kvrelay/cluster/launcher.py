@@ -33,8 +33,10 @@ from typing import IO
 from kvrelay.cluster.config import (
     ClusterConfig,
     NodeSpec,
+    block_size_of,
     plan_nodes,
     process_cores,
+    router_command,
     served_model_name,
     server_command,
     server_env,
@@ -321,6 +323,21 @@ class ServiceProcess:
                     f"log {self.log_path}:\n{log_tail(self.log_path, 30)}"
                 )
             time.sleep(0.2)
+
+
+def start_router(
+    config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
+) -> ServiceProcess:
+    """Start ``kvrelay route`` in front of ``cluster`` and wait until it answers /health."""
+    cmd = router_command(
+        [n.url for n in cluster.prefill], [n.url for n in cluster.decode],
+        host=config.host, port=port, ttl_s=config.decoder_kv_blocks_ttl_s,
+        block_size=block_size_of(config), kv_recompute_threshold=config.kv_recompute_threshold,
+        python=config.python, extra=extra,
+    )
+    url = f"http://{config.host}:{port}"
+    return ServiceProcess("router", cmd, [f"{url}/health"], cluster.run_dir / "router.log",
+                          url=url).start()
 
 
 def spawn_supervised(
