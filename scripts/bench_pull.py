@@ -23,9 +23,10 @@ import sys
 import time
 from pathlib import Path
 
+from kvrelay.client.pd import PDClient
+from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.launcher import LocalCluster
-from kvrelay.cluster.pd_client import PDClient, external_kv_tokens
 
 WORDS = ("agent tool call result file error retry plan step search query answer context "
          "token cache block node prefill decode model router vector stream turn").split()

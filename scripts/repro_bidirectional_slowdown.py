@@ -18,9 +18,9 @@ import argparse
 import sys
 from pathlib import Path
 
+from kvrelay.client.pd import PDClient
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.launcher import LocalCluster, free_port_block
-from kvrelay.cluster.pd_client import PDClient
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pull import history

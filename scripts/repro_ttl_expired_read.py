@@ -17,9 +17,10 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.client.pd import PDClient
+from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.launcher import LocalCluster, free_port_block
-from kvrelay.cluster.pd_client import PDClient, external_kv_tokens
 
 sys.path.insert(0, str(Path(__file__).parent))
 from bench_pull import history

@@ -39,7 +39,7 @@ from typing import Any
 
 from kvrelay.bench.rawhttp import get_text
 from kvrelay.bench.soak import LoadResult, Target, run_load
-from kvrelay.cluster.pd_client import parse_prometheus
+from kvrelay.client.prometheus import parse_prometheus
 
 # -- the processes and the report -------------------------------------------------------------
 

@@ -13,6 +13,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.routing import Route
 
+from kvrelay.client.sse import line_chunks
 from kvrelay.testing.fake_engine import FakeEngine
 from kvrelay.testing.fake_server import HttpServer
 
@@ -63,7 +64,7 @@ async def sse_lines(engine: FakeEngine, path: str, body: dict[str, Any]) -> list
 def sse_json(lines: list[str]) -> list[Any]:
     """The JSON chunks of ``sse_lines`` (everything before ``[DONE]``)."""
     assert lines[-1] == "data: [DONE]"
-    return [json.loads(line.removeprefix("data: ")) for line in lines[:-1]]
+    return list(line_chunks(lines[:-1]))
 
 
 async def iter_sse(response: httpx.Response) -> AsyncIterator[str]:

@@ -5,11 +5,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
+from kvrelay.client.sse import chunk_content, sse_events
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
@@ -42,27 +44,9 @@ class Clock:
         self.now += seconds
 
 
-def sse_events(text: str) -> list[Any]:
-    """The data payloads of an SSE body: parsed JSON objects, or the string ``[DONE]``."""
-    out: list[Any] = []
-    for block in text.split("\n\n"):
-        block = block.strip()
-        if not block.startswith("data: "):
-            continue
-        data = block[6:]
-        out.append(data if data == "[DONE]" else json.loads(data))
-    return out
-
-
 def stream_text(events: list[Any]) -> str:
-    parts: list[str] = []
-    for ev in events:
-        if not isinstance(ev, dict):
-            continue
-        for choice in ev.get("choices") or ():
-            delta = choice.get("delta")
-            parts.append((delta or {}).get("content") or choice.get("text") or "")
-    return "".join(parts)
+    """The text of a stream's events (``sse_events``)."""
+    return "".join(chunk_content(ev) for ev in events if isinstance(ev, Mapping))
 
 
 def reply_text(obj: dict[str, Any]) -> str:

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from kvrelay.client.sse import line_chunks
 from kvrelay.testing import FakeCluster, FakeEngineConfig, ManualClock
 from tests.component.fake_engine_helpers import (
     DATA,
@@ -49,8 +50,7 @@ def keys(obj: Any) -> Any:
 
 
 async def test_streamed_chat_chunks_are_shaped_like_vllm_032() -> None:
-    real = [json.loads(line.removeprefix("data: "))
-            for line in captured("chat_stream.json")["d_stream"][:-1]]
+    real = list(line_chunks(captured("chat_stream.json")["d_stream"]))
     async with FakeCluster(1, 1, CONFIG) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
         pr = await chat(p, PROMPT, max_tokens=1, kv_transfer_params={"do_remote_decode": True})

@@ -8,11 +8,12 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.config import ConfigError, build_config
 from tests.component.router_fake import Routed, routed
 from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Chat, Rig, lookup, sse_events, stream_text
+from tests.component.router_rig import Chat, Rig, lookup, stream_text
 
 FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
 KEYS = ["tenant-a:key-a-123", "tenant-b:key-b-456", "bare-key-789"]

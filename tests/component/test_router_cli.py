@@ -10,9 +10,10 @@ import sys
 
 import httpx
 
+from kvrelay.client.sse import sse_events
 from kvrelay.testing import FakeCluster
 from tests.component.router_fake import ENGINE_CONFIG
-from tests.component.router_rig import sse_events, stream_text
+from tests.component.router_rig import stream_text
 from tests.ports import free_port
 
 FIRST = "What is the capital of France, and why? " * 8

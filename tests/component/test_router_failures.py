@@ -10,8 +10,9 @@ from typing import Any
 
 import pytest
 
+from kvrelay.client.sse import sse_events
 from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Chat, Rig, assert_no_internal_fields, sse_events
+from tests.component.router_rig import Chat, Rig, assert_no_internal_fields
 
 LONG = "a question that is long enough to pull " + "y" * 60
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.params import parse_remote_blocks
 from kvrelay.router.blocks import infer_block_size
@@ -26,7 +27,7 @@ from tests.component.router_fake import (
     routed,
     until,
 )
-from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
+from tests.component.router_rig import assert_no_internal_fields, stream_text
 
 FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
 GUARDS = list(GUARD_CONFIGS)

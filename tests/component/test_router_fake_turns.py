@@ -15,7 +15,8 @@ import openai
 import pytest
 from msgspec.structs import replace
 
-from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
+from kvrelay.client.sse import line_chunks, sse_events
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.params import parse_remote_blocks
 from kvrelay.testing import FakeEngine
@@ -30,7 +31,7 @@ from tests.component.router_fake import (
     routed,
     until,
 )
-from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
+from tests.component.router_rig import assert_no_internal_fields, stream_text
 
 FIRST = "Tell me everything about the rivers of Europe, in order of length. " * 6
 FOLLOW_UPS = ["And Asia?", "Which one is the longest overall?", "Summarize in one line."]
@@ -167,9 +168,7 @@ async def test_streamed_tokens_are_relayed_as_they_are_generated() -> None:
             seen: list[Any] = []
             gate.grant(2)  # D may emit two tokens, then waits
             while sum(1 for e in seen if isinstance(e, dict) and stream_text([e])) < 2:
-                line = await anext(lines)
-                if line.startswith("data: "):
-                    seen.append(json.loads(line[6:]))
+                seen.extend(line_chunks([await anext(lines)]))
             await until(lambda: gate.waiting == 1, "D waiting for its third token")
             assert len(d.records[-1].output_token_ids) == 2  # the client has them already
             gate.grant(10)

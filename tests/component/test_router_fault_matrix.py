@@ -27,6 +27,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.index import EntryRef
 from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig
@@ -38,7 +39,7 @@ from tests.component.router_fake import (
     routed,
     until,
 )
-from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
+from tests.component.router_rig import assert_no_internal_fields, stream_text
 
 FIRST = "Explain how a glacier shapes a valley, with examples from the Alps. " * 5
 MAX_TOKENS = 16

@@ -18,9 +18,10 @@ from typing import Any
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvrelay.client.sse import sse_events
 from tests.component.asgi_direct import Answer, call, is_openai_error
 from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Rig, sse_events, stream_text
+from tests.component.router_rig import Rig, stream_text
 
 KEYS = ["t1:fuzz-key-1", "t2:fuzz-key-2"]
 FIELDS = ["messages", "prompt", "model", "stream", "max_tokens", "n", "conversation_id",

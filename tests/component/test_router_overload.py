@@ -6,8 +6,8 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+from kvrelay.client.sse import sse_events
 from tests.component.router_fake import PermitSleep, Routed, routed, until
-from tests.component.router_rig import sse_events
 
 MESSAGES = [{"role": "user", "content": "Explain tides to a sailor in three sentences."}]
 

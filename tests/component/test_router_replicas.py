@@ -12,7 +12,7 @@ from typing import Any
 
 import httpx
 
-from kvrelay.cluster.pd_client import parse_prometheus
+from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext

@@ -9,13 +9,13 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
+from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.testing import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
@@ -78,9 +78,7 @@ async def test_retained_tokens_gauge_equals_what_d_holds_for_live_entries(rig: R
                         "messages": messages, "conversation_id": conversation}) as resp:
                     lines = [line async for line in resp.aiter_lines() if line]
                 assert lines[-1] == "data: [DONE]", lines[-3:]
-                text = "".join(
-                    (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content")
-                    or "" for line in lines[:-1])
+                text = "".join(chunk_content(chunk) for chunk in line_chunks(lines))
                 await rig.cluster.drain_reports()
                 messages += [{"role": "assistant", "content": text},
                              {"role": "user", "content": "More, please."}]

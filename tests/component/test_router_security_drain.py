@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import re
 import signal
 from collections.abc import Awaitable
@@ -28,6 +27,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrelay.client.sse import line_chunks
 from kvrelay.testing import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import HeldSleep, run_router, until
@@ -107,7 +107,7 @@ async def test_streams_open_at_the_drain_deadline_end_with_an_error_event(
         log = router.log()
 
     for got, error in ends:
-        events = [json.loads(line[6:]) for line in got if line.startswith("data: {")]
+        events = list(line_chunks(got))
         assert error is None and got[-1:] == ["data: [DONE]"] and any(
             "error" in e for e in events), (
             f"a stream cut at the drain deadline ended with {error or 'no transport error'} "

@@ -14,7 +14,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,7 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
+from kvrelay.client.sse import chunk_error, line_chunks
 from kvrelay.testing import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
@@ -179,8 +179,7 @@ async def test_a_decode_node_dying_mid_stream_is_an_error_event_without_internal
             await until(lambda: sleep.held == 1, "D holding the stream at its first token")
             await d.crash()
             rest = [line async for line in lines if line]
-    errors = [json.loads(line[6:]) for line in rest
-              if line.startswith("data: {") and '"error"' in line]
+    errors = [chunk for chunk in line_chunks(rest) if chunk_error(chunk) is not None]
     assert errors, f"no SSE error event after D died: {rest}"
     text = "\n".join(rest)
     assert not leaked(text, cluster), (

@@ -35,6 +35,7 @@ import httpx
 import pytest
 import pytest_asyncio
 
+from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig
 from kvrelay.testing.fake_config import RequestRecord
 from tests.component.router_process import (
@@ -113,10 +114,9 @@ async def turn(rig: Rig, messages: list[dict[str, str]], conversation: str, *,
             async with c.stream("POST", CHAT, json=body, headers=ALICE) as resp:
                 lines = [line async for line in resp.aiter_lines() if line]
             assert resp.status_code == 200 and lines[-1] == "data: [DONE]", lines[-3:]
-            chunks = [json.loads(line[6:]) for line in lines[:-1]]
+            chunks = list(line_chunks(lines))
             response_id = chunks[0]["id"]
-            text = "".join((ch["choices"][0].get("delta") or {}).get("content") or ""
-                           for ch in chunks if ch.get("choices"))
+            text = "".join(chunk_content(chunk) for chunk in chunks)
         else:
             resp = await c.post(CHAT, json=body, headers=ALICE)
             assert resp.status_code == 200, resp.text

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import signal
 import sys
 from collections.abc import AsyncIterator
 
 import httpx
 
+from kvrelay.client.sse import line_chunks
 from kvrelay.testing import FakeCluster
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.test_router_cli import wait_healthy
@@ -102,10 +102,11 @@ async def test_drain_deadline_cuts_streams_that_take_too_long_and_exits_0() -> N
             got = [line async for line in lines if line.startswith("data: ")]
         # the stream ended cleanly: an OpenAI error event, then [DONE]
         assert got[-1] == "data: [DONE]"
-        err = json.loads(got[-2].removeprefix("data: "))["error"]
+        chunks = list(line_chunks(got))
+        err = chunks[-1]["error"]
         assert (err["code"], err["type"]) == (503, "ServiceUnavailableError")
         assert err["message"] == "the router is shutting down"
-        assert all("error" not in json.loads(line[6:]) for line in got[:-2])
+        assert all("error" not in chunk for chunk in chunks[:-1])
         log = out.decode(errors="replace")
         assert log.count("stream of a recompute turn cut at the drain deadline") == 1, log
         assert "Traceback" not in log

@@ -13,7 +13,7 @@ import pytest
 
 from kvrelay.bench.rawhttp import get_text
 from kvrelay.bench.soak import Target, run_load
-from kvrelay.cluster.pd_client import parse_prometheus
+from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.index import EntryRef
 from tests.component.router_fake import routed

@@ -7,7 +7,9 @@ import random
 
 import pytest
 
-from kvrelay.cluster.pd_client import PDClient, external_kv_tokens
+from kvrelay.client.pd import PDClient
+from kvrelay.client.prometheus import external_kv_tokens
+from kvrelay.client.sse import chunk_content, line_chunks
 from tests.e2e.conftest import RealCluster
 
 pytestmark = pytest.mark.e2e
@@ -117,10 +119,7 @@ def test_decode_connector_reports_retained_params_of_a_streamed_turn(real_cluste
             held = parse_remote_blocks(report["kv_transfer_params"])
             assert held.direction == "decode_to_prefill"
             assert held.num_tokens == pre.prompt_tokens + 12 - 1
-            text = "".join(
-                (json.loads(line[6:])["choices"] or [{}])[0].get("delta", {}).get("content") or ""
-                for line in lines[:-1]
-            )
+            text = "".join(chunk_content(chunk) for chunk in line_chunks(lines))
             msgs2 = [*msgs, {"role": "assistant", "content": text},
                      {"role": "user", "content": "ok"}]
             before = external_kv_tokens(c.metrics(real_cluster.prefill_url))

@@ -25,7 +25,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.testing import FakeEngineConfig, latency_preset
 from tests.component.router_fake import routed
 from tests.e2e.conftest import RealCluster

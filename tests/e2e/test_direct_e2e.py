@@ -12,7 +12,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from kvrelay.cluster.pd_client import parse_prometheus
+from kvrelay.client.prometheus import parse_prometheus
 from tests.e2e.conftest import CPU_BLOCK_SIZE, RealCluster, start_extra_router
 from tests.ports import free_port_block
 

@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.cluster.launcher import ServiceProcess
-from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
 from tests.component.redis_server import RedisServer, redis_binary
 from tests.e2e.conftest import RealCluster, start_extra_router
 from tests.ports import free_port_block

@@ -3,7 +3,6 @@ prefix guard, and the unmodified OpenAI SDK."""
 
 from __future__ import annotations
 
-import json
 import random
 import secrets
 from collections.abc import Sequence
@@ -12,7 +11,8 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
+from kvrelay.client.sse import chunk_content, line_chunks
 from tests.e2e.conftest import RealCluster
 
 pytestmark = pytest.mark.e2e
@@ -53,13 +53,10 @@ def send(cluster: RealCluster, messages: Sequence[Message], conversation_id: str
         with httpx.stream("POST", url, json=body, timeout=300) as resp:
             assert resp.status_code == 200, resp.read()
             headers = resp.headers
-            for line in resp.iter_lines():
-                if line.startswith("data: {"):
-                    chunk = json.loads(line[6:])
-                    assert "kv_transfer_params" not in chunk
-                    for choice in chunk.get("choices") or []:
-                        parts.append((choice.get("delta") or {}).get("content") or "")
-                    usage = chunk.get("usage") or usage
+            for chunk in line_chunks(resp.iter_lines()):
+                assert "kv_transfer_params" not in chunk
+                parts.append(chunk_content(chunk))
+                usage = chunk.get("usage") or usage
         text = "".join(parts)
     else:
         resp = httpx.post(url, json=body, timeout=300)

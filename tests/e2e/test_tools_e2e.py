@@ -19,7 +19,7 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from tests.e2e.conftest import RealCluster
 
 pytestmark = pytest.mark.e2e

@@ -5,7 +5,6 @@ fingerprint down to the prefix that really matches."""
 
 from __future__ import annotations
 
-import json
 import random
 import secrets
 from collections.abc import Iterator, Sequence
@@ -16,8 +15,10 @@ import httpx
 import pytest
 from msgspec.structs import replace
 
+from kvrelay.client.pd import PDClient
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
+from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.cluster.launcher import ServiceProcess, free_port_block
-from kvrelay.cluster.pd_client import PDClient, external_kv_tokens, parse_prometheus
 from kvrelay.core.fingerprint import held_fingerprint
 from tests.e2e.conftest import RealCluster, start_extra_router
 
@@ -71,13 +72,10 @@ def send(url: str, model: str, messages: Sequence[Message], *, stream: bool = Fa
     with httpx.stream("POST", endpoint, json=body, timeout=300) as resp:
         assert resp.status_code == 200, resp.read()
         headers = resp.headers
-        for line in resp.iter_lines():
-            if line.startswith("data: {"):
-                chunk = json.loads(line[6:])
-                assert "kv_transfer_params" not in chunk
-                for choice in chunk.get("choices") or []:
-                    parts.append((choice.get("delta") or {}).get("content") or "")
-                usage = chunk.get("usage") or usage
+        for chunk in line_chunks(resp.iter_lines()):
+            assert "kv_transfer_params" not in chunk
+            parts.append(chunk_content(chunk))
+            usage = chunk.get("usage") or usage
     return Answer("".join(parts), headers, usage)
 
 

@@ -20,7 +20,8 @@ import httpx
 import psutil
 import pytest
 
-from kvrelay.cluster.pd_client import external_kv_tokens, parse_prometheus
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
+from kvrelay.client.sse import sse_data
 from tests.e2e.conftest import ADMIN_KEY, RealCluster
 from tests.ports import free_port_block
 
@@ -100,9 +101,10 @@ def test_killed_decode_node_restarts_and_conversations_recover(real_cluster: Rea
             "stream": True, "conversation_id": b_id}) as resp:
         assert resp.status_code == 200
         for line in resp.iter_lines():
-            if not line.startswith("data: "):
+            payload = sse_data(line)
+            if payload is None:
                 continue
-            events.append(line[6:])
+            events.append(payload)
             if len(events) == 5:
                 os.killpg(os.getpgid(server_pid(port)), signal.SIGKILL)
     assert len(events) > 5, "the stream ended before D was killed"

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from kvrelay.client.sse import line_chunks
 from kvrelay.core.fingerprint import fingerprint_tokens
 from kvrelay.core.params import (
     KVParamsError,
@@ -55,8 +56,7 @@ def test_completions_decode_params():
 
 
 def test_streamed_chunks_carry_no_params_on_vllm_032():
-    chunks = [json.loads(line[6:]) for line in load("chat_stream.json")["d_stream"]
-              if line.startswith("data: {")]
+    chunks = list(line_chunks(load("chat_stream.json")["d_stream"]))
     assert chunks and not any("kv_transfer_params" in c for c in chunks)
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvrelay.client.sse import line_chunks, sse_events
 from kvrelay.core.identity import ToolCall
 from kvrelay.router.sse import (
     BATCH_BYTES,
@@ -62,7 +63,7 @@ def relay(stream: bytes, cuts: list[int], rewrite: Rewrite) -> tuple[bytes, Stre
 
 
 def parsed(out: bytes) -> list[Any]:
-    return [json.loads(e[6:]) for e in out.split(b"\n\n") if e.startswith(b"data: {")]
+    return list(line_chunks(out.decode().split("\n")))
 
 
 # -- frame ------------------------------------------------------------------------------
@@ -141,7 +142,7 @@ def test_usage_gets_cached_tokens_only_in_the_usage_event() -> None:
     for i, (sent, got) in enumerate(zip(events, out_events, strict=True)):
         if i != usage_at:
             assert got == sent  # untouched, byte for byte
-    usage = json.loads(out_events[usage_at][6:])
+    (usage,) = sse_events(out_events[usage_at].decode())
     assert usage["usage"] == {"prompt_tokens": 379, "total_tokens": 387,
                               "completion_tokens": 8,
                               "prompt_tokens_details": {"cached_tokens": 300}}
@@ -239,9 +240,9 @@ def test_error_events_are_noted_and_passed_through() -> None:
 def test_sse_error_is_vllms_error_event() -> None:
     raw = sse_error(502, "the decode node failed mid-stream")
     assert raw.startswith(b"data: ") and raw.endswith(b"\n\n")
-    assert json.loads(raw[6:]) == {"error": {
+    assert sse_events(raw.decode()) == [{"error": {
         "message": "the decode node failed mid-stream", "type": "BadGatewayError",
-        "param": None, "code": 502}}
+        "param": None, "code": 502}}]
 
 
 # -- the answer ---------------------------------------------------------------------------

@@ -30,6 +30,15 @@ from typing import Any, Literal
 import httpx
 
 from kvrelay.bench.tokens import ChatMessage
+from kvrelay.client.sse import (
+    DONE,
+    Usage,
+    chunk_content,
+    chunk_error,
+    json_chunk,
+    sse_data,
+    usage_of,
+)
 from kvrelay.core.conversation import ConversationKey
 
 Clock = Callable[[], float]
@@ -94,35 +103,33 @@ class StreamMeter:
     last_content_s: float | None = None
     content_chunks: int = 0
     parts: list[str] = field(default_factory=list)
-    usage: dict[str, Any] | None = None
+    usage: Usage | None = None
     error: str | None = None
     done: bool = False
 
     def feed(self, payload: str, now: float) -> None:
-        if payload.strip() == "[DONE]":
+        if payload.strip() == DONE:
             self.done = True
             return
         try:
-            chunk = json.loads(payload)
-        except json.JSONDecodeError:
+            chunk = json_chunk(payload)
+        except ValueError:
             self.error = f"malformed stream chunk: {payload[:200]!r}"
             return
-        if not isinstance(chunk, dict):
+        if chunk is None:
             return
-        if chunk.get("error"):
-            self.error = f"stream error: {json.dumps(chunk['error'])[:500]}"
+        error = chunk_error(chunk)
+        if error is not None:
+            self.error = f"stream error: {json.dumps(error)[:500]}"
             return
-        for choice in chunk.get("choices") or []:
-            delta = (choice or {}).get("delta") or {}
-            content = delta.get("content")
-            if content:
-                if self.first_content_s is None:
-                    self.first_content_s = now
-                self.last_content_s = now
-                self.content_chunks += 1
-                self.parts.append(content)
-        if isinstance(chunk.get("usage"), dict):
-            self.usage = chunk["usage"]
+        content = chunk_content(chunk)
+        if content:
+            if self.first_content_s is None:
+                self.first_content_s = now
+            self.last_content_s = now
+            self.content_chunks += 1
+            self.parts.append(content)
+        self.usage = usage_of(chunk) or self.usage
 
     def result(
         self, ended_s: float, status: int, decision: Decision | None, error: str | None = None
@@ -130,8 +137,8 @@ class StreamMeter:
         completion = self.content_chunks
         prompt: int | None = None
         if self.usage is not None:
-            completion = int(self.usage.get("completion_tokens") or completion)
-            prompt = _int_or_none(self.usage.get("prompt_tokens"))
+            completion = self.usage.completion_tokens or completion
+            prompt = self.usage.prompt_tokens
         tpot: float | None = None
         if (self.first_content_s is not None and self.last_content_s is not None
                 and completion > 1):
@@ -293,8 +300,9 @@ class ChatClient:
                 return meter.result(self.clock(), resp.status_code, decision,
                                     error=f"HTTP {resp.status_code}: {detail}")
             async for line in resp.aiter_lines():
-                if line.startswith("data:"):
-                    meter.feed(line[5:].strip(), self.clock())
+                payload = sse_data(line)
+                if payload is not None:
+                    meter.feed(payload, self.clock())
                     if meter.done:
                         break
         return meter.result(self.clock(), resp.status_code, decision)
@@ -309,11 +317,10 @@ class ChatClient:
             return TurnResult(resp.status_code, "", None, None, ended - started, None, 0,
                               decision, error=f"HTTP {resp.status_code}: {resp.text[:1000]}")
         data = resp.json()
-        usage = data.get("usage") or {}
+        usage = usage_of(data) or Usage(None, None)
         text = str(((data.get("choices") or [{}])[0].get("message") or {}).get("content") or "")
         return TurnResult(resp.status_code, text, ended - started, None, ended - started,
-                          _int_or_none(usage.get("prompt_tokens")),
-                          int(usage.get("completion_tokens") or 0), decision)
+                          usage.prompt_tokens, usage.completion_tokens or 0, decision)
 
     async def get_json(self, path: str) -> Any | None:
         """``GET path`` as JSON, or ``None`` if it fails or is not JSON."""

@@ -14,6 +14,8 @@ import time
 from typing import Any
 from urllib.parse import urlsplit
 
+from kvrelay.client.sse import DONE, EventBuffer, chunk_content, chunk_error, json_chunk
+
 
 class Conn:
     def __init__(self, host: str, port: int) -> None:
@@ -75,7 +77,7 @@ class Conn:
             raise RuntimeError(f"not a chunked stream: {headers}")
         parts: list[str] = []
         ttft = 0.0
-        buf = b""
+        events = EventBuffer()
         done = False
         error: str | None = None
         while True:
@@ -83,23 +85,21 @@ class Conn:
             chunk = await reader.readexactly(size + 2)
             if size == 0:
                 break
-            buf += chunk[:-2]
-            while b"\n\n" in buf:
-                event, buf = buf.split(b"\n\n", 1)
-                if event == b"data: [DONE]":
+            for payload in events.feed(chunk[:-2]):
+                if payload == DONE:
                     done = True
                     continue
-                if not event.startswith(b"data: {"):
+                obj = json_chunk(payload)
+                if obj is None:
                     continue
-                obj = json.loads(event[6:])
-                if obj.get("error") is not None:
-                    error = json.dumps(obj["error"])[:200]
-                for choice in obj.get("choices") or ():
-                    content = (choice.get("delta") or {}).get("content")
-                    if content:
-                        if not ttft:
-                            ttft = time.perf_counter() - started
-                        parts.append(content)
+                failure = chunk_error(obj)
+                if failure is not None:
+                    error = json.dumps(failure)[:200]
+                content = chunk_content(obj)
+                if content:
+                    if not ttft:
+                        ttft = time.perf_counter() - started
+                    parts.append(content)
         if error is not None:
             raise RuntimeError(f"error event: {error}")
         if not done:

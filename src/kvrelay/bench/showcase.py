@@ -9,7 +9,6 @@ of both runs equal unless reuse went wrong, which the table shows too.
 
 from __future__ import annotations
 
-import json
 import random
 import secrets
 import time
@@ -20,7 +19,7 @@ from typing import TextIO
 import httpx
 
 from kvrelay.bench.client import decision_from_headers
-from kvrelay.cluster.pd_client import chunk_content
+from kvrelay.client.sse import chunk_content, line_chunks, usage_of
 
 WORDS = ("read file grep test build error fix patch commit diff plan step tool output result "
          "line function class module import return value config retry").split()
@@ -161,17 +160,14 @@ def _turn(
         action = decision.action if decision else "?"
         reason = (decision.reason if decision else None) or "?"
         reused = (decision.reused_tokens if decision else None) or 0
-        for line in resp.iter_lines():
-            if not line.startswith("data: {"):
-                continue
-            chunk = json.loads(line[6:])
+        for chunk in line_chunks(resp.iter_lines()):
             delta = chunk_content(chunk)
             if delta:
                 ttft = ttft if ttft is not None else time.perf_counter() - started
                 parts.append(delta)
-            usage = chunk.get("usage")
-            if usage:
-                prompt_tokens = int(usage.get("prompt_tokens") or 0)
+            usage = usage_of(chunk)
+            if usage is not None:
+                prompt_tokens = usage.prompt_tokens or 0
     return TurnOutcome(turn, prompt_tokens, action, reason, reused,
                        ttft if ttft is not None else time.perf_counter() - started, "".join(parts))
 

@@ -8,14 +8,20 @@ previous turn as ``reuse`` to make P pull them instead of recomputing.
 from __future__ import annotations
 
 import json
-import re
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import httpx
 
-from kvrelay.core.params import RemoteBlocks, parse_optional_remote_blocks, parse_remote_blocks
+from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.client.sse import chunk_content, line_chunks, usage_of
+from kvrelay.core.params import (
+    RemoteBlocks,
+    parse_optional_remote_blocks,
+    parse_remote_blocks,
+    request_remote_decode,
+)
 
 Message = Mapping[str, object]
 
@@ -59,7 +65,7 @@ class PDClient:
 
     def prefill(self, messages: Sequence[Message], reuse: RemoteBlocks | None) -> PrefillResult:
         """P computes (or pulls, given ``reuse``) the prompt's KV and returns P's params."""
-        params = reuse.to_json() if reuse is not None else {"do_remote_decode": True}
+        params = reuse.to_json() if reuse is not None else request_remote_decode()
         body = self._body(messages, max_tokens=1, kv_transfer_params=params)
         started = time.perf_counter()
         resp = self._http.post(f"{self.prefill_url}/v1/chat/completions", json=body)
@@ -118,16 +124,14 @@ class PDClient:
             if resp.status_code >= 400:
                 resp.read()
                 _raise_for_status(resp)
-            for line in resp.iter_lines():
-                if not line.startswith("data: ") or line == "data: [DONE]":
-                    continue
-                chunk = json.loads(line[6:])
+            for chunk in line_chunks(resp.iter_lines()):
                 delta = chunk_content(chunk)
                 if delta:
                     ttft = ttft if ttft is not None else time.perf_counter() - started
                     text.append(delta)
-                if chunk.get("usage"):
-                    completion_tokens = int(chunk["usage"]["completion_tokens"])
+                usage = usage_of(chunk)
+                if usage is not None and usage.completion_tokens is not None:
+                    completion_tokens = usage.completion_tokens
                 if chunk.get("kv_transfer_params"):
                     retained = parse_optional_remote_blocks(chunk["kv_transfer_params"])
         e2e = time.perf_counter() - started
@@ -153,43 +157,6 @@ class PDClient:
             "temperature": 0.0,
             **extra,
         }
-
-
-def chunk_content(chunk: Mapping[str, object]) -> str:
-    """The generated text of one streamed chat chunk (``choices[*].delta.content``)."""
-    out: list[str] = []
-    choices = chunk.get("choices")
-    for choice in choices if isinstance(choices, list) else []:
-        delta = choice.get("delta") if isinstance(choice, dict) else None
-        content = delta.get("content") if isinstance(delta, dict) else None
-        if isinstance(content, str):
-            out.append(content)
-    return "".join(out)
-
-
-_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*(?:\{[^}]*\})?)\s+(\S+)$")
-
-
-def parse_prometheus(text: str) -> dict[str, float]:
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if not line or line.startswith("#"):
-            continue
-        m = _SAMPLE.match(line.strip())
-        if m:
-            try:
-                out[m.group(1)] = float(m.group(2))
-            except ValueError:
-                continue
-    return out
-
-
-def external_kv_tokens(metrics: Mapping[str, float]) -> float:
-    """Prompt tokens a vLLM server took from another node's KV (NIXL), summed over labels."""
-    return sum(
-        v for k, v in metrics.items()
-        if k.startswith("vllm:prompt_tokens_by_source_total") and "external_kv_transfer" in k
-    )
 
 
 def _raise_for_status(resp: httpx.Response) -> None:
