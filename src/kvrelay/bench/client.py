@@ -36,6 +36,7 @@ from kvrelay.client.sse import (
     chunk_content,
     chunk_error,
     json_chunk,
+    json_count,
     sse_data,
     usage_of,
 )
@@ -209,7 +210,7 @@ class StatsDecisions:
             return None
         self._seen[conversation_id] = at_s
         return Decision(str(newest.get("action")), newest.get("reason"),
-                        _int_or_none(newest.get("reused_tokens")), "stats")
+                        json_count(newest.get("reused_tokens")), "stats")
 
 
 class ChatClient:
@@ -338,11 +339,3 @@ class ChatClient:
         except (TypeError, KeyError, IndexError):
             return None
 
-
-def _int_or_none(value: object) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, int | float | str):
-        return None
-    try:
-        return int(value)
-    except ValueError:
-        return None

@@ -123,10 +123,13 @@ def usage_of(body: Mapping[str, object]) -> Usage | None:
     usage = body.get("usage")
     if not isinstance(usage, dict) or not usage:
         return None
-    return Usage(_count(usage.get("prompt_tokens")), _count(usage.get("completion_tokens")))
+    return Usage(json_count(usage.get("prompt_tokens")),
+                 json_count(usage.get("completion_tokens")))
 
 
-def _count(value: object) -> int | None:
+def json_count(value: object) -> int | None:
+    """A count as a JSON body gives it (a number, or a numeric string), ``None`` if it is
+    missing or not one."""
     if isinstance(value, bool) or not isinstance(value, int | float | str):
         return None
     try:

@@ -27,7 +27,7 @@ import importlib.metadata
 import importlib.util
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Literal, Protocol, TypeVar
@@ -128,6 +128,21 @@ class Context:
             return "nixl is not installed here"
         found = index.find_class(ref.module, ref.name)
         return found if found is not None else f"class {ref.name} not found in {ref.module}"
+
+
+def _line_in(
+    ctx: Context, where: FunctionRef, what: str, why: str,
+    find: Callable[[Located], int | None], missing: Callable[[Located], str],
+) -> Finding:
+    """The finding of a requirement met by a line of function ``where`` (``find``: its
+    number, ``None`` if no line meets it; ``missing``: what to say then)."""
+    fn = ctx.function(where)
+    if isinstance(fn, str):
+        return Finding(False, what, fn, why)
+    line = find(fn)
+    if line is None:
+        return Finding(False, what, missing(fn), why)
+    return Finding(True, what, f"{fn.module.relpath}:{line}", why)
 
 
 class Requirement(Protocol):
@@ -268,13 +283,12 @@ class Calls:
         return f"{self.where.qualname} calls {self.callee}"
 
     def check(self, ctx: Context) -> Finding:
-        fn = ctx.function(self.where)
-        if isinstance(fn, str):
-            return Finding(False, self.what, fn, self.why)
-        for call in calls(fn.node):
-            if _callee(call.func) == self.callee:
-                return Finding(True, self.what, f"{fn.module.relpath}:{call.lineno}", self.why)
-        return Finding(False, self.what, f"no call to {self.callee} in {fn.where}", self.why)
+        def first_call(fn: Located) -> int | None:
+            lines = [c.lineno for c in calls(fn.node) if _callee(c.func) == self.callee]
+            return lines[0] if lines else None
+
+        return _line_in(ctx, self.where, self.what, self.why, first_call,
+                        lambda fn: f"no call to {self.callee} in {fn.where}")
 
 
 @dataclass(frozen=True)
@@ -325,13 +339,9 @@ class Mentions:
         return f"{self.where.qualname} uses {self.word!r}"
 
     def check(self, ctx: Context) -> Finding:
-        fn = ctx.function(self.where)
-        if isinstance(fn, str):
-            return Finding(False, self.what, fn, self.why)
-        line = mentions(fn.node, self.word)
-        if line is None:
-            return Finding(False, self.what, f"{fn.where} does not use {self.word!r}", self.why)
-        return Finding(True, self.what, f"{fn.module.relpath}:{line}", self.why)
+        return _line_in(ctx, self.where, self.what, self.why,
+                        lambda fn: mentions(fn.node, self.word),
+                        lambda fn: f"{fn.where} does not use {self.word!r}")
 
 
 @dataclass(frozen=True)
@@ -348,14 +358,9 @@ class ParamsKey:
         return f"{self.where.qualname} {self.use} kv_transfer_params[{self.key!r}]"
 
     def check(self, ctx: Context) -> Finding:
-        fn = ctx.function(self.where)
-        if isinstance(fn, str):
-            return Finding(False, self.what, fn, self.why)
-        line = _params_key_line(fn.node, self.key, self.use)
-        if line is None:
-            return Finding(False, self.what, f"{fn.where} never {self.use} {self.key!r}",
-                           self.why)
-        return Finding(True, self.what, f"{fn.module.relpath}:{line}", self.why)
+        return _line_in(ctx, self.where, self.what, self.why,
+                        lambda fn: _params_key_line(fn.node, self.key, self.use),
+                        lambda fn: f"{fn.where} never {self.use} {self.key!r}")
 
 
 @dataclass(frozen=True)
@@ -371,13 +376,9 @@ class SetsAttribute:
         return f"{self.where.qualname} sets .{self.attr}"
 
     def check(self, ctx: Context) -> Finding:
-        fn = ctx.function(self.where)
-        if isinstance(fn, str):
-            return Finding(False, self.what, fn, self.why)
-        line = _attribute_store_line(fn.node, self.attr, value=None)
-        if line is None:
-            return Finding(False, self.what, f"{fn.where} never sets .{self.attr}", self.why)
-        return Finding(True, self.what, f"{fn.module.relpath}:{line}", self.why)
+        return _line_in(ctx, self.where, self.what, self.why,
+                        lambda fn: _attribute_store_line(fn.node, self.attr, value=None),
+                        lambda fn: f"{fn.where} never sets .{self.attr}")
 
 
 @dataclass(frozen=True)
