@@ -19,6 +19,7 @@ import msgspec
 import uvicorn
 import uvloop
 
+from kvrelay.core.params import request_remote_decode
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.upstream import AiohttpTransport, Upstream
 
@@ -54,7 +55,7 @@ class BareRelay:
                 break
         body = _DECODER.decode(b"".join(chunks))
         p_body = {**body, "stream": False, "max_tokens": 1,
-                  "kv_transfer_params": {"do_remote_decode": True}}
+                  "kv_transfer_params": request_remote_decode()}
         p_body.pop("stream_options", None)
         answer = _DECODER.decode(await self._upstream.post(self._p, path, _ENCODER.encode(p_body)))
         d_body = _ENCODER.encode({**body, "kv_transfer_params": answer["kv_transfer_params"]})

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.bench.rawhttp import Conn, host_port
+from kvrelay.core.params import request_remote_decode
 
 USER = "Describe, step by step, how a river delta forms and changes over the centuries. " * 3
 FOLLOW_UPS = ["Go on.", "Be more specific about the sediments.", "What about floods?",
@@ -67,7 +68,7 @@ async def stream_turn(conns: Mapping[str, Conn], mode: str, messages: list[dict[
     started = time.perf_counter()
     if mode == "direct":
         p_body = {**body, "stream": False, "max_tokens": 1,
-                  "kv_transfer_params": {"do_remote_decode": True}}
+                  "kv_transfer_params": request_remote_decode()}
         p = await conns["p"].post_json(path, p_body)
         d_body = {**body, "kv_transfer_params": p["kv_transfer_params"]}
         text, ttft, headers = await conns["d"].stream(path, d_body, started)

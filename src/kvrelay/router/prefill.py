@@ -24,7 +24,12 @@ import msgspec
 
 from kvrelay.core.consequences import learn_prefill, params_spent, prefill_retry
 from kvrelay.core.guard import loaded_outcome
-from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
+from kvrelay.core.params import (
+    KVParamsError,
+    RemoteBlocks,
+    parse_remote_blocks,
+    request_remote_decode,
+)
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
 from kvrelay.router.request import prefill_body
@@ -32,7 +37,7 @@ from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn, TurnState
 from kvrelay.router.upstream import UpstreamError
 
-_RECOMPUTE: dict[str, object] = {"do_remote_decode": True}
+_RECOMPUTE: dict[str, object] = request_remote_decode()
 
 
 class _Usage(msgspec.Struct):
