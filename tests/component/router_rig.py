@@ -1,5 +1,6 @@
-"""Helpers for router tests: a router app on a ``MockCluster``, a manual clock, SSE parsing,
-a multi-turn chat driver, and index lookups made the way the router makes them."""
+"""Helpers for router tests: a router app on a ``MockCluster``, a manual clock, the text of a
+stream (events parsed by ``kvrelay.client.sse``), a multi-turn chat driver, and index lookups
+made the way the router makes them."""
 
 from __future__ import annotations
 
