@@ -1,4 +1,5 @@
-"""No import cycle in ``src/kvrelay``: the package layering stays a graph that runs one way.
+"""No import cycle in ``src/kvrelay``: the package layering stays a graph that runs one way;
+and vLLM is imported by the module vLLM loads, nowhere else.
 
 Every ``import`` and ``from ... import`` counts, at module level, inside functions and under
 ``TYPE_CHECKING`` alike: a cycle broken by a lazy import is still two modules that depend on
@@ -141,3 +142,16 @@ def test_src_has_no_import_cycle() -> None:
     assert not unexpected, f"import cycles: {unexpected}"
     stale = [sorted(c) for c in KNOWN_CYCLES if c not in found]
     assert not stale, f"cycles gone: delete them from KNOWN_CYCLES: {stale}"
+
+
+def test_only_the_vllm_plugins_connector_imports_vllm() -> None:
+    """The launcher, the router and the contract check run where vLLM is not installed."""
+    importers = set()
+    for name, path in module_files(SRC).items():
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            roots = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and not node.level
+                     else [])
+            if any(root.split(".")[0] == "vllm" for root in roots):
+                importers.add(name)
+    assert importers == {"kvrelay.vllm_plugin.connector"}
