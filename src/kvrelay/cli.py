@@ -14,7 +14,7 @@ import sys
 
 COMMAND_MODULES: tuple[str, ...] = (
     "kvrelay.cluster.cli",
-    "kvrelay.testing.cli",
+    "kvrelay.fakevllm.cli",
     "kvrelay.router.cli",
     "kvrelay.bench.cli",
     "kvrelay.bench.demo_command",

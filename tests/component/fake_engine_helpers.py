@@ -14,8 +14,8 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvrelay.client.sse import line_chunks
-from kvrelay.testing.fake_engine import FakeEngine
-from kvrelay.testing.fake_server import HttpServer
+from kvrelay.fakevllm.engine import FakeEngine
+from kvrelay.fakevllm.server import HttpServer
 
 BLOCK = 128
 DATA = "tests/data/vllm-0.32.0"

@@ -1,7 +1,7 @@
 """Which vLLM protocol the fake engines of the router's component tests speak.
 
 ``KVRELAY_FAKE_VLLM_VERSION`` (``0.32``, the default, or ``0.33``; see
-``kvrelay.testing.fake_versions``) sets ``FakeEngineConfig.vllm_version`` for every engine a
+``kvrelay.fakevllm.versions``) sets ``FakeEngineConfig.vllm_version`` for every engine a
 router test builds through ``engine_config`` (``router_fake.ENGINE_CONFIG`` is one), so one
 run of the router tests exercises one protocol. ``make test`` runs them a second time with
 ``0.33`` (docs/testing.md). Tests of behaviour that differs between versions do not follow
@@ -13,8 +13,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from kvrelay.testing import FakeEngineConfig
-from kvrelay.testing.fake_versions import VLLM_VERSIONS, VllmVersion, wire_protocol
+from kvrelay.fakevllm import FakeEngineConfig
+from kvrelay.fakevllm.versions import VLLM_VERSIONS, VllmVersion, wire_protocol
 
 ENV = "KVRELAY_FAKE_VLLM_VERSION"
 

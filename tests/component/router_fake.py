@@ -17,14 +17,14 @@ from typing import Any
 
 import httpx
 
+from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
+from kvrelay.fakevllm.config import RequestRecord
+from kvrelay.fakevllm.server import HttpServer
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.index import Found
 from kvrelay.router.request import Endpoint, parse_request
 from kvrelay.router.state import RouterContext
-from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
-from kvrelay.testing.fake_config import RequestRecord
-from kvrelay.testing.fake_server import HttpServer
 from tests.component.fake_vllm_version import engine_config
 from tests.ports import free_port
 

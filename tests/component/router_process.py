@@ -38,7 +38,7 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.cluster.launcher import free_port, spawn_supervised
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 
 #: Options issue #12 adds to ``kvrelay route`` (see the module docstring).
 ISSUE_12_FLAGS = frozenset({

@@ -14,7 +14,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.client.sse import line_chunks
-from kvrelay.testing import FakeCluster, FakeEngineConfig, ManualClock
+from kvrelay.fakevllm import FakeCluster, FakeEngineConfig, ManualClock
 from tests.component.fake_engine_helpers import (
     DATA,
     GatedSleep,

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from kvrelay.cli import build_parser
-from kvrelay.testing.cli import cluster_from_args, serve
+from kvrelay.fakevllm.cli import cluster_from_args, serve
 from tests.component.fake_engine_helpers import until
 
 

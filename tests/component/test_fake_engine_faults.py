@@ -12,7 +12,7 @@ from typing import Any
 import httpx
 import pytest
 
-from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
+from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from tests.component.fake_engine_helpers import (
     GatedSleep,
     Receiver,
@@ -117,7 +117,7 @@ async def test_slow_stream_delays_every_token() -> None:
 
 async def test_latency_model_simulates_prefill_transfer_and_decode() -> None:
     sleep = GatedSleep()
-    from kvrelay.testing import CPU
+    from kvrelay.fakevllm import CPU
 
     config = replace(CONFIG, latency=CPU)
     async with FakeCluster(1, 1, config, sleep=sleep, clock=ManualClock()) as cluster:

@@ -22,8 +22,8 @@ from kvrelay.core.params import (
     GUARD_VERSION,
     parse_remote_blocks,
 )
-from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
-from kvrelay.testing.fake_model import generate_tokens
+from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
+from kvrelay.fakevllm.model import generate_tokens
 from tests.component.fake_engine_helpers import BLOCK, DATA, cdiv, chat, post, text_of, user
 
 CONFIG = FakeEngineConfig(report_delay_s=0.0)

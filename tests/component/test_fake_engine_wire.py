@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from kvrelay.core.params import REPORT_TURN_KEY
-from kvrelay.testing import FakeCluster, FakeEngineConfig
+from kvrelay.fakevllm import FakeCluster, FakeEngineConfig
 from tests.component.fake_engine_helpers import chat, post, sse_json, sse_lines, user
 from tests.component.vllm_wire import Release, ReleaseWire, read_wire, release_trees
 

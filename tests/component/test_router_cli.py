@@ -11,7 +11,7 @@ import sys
 import httpx
 
 from kvrelay.client.sse import sse_events
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.router_rig import stream_text
 from tests.ports import free_port

@@ -17,9 +17,9 @@ import pytest
 from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.params import parse_remote_blocks
+from kvrelay.fakevllm import FakeEngine
+from kvrelay.fakevllm.config import RequestRecord
 from kvrelay.router.blocks import infer_block_size
-from kvrelay.testing import FakeEngine
-from kvrelay.testing.fake_config import RequestRecord
 from tests.component.router_fake import (
     ENGINE_CONFIG,
     GUARD_CONFIGS,

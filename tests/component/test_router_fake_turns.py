@@ -19,8 +19,8 @@ from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.client.sse import line_chunks, sse_events
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.params import parse_remote_blocks
-from kvrelay.testing import FakeEngine
-from kvrelay.testing.fake_config import RequestRecord
+from kvrelay.fakevllm import FakeEngine
+from kvrelay.fakevllm.config import RequestRecord
 from kvrelay.tune.trace import read_turns
 from tests.component.fake_engine_helpers import BLOCK, cdiv
 from tests.component.router_fake import (

@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from kvrelay.core.params import REPORT_URL_KEY
+from kvrelay.fakevllm import FakeEngine, FakeEngineConfig
+from kvrelay.fakevllm.versions import REGISTRATION_GENERATION_KEY, VLLM_VERSIONS, VllmVersion
 from kvrelay.router.metrics import RouterMetrics
-from kvrelay.testing import FakeEngine, FakeEngineConfig
-from kvrelay.testing.fake_versions import REGISTRATION_GENERATION_KEY, VLLM_VERSIONS, VllmVersion
 from tests.component.router_fake import GUARD_CONFIGS, PermitSleep, Routed, routed, until
 from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
 

@@ -29,8 +29,8 @@ import pytest
 
 from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry
+from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig
 from kvrelay.router.index import EntryRef
-from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig
 from tests.component.router_fake import (
     ENGINE_CONFIG,
     GUARD_CONFIGS,

@@ -13,11 +13,11 @@ from typing import Any
 import httpx
 
 from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.fakevllm import FakeCluster, ManualClock
+from kvrelay.fakevllm.server import HttpServer
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext
-from kvrelay.testing import FakeCluster, ManualClock
-from kvrelay.testing.fake_server import HttpServer
 from tests.component.redis_server import RedisServer
 from tests.component.router_fake import ENGINE_CONFIG, free_port
 

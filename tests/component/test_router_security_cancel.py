@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, request_bytes
 from tests.component.router_process import HeldSleep, eventually, run_router, until

@@ -28,7 +28,7 @@ import httpx
 import pytest
 
 from kvrelay.client.sse import line_chunks
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import HeldSleep, run_router, until
 

@@ -28,7 +28,7 @@ from pathlib import Path
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, RawResponse, request_bytes
 from tests.component.router_process import PATIENCE_S, RouterProcess, is_openai_error, run_router

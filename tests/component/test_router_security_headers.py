@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, RawResponse, request_bytes
 from tests.component.router_process import (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 import pytest
 import pytest_asyncio
 
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import RouterProcess, run_router
 

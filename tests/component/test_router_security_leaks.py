@@ -23,7 +23,7 @@ import pytest
 import pytest_asyncio
 
 from kvrelay.client.sse import chunk_error, line_chunks
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
     HeldSleep,

@@ -36,8 +36,8 @@ import pytest
 import pytest_asyncio
 
 from kvrelay.client.sse import chunk_content, line_chunks
-from kvrelay.testing import FakeCluster, FakeEngine, FakeEngineConfig
-from kvrelay.testing.fake_config import RequestRecord
+from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig
+from kvrelay.fakevllm.config import RequestRecord
 from tests.component.router_process import (
     HeldSleep,
     Metrics,

@@ -14,7 +14,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from kvrelay.client.sse import line_chunks
-from kvrelay.testing import FakeCluster
+from kvrelay.fakevllm import FakeCluster
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.test_router_cli import wait_healthy
 from tests.ports import free_port

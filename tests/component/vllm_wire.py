@@ -19,7 +19,7 @@ import ast
 from collections.abc import Iterator
 from dataclasses import dataclass
 
-from kvrelay.testing.fake_versions import VLLM_VERSIONS, VllmVersion
+from kvrelay.fakevllm.versions import VLLM_VERSIONS, VllmVersion
 from kvrelay.vllm_plugin.contract import SCHEDULER, installed_root, method
 from kvrelay.vllm_plugin.pysource import (
     DirectoryTree,

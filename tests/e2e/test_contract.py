@@ -26,7 +26,7 @@ import httpx
 import pytest
 
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
-from kvrelay.testing import FakeEngineConfig, latency_preset
+from kvrelay.fakevllm import FakeEngineConfig, latency_preset
 from tests.component.router_fake import routed
 from tests.e2e.conftest import RealCluster
 

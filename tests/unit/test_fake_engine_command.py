@@ -1,5 +1,5 @@
 """The ``kvrelay fake-engine`` command line the launcher builds (``cluster.fake_engines``) is
-what ``kvrelay.testing.cli`` parses: every option arrives in the fake cluster it describes."""
+what ``kvrelay.fakevllm.cli`` parses: every option arrives in the fake cluster it describes."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from kvrelay.cluster.fake_engines import (
     fake_engine_command,
     fake_engine_options,
 )
-from kvrelay.testing.cli import cluster_from_args
-from kvrelay.testing.fake_latency import latency_preset
+from kvrelay.fakevllm.cli import cluster_from_args
+from kvrelay.fakevllm.latency import latency_preset
 
 #: Not one field at the fake's defaults, so a flag the parser dropped or misread shows.
 OPTIONS = FakeEngineOptions(

@@ -16,18 +16,6 @@ import kvrelay
 
 SRC = Path(kvrelay.__file__).resolve().parent
 
-#: Temporary: the fake vLLM engine's known cycle. Part B of issue #15 (the fake as a package
-#: whose HTTP layer depends on the engine, never the reverse) removes it; delete this then.
-KNOWN_CYCLES: frozenset[frozenset[str]] = frozenset({
-    frozenset({
-        "kvrelay.testing.fake_engine",
-        "kvrelay.testing.fake_generation",
-        "kvrelay.testing.fake_http",
-        "kvrelay.testing.fake_requests",
-    }),
-})
-
-
 def module_files(root: Path) -> dict[str, Path]:
     """Dotted module name -> file, for every ``.py`` file under the package ``root``."""
     out: dict[str, Path] = {}
@@ -137,11 +125,8 @@ def test_the_checker_finds_cycles_lazy_relative_and_type_checking_imports(
 def test_src_has_no_import_cycle() -> None:
     graph = import_graph(SRC)
     assert len(graph) > 50 and "kvrelay.router.app" in graph
-    found = cycles(graph)
-    unexpected = [sorted(c) for c in found if c not in KNOWN_CYCLES]
-    assert not unexpected, f"import cycles: {unexpected}"
-    stale = [sorted(c) for c in KNOWN_CYCLES if c not in found]
-    assert not stale, f"cycles gone: delete them from KNOWN_CYCLES: {stale}"
+    found = [sorted(c) for c in cycles(graph)]
+    assert not found, f"import cycles: {found}"
 
 
 def test_only_the_vllm_plugins_connector_imports_vllm() -> None:

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from kvrelay.bench.modes import DEFAULT_MODES
-from kvrelay.testing.fake_versions import VLLM_VERSIONS
+from kvrelay.fakevllm.versions import VLLM_VERSIONS
 
 
 def register(sub: Any) -> None:

@@ -21,7 +21,7 @@ from kvrelay.bench.runner import ClusterFactory, ClusterHandle
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.fake_engines import FakeLatency, fake_engine_options, fake_engine_process
 from kvrelay.cluster.launcher import ServiceProcess
-from kvrelay.testing.fake_versions import VllmVersion
+from kvrelay.fakevllm.versions import VllmVersion
 
 
 @dataclass

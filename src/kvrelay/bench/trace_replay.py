@@ -70,7 +70,7 @@ from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.fake_engines import FakeLatency
 from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S
 from kvrelay.core.policy import PolicyConfig
-from kvrelay.testing.fake_versions import VllmVersion
+from kvrelay.fakevllm.versions import VllmVersion
 from kvrelay.tune.trace import TraceTurn
 
 #: vLLM's (and the fake engine's) reader declines D's blocks this close to their expiry.

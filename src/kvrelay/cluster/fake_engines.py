@@ -1,10 +1,10 @@
 """``kvrelay fake-engine`` as a child process, configured like a local vLLM cluster.
 
-The fake engines (``kvrelay.testing``) stand in for real vLLM P/D servers where only the
+The fake engines (``kvrelay.fakevllm``) stand in for real vLLM P/D servers where only the
 protocol and simulated latency matter: ``kvrelay bench --engines fake`` and ``bench replay
 --trace``. ``FakeEngineOptions`` is the typed form of the options they are started with;
 ``fake_engine_command`` is the one place that turns it into the ``kvrelay fake-engine`` command
-line, whose flags ``kvrelay.testing.cli`` parses (``tests/unit/test_fake_engine_command.py``
+line, whose flags ``kvrelay.fakevllm.cli`` parses (``tests/unit/test_fake_engine_command.py``
 round-trips every field through that parser).
 """
 
@@ -16,7 +16,7 @@ from typing import Literal
 
 from kvrelay.cluster.config import ClusterConfig, served_model_name
 from kvrelay.cluster.launcher import ServiceProcess, resolve_model
-from kvrelay.testing.fake_versions import VllmVersion
+from kvrelay.fakevllm.versions import VllmVersion
 
 FakeLatency = Literal["fast", "cpu"]
 

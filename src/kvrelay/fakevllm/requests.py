@@ -13,12 +13,10 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from kvrelay.testing.fake_generation import GenerationInput
-
-if TYPE_CHECKING:
-    from kvrelay.testing.fake_engine import FakeEngine
+from kvrelay.fakevllm.engine import FakeEngine
+from kvrelay.fakevllm.generation import GenerationInput
 
 COMPLETIONS_DEFAULT_MAX_TOKENS = 16
 

@@ -29,7 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
-from kvrelay.testing.fake_latency import Clock
+from kvrelay.fakevllm.latency import Clock
 
 HoldKind = Literal["prefill_lease", "decode_ttl"]
 ReadFailure = Literal["unreachable", "engine_mismatch", "block_mismatch", "expired"]

@@ -19,11 +19,12 @@ from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
-from kvrelay.testing.fake_config import FakeEngineConfig, RequestRecord
-from kvrelay.testing.fake_engine import FakeEngine
-from kvrelay.testing.fake_kv import KVFabric
-from kvrelay.testing.fake_latency import Clock, Sleep
-from kvrelay.testing.fake_model import FakeModel
+from kvrelay.fakevllm.config import FakeEngineConfig, RequestRecord
+from kvrelay.fakevllm.engine import FakeEngine
+from kvrelay.fakevllm.http import http_listener
+from kvrelay.fakevllm.kv import KVFabric
+from kvrelay.fakevllm.latency import Clock, Sleep
+from kvrelay.fakevllm.model import FakeModel
 
 
 class FakeCluster:
@@ -144,10 +145,10 @@ class FakeCluster:
                         cfg,
                         self.model,
                         self.fabric,
+                        http_listener(self.host, port),
                         clock=self.clock,
                         sleep=self.sleep,
-                        host=self.host,
-                        port=port,
+                        side_channel_host=self.host,
                         side_channel_port=side_port,
                     )
                     bucket.append(engine)

@@ -1,11 +1,14 @@
 """A fake vLLM engine with NixlConnector (pull mode, bidirectional): state and lifecycle.
 
-``FakeEngine`` owns one engine's KV cache, its held blocks, counters and request records, its
-HTTP server (``fake_http``) and its place on the in-process "NIXL" fabric (``fake_kv``). The
-request path lives in ``fake_generation``. Lifecycle: ``start()``, ``stop()``, and the fault
-actions ``crash()`` (the process dies: server gone, blocks gone, side channel unreachable) and
-``restart()`` (crash, then start again on the same ports with a new engine id and empty
-caches and counters, like a restarted vLLM process).
+``FakeEngine`` owns one engine's KV cache, its held blocks, counters and request records and
+its place on the in-process "NIXL" fabric (``kv``). The request path is built on top of it:
+``generation`` (one request through the engine), ``requests`` (the OpenAI bodies it
+accepts) and ``http`` (the API served on a ``Listener``). The engine knows its listener only
+by that protocol, so nothing here imports the HTTP layer: ``http.http_listener`` is what
+``cluster`` passes in. Lifecycle: ``start()``, ``stop()``, and the fault actions ``crash()``
+(the process dies: listener gone, blocks gone, side channel unreachable) and ``restart()``
+(crash, then start again on the same ports with a new engine id and empty caches and
+counters, like a restarted vLLM process).
 
 Most tests use ``FakeCluster`` instead of building engines by hand.
 """
@@ -17,12 +20,12 @@ import random
 import time
 import uuid
 from collections import OrderedDict, deque
-from collections.abc import Coroutine, Sequence
-from typing import Any
+from collections.abc import Callable, Coroutine, Sequence
+from typing import Any, Protocol
 
-from kvrelay.testing.fake_config import FakeEngineConfig, RequestRecord
-from kvrelay.testing.fake_faults import Faults
-from kvrelay.testing.fake_kv import (
+from kvrelay.fakevllm.config import FakeEngineConfig, RequestRecord
+from kvrelay.fakevllm.faults import Faults
+from kvrelay.fakevllm.kv import (
     BlockPool,
     FreedRead,
     Hold,
@@ -31,11 +34,32 @@ from kvrelay.testing.fake_kv import (
     KVReadError,
     KVReadResult,
 )
-from kvrelay.testing.fake_latency import Clock, Sleep
-from kvrelay.testing.fake_metrics import EngineMetrics, render_metrics
-from kvrelay.testing.fake_model import FakeModel
-from kvrelay.testing.fake_report import Reporter
-from kvrelay.testing.fake_server import HttpServer
+from kvrelay.fakevllm.latency import Clock, Sleep
+from kvrelay.fakevllm.metrics import EngineMetrics, render_metrics
+from kvrelay.fakevllm.model import FakeModel
+from kvrelay.fakevllm.report import Reporter
+
+
+class Listener(Protocol):
+    """Where an engine serves its API (``server.HttpServer`` serving ``http.build_app``):
+    ``port=0`` binds a free port on the first ``start`` and keeps it across restarts; ``stop``
+    dies like a killed process (listener closed, connections reset, requests cancelled)."""
+
+    @property
+    def host(self) -> str: ...
+
+    @property
+    def port(self) -> int: ...
+
+    async def start(self) -> int: ...
+
+    async def stop(self) -> None: ...
+
+    async def kill_connection(self, client: object) -> bool: ...
+
+
+Listen = Callable[["FakeEngine"], Listener]
+"""Makes an engine's listener (called once, by ``FakeEngine.__init__``)."""
 
 
 class EngineState:
@@ -83,16 +107,13 @@ class FakeEngine:
         config: FakeEngineConfig,
         model: FakeModel,
         fabric: KVFabric,
+        listen: Listen,
         *,
         clock: Clock = time.monotonic,
         sleep: Sleep = asyncio.sleep,
-        host: str = "127.0.0.1",
-        port: int = 0,
-        side_channel_host: str | None = None,
+        side_channel_host: str = "127.0.0.1",
         side_channel_port: int = 5600,
     ) -> None:
-        from kvrelay.testing.fake_http import build_app
-
         self.name = name
         self.config = config
         self.model = model
@@ -101,7 +122,7 @@ class FakeEngine:
         self._sleep = sleep
         self.faults = Faults()
         self.num_health_requests = 0
-        self.side_channel_host = side_channel_host or host
+        self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
         self.incarnation = 0
         # Engine and request ids: random like vLLM's (a restarted process must not reuse an
@@ -111,18 +132,18 @@ class FakeEngine:
         self._records: OrderedDict[str, RequestRecord] = OrderedDict()
         self._record_alias: dict[str, str] = {}
         self._state: EngineState | None = None
-        self._server = HttpServer(build_app(self), host, port)
+        self._listener = listen(self)
         self._background: set[asyncio.Task[Any]] = set()
 
     # -- identity ---------------------------------------------------------------------------
 
     @property
     def host(self) -> str:
-        return self._server.host
+        return self._listener.host
 
     @property
     def port(self) -> int:
-        return self._server.port
+        return self._listener.port
 
     @property
     def url(self) -> str:
@@ -161,7 +182,7 @@ class FakeEngine:
         self.fabric.register(self.side_channel_host, self.side_channel_port, self)
         self._state = state
         try:
-            await self._server.start()
+            await self._listener.start()
         except BaseException:
             self._state = None
             self.fabric.unregister(self.side_channel_host, self.side_channel_port, self)
@@ -177,7 +198,7 @@ class FakeEngine:
         drop pending reports."""
         state, self._state = self._state, None
         self.fabric.unregister(self.side_channel_host, self.side_channel_port, self)
-        await self._server.stop()
+        await self._listener.stop()
         if state is not None:
             await state.reporter.close()
 
@@ -199,7 +220,7 @@ class FakeEngine:
 
     async def kill_connection(self, client: object) -> bool:
         """Drop one client connection (the ``die_after_tokens`` fault)."""
-        return await self._server.kill_connection(client)
+        return await self._listener.kill_connection(client)
 
     # -- records ----------------------------------------------------------------------------
 

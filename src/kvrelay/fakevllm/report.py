@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 
 from kvrelay.core.report import ReportHosts, report_posts
-from kvrelay.testing.fake_latency import Sleep
+from kvrelay.fakevllm.latency import Sleep
 
 
 @dataclass

@@ -4,7 +4,7 @@ Field sets and order follow vLLM's pydantic models as serialized by its server: 
 responses dump every field (``None`` as ``null``); streamed chunks use ``exclude_unset`` (only
 the fields vLLM sets); the trailing usage chunk uses ``exclude_none``. Captured real responses
 are in ``tests/data/vllm-0.32.0``. ``weight_versions=True`` adds 0.33's ``weight_versions``
-choice field where 0.33 sets it (``fake_versions``); streamed ``kv_transfer_params`` are
+choice field where 0.33 sets it (``versions``); streamed ``kv_transfer_params`` are
 added by the caller.
 """
 

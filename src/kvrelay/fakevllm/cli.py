@@ -15,10 +15,14 @@ import asyncio
 import contextlib
 import signal
 import sys
+from dataclasses import replace
 from typing import Any, TextIO
 
 from kvrelay.core.report import DEFAULT_REPORT_HOSTS
-from kvrelay.testing.fake_versions import VLLM_VERSIONS
+from kvrelay.fakevllm.cluster import FakeCluster
+from kvrelay.fakevllm.config import FakeEngineConfig
+from kvrelay.fakevllm.latency import latency_preset
+from kvrelay.fakevllm.versions import VLLM_VERSIONS
 
 DEFAULT_BASE_PORT = 8200
 DEFAULT_SIDE_CHANNEL_BASE_PORT = 5600
@@ -77,14 +81,8 @@ def add_fake_engine_arguments(parser: argparse.ArgumentParser) -> None:
                         help="comma-separated hosts a report may be posted to")
 
 
-def cluster_from_args(args: argparse.Namespace) -> Any:
+def cluster_from_args(args: argparse.Namespace) -> FakeCluster:
     """The (not yet started) ``FakeCluster`` that ``args`` describe."""
-    from dataclasses import replace
-
-    from kvrelay.testing.fake_cluster import FakeCluster
-    from kvrelay.testing.fake_config import FakeEngineConfig
-    from kvrelay.testing.fake_latency import latency_preset
-
     config = FakeEngineConfig(
         served_model_name=args.served_model_name,
         max_model_len=args.max_model_len,

@@ -6,10 +6,10 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from kvrelay.core.report import DEFAULT_REPORT_HOSTS
-from kvrelay.testing.fake_connector import KVRole, PlanReason
-from kvrelay.testing.fake_latency import FAST, LatencyModel
-from kvrelay.testing.fake_report import ReportOutcome
-from kvrelay.testing.fake_versions import VllmVersion, WireProtocol, wire_protocol
+from kvrelay.fakevllm.connector import KVRole, PlanReason
+from kvrelay.fakevllm.latency import FAST, LatencyModel
+from kvrelay.fakevllm.report import ReportOutcome
+from kvrelay.fakevllm.versions import VllmVersion, WireProtocol, wire_protocol
 
 FailurePolicy = Literal["recompute", "fail"]
 
@@ -26,10 +26,10 @@ class FakeEngineConfig:
     ``max_completion_tokens`` (vLLM would generate up to ``max_model_len``, and the fake never
     emits EOS); ``None`` restores vLLM's behaviour. Completions default to 16, as in vLLM.
     ``vllm_version``: the release whose wire protocol the engine speaks, ``0.32`` (default)
-    or ``0.33``; ``protocol`` says what that changes (``fake_versions``: 0.33 streams D's
+    or ``0.33``; ``protocol`` says what that changes (``versions``: 0.33 streams D's
     params on the final chunk and adds ``remote_registration_generation`` to every params).
     ``system_fingerprint`` defaults to ``vllm-<release>-fake``.
-    ``report_delay_s`` / ``report_hosts``: kvrelay's D-side report (see ``fake_report``).
+    ``report_delay_s`` / ``report_hosts``: kvrelay's D-side report (see ``report``).
     ``kvrelay_connector``: the engine runs kvrelay's connector (as ``kvrelay up`` sets it up):
     D adds the fingerprint of what it retains to its params, P proves a pull against its
     prompt before loading (``kvrelay.core.guard``); False is stock vLLM. kvrelay's connector
@@ -79,7 +79,7 @@ class FakeEngineConfig:
 
     @property
     def protocol(self) -> WireProtocol:
-        """What ``vllm_version`` puts on the wire (``fake_versions``)."""
+        """What ``vllm_version`` puts on the wire (``versions``)."""
         return wire_protocol(self.vllm_version)
 
     @property
@@ -99,12 +99,12 @@ class RequestRecord:
     it equals ``prompt_token_ids``; ``wrong_reuse`` says it does not. ``pulled_source_token_ids``
     is what the pulled KV encodes, to compare with ``expected_pulled_token_ids``.
 
-    ``plan`` is the connector's decision (``fake_connector.PlanReason``): ``pull`` (read
+    ``plan`` is the connector's decision (``connector.PlanReason``): ``pull`` (read
     ``pulled_tokens`` from ``pulled_from_engine``), ``below_threshold`` / ``local_hit`` (no
     read; the holder was only notified, which frees its blocks), ``bidirectional_off``,
     ``invalid_params`` or ``none``. ``read_freed_blocks``: the holder no longer held the blocks
     (params used twice): the KV read is whatever those block ids held at that moment.
-    ``load_failure`` (a ``fake_kv.ReadFailure``) is set when the read failed; then
+    ``load_failure`` (a ``kv.ReadFailure``) is set when the read failed; then
     ``recomputed_after_failure`` under policy ``recompute``, or the request failed.
     ``report`` is kvrelay's D-side report, when the request asked for one. ``guard`` is the
     reason of kvrelay's prefix guard on P (``core.guard``; ``None``: not run) and

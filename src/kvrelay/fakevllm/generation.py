@@ -1,12 +1,12 @@
 """One request through a fake engine: prefix cache, KV load, prefill, decode, finish.
 
 ``admit`` does what vLLM's scheduler and NixlConnector do before the first token: local
-prefix-cache lookup, the connector's plan (``fake_connector.plan_kv``), block allocation,
+prefix-cache lookup, the connector's plan (``connector.plan_kv``), block allocation,
 the KV read over the in-process fabric (with the failure policy), and the prefill. It returns
 a ``Generation`` whose output is already determined by the effective context; the HTTP layer
 streams it with ``tokens()`` and then calls ``finish()`` (hold/retain blocks, build the
 response's ``kv_transfer_params``) or ``abort()``, and ``report()`` once the response is
-complete (kvrelay's D-side report, see ``fake_report``).
+complete (kvrelay's D-side report, see ``report``).
 """
 
 from __future__ import annotations
@@ -15,21 +15,18 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
 from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RemoteBlocks
 from kvrelay.core.report import report_body, report_target
-from kvrelay.testing.fake_config import RequestRecord
-from kvrelay.testing.fake_connector import KVPlan, plan_kv
-from kvrelay.testing.fake_kv import Hold, KVReadError, block_hashes
-from kvrelay.testing.fake_model import generate_tokens
-from kvrelay.testing.fake_report import ReportOutcome
-from kvrelay.testing.fake_versions import with_registration_generation
-
-if TYPE_CHECKING:
-    from kvrelay.testing.fake_engine import EngineState, FakeEngine
+from kvrelay.fakevllm.config import RequestRecord
+from kvrelay.fakevllm.connector import KVPlan, plan_kv
+from kvrelay.fakevllm.engine import EngineState, FakeEngine
+from kvrelay.fakevllm.kv import Hold, KVReadError, block_hashes
+from kvrelay.fakevllm.model import generate_tokens
+from kvrelay.fakevllm.report import ReportOutcome
+from kvrelay.fakevllm.versions import with_registration_generation
 
 #: vLLM's reader-side margin when declining a read of D's blocks that are about to expire.
 KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S = 5.0

@@ -1,5 +1,5 @@
 """Test doubles for kvrelay: a protocol-faithful fake vLLM P/D engine (NixlConnector, pull
-mode, bidirectional KV transfer; vLLM 0.32's protocol or 0.33's, ``fake_versions``) that runs
+mode, bidirectional KV transfer; vLLM 0.32's protocol or 0.33's, ``versions``) that runs
 many instances in one process. See docs/testing.md.
 
 Start engines with ``FakeCluster`` (``async with``), talk HTTP to ``engine.url``, inject faults
@@ -8,12 +8,12 @@ through ``engine.faults`` (or ``POST /fake/faults``), and read what each request
 in ``FakeModel.load``.
 """
 
-from kvrelay.testing.fake_cluster import FakeCluster
-from kvrelay.testing.fake_config import FakeEngineConfig, RequestRecord
-from kvrelay.testing.fake_engine import FakeEngine
-from kvrelay.testing.fake_faults import Faults
-from kvrelay.testing.fake_kv import FreedRead, Hold, KVFabric
-from kvrelay.testing.fake_latency import (
+from kvrelay.fakevllm.cluster import FakeCluster
+from kvrelay.fakevllm.config import FakeEngineConfig, RequestRecord
+from kvrelay.fakevllm.engine import FakeEngine
+from kvrelay.fakevllm.faults import Faults
+from kvrelay.fakevllm.kv import FreedRead, Hold, KVFabric
+from kvrelay.fakevllm.latency import (
     CPU,
     FAST,
     Clock,
@@ -22,8 +22,8 @@ from kvrelay.testing.fake_latency import (
     Sleep,
     latency_preset,
 )
-from kvrelay.testing.fake_model import FakeModel
-from kvrelay.testing.fake_report import ReportOutcome
+from kvrelay.fakevllm.model import FakeModel
+from kvrelay.fakevllm.report import ReportOutcome
 
 __all__ = [
     "CPU",

@@ -2,7 +2,7 @@
 
 vLLM endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not),
 ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``.
-Admin: ``GET|POST /fake/faults`` (see ``fake_faults``), ``GET /fake/info`` (engine id,
+Admin: ``GET|POST /fake/faults`` (see ``faults``), ``GET /fake/info`` (engine id,
 side channel, held blocks), ``GET /fake/requests/{id}`` (a ``RequestRecord`` as JSON).
 
 Error semantics follow vLLM: invalid requests get 400/404 ``ErrorResponse`` bodies; a KV load
@@ -17,7 +17,7 @@ import dataclasses
 import json
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
@@ -25,13 +25,12 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
-from kvrelay.testing import fake_openai as oai
-from kvrelay.testing.fake_generation import Generation, KVLoadFailed, admit
-from kvrelay.testing.fake_kv import KVCacheFull
-from kvrelay.testing.fake_requests import BadRequest, ParsedRequest, parse_generation, tokenize
-
-if TYPE_CHECKING:
-    from kvrelay.testing.fake_engine import FakeEngine
+from kvrelay.fakevllm import openai as oai
+from kvrelay.fakevllm.engine import FakeEngine, Listen
+from kvrelay.fakevllm.generation import Generation, KVLoadFailed, admit
+from kvrelay.fakevllm.kv import KVCacheFull
+from kvrelay.fakevllm.requests import BadRequest, ParsedRequest, parse_generation, tokenize
+from kvrelay.fakevllm.server import HttpServer
 
 Handler = Callable[[Request], Awaitable[Response]]
 _JSON = "application/json"
@@ -53,6 +52,16 @@ async def _body(request: Request) -> dict[str, Any]:
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+def http_listener(host: str = "127.0.0.1", port: int = 0) -> Listen:
+    """An engine's ``listen``: its API (``build_app``) on an ``HttpServer`` at ``host:port``
+    (``port=0``: a free one)."""
+
+    def listen(engine: FakeEngine) -> HttpServer:
+        return HttpServer(build_app(engine), host, port)
+
+    return listen
 
 
 def build_app(engine: FakeEngine) -> Starlette:
