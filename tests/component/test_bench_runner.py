@@ -12,7 +12,7 @@ import pytest
 from kvrelay.bench.modes import parse_modes
 from kvrelay.bench.runner import BenchOptions, run_managed
 from kvrelay.bench.tokens import byte_template_counter
-from kvrelay.bench.workloads import ThinkTime, agent_workload
+from kvrelay.bench.workloads import Pacing, ThinkTime, agent_workload
 from kvrelay.cli import main
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.launcher import ServiceProcess, ServiceStartError
@@ -51,8 +51,8 @@ def stub_router_command(mode, prefill_urls, decode_urls, *, host, port, ttl_s):
 
 def small_workload():
     return agent_workload(byte_template_counter, conversations=2, turns=3, system_tokens=300,
-                          user_tokens=60, answer_tokens=8, arrival_mean_s=0,
-                          think=ThinkTime("constant", 0.0))
+                          user_tokens=60, answer_tokens=8,
+                          pacing=Pacing(ThinkTime("constant", 0.0), arrival_mean_s=0))
 
 
 def test_every_mode_gets_its_own_cluster_and_router(tmp_path):

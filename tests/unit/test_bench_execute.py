@@ -13,6 +13,7 @@ from kvrelay.bench.execute import run_workload
 from kvrelay.bench.tokens import byte_template_counter as count
 from kvrelay.bench.workloads import (
     ConversationSpec,
+    Pacing,
     ThinkTime,
     TurnSpec,
     Workload,
@@ -57,7 +58,7 @@ class Sleeps:
 
 async def test_each_prompt_extends_the_previous_prompt_and_the_generated_answer():
     w = agent_workload(count, conversations=2, turns=4, system_tokens=300, user_tokens=50,
-                       answer_tokens=20, think=ThinkTime("constant", 0.0), arrival_mean_s=0)
+                       answer_tokens=20, pacing=Pacing(ThinkTime("constant", 0.0), 0))
     sender = FakeSender()
     records = await run_workload(w, sender, mode="pull", id_prefix="run1-", sleep=Sleeps())
     by_conv = {}
@@ -94,8 +95,8 @@ async def test_think_times_and_start_offsets_are_slept():
 
 async def test_concurrency_is_bounded():
     w = agent_workload(count, conversations=6, turns=2, system_tokens=200, user_tokens=60,
-                       answer_tokens=5, arrival_mean_s=0, concurrency=3,
-                       think=ThinkTime("constant", 0.0))
+                       answer_tokens=5,
+                       pacing=Pacing(ThinkTime("constant", 0.0), 0, concurrency=3))
     hold = asyncio.Event()
     sender = FakeSender(hold=hold)
     task = asyncio.ensure_future(run_workload(w, sender, mode="m", sleep=Sleeps()))
@@ -109,7 +110,8 @@ async def test_concurrency_is_bounded():
 
 async def test_a_failed_turn_ends_its_conversation_only():
     w = agent_workload(count, conversations=2, turns=4, system_tokens=200, user_tokens=60,
-                       answer_tokens=5, arrival_mean_s=0, think=ThinkTime("constant", 0.0))
+                       answer_tokens=5,
+                       pacing=Pacing(ThinkTime("constant", 0.0), 0))
     seen = []
     records = await run_workload(w, FakeSender(fail={("agent-0", 2)}), mode="m",
                                  on_turn=lambda r, skipped: seen.append((r.turn, skipped)),

@@ -14,7 +14,7 @@ from kvrelay.bench.replay import (
     replay_workload,
 )
 from kvrelay.bench.tokens import byte_template_counter as count
-from kvrelay.bench.workloads import ThinkTime
+from kvrelay.bench.workloads import Pacing, ThinkTime
 
 OPENAI = [
     {"id": "c1", "messages": [
@@ -96,7 +96,7 @@ def test_missing_file(tmp_path):
 def test_turns_take_answer_lengths_as_max_tokens(tmp_path):
     convs = load_conversations(write(tmp_path, SHAREGPT))
     w = replay_workload(convs, count, max_answer_tokens=1024, default_answer_tokens=50,
-                        think=ThinkTime("constant", 2.0))
+                        pacing=Pacing(ThinkTime("constant", 2.0)))
     (conv,) = w.conversations
     assert [t.max_tokens for t in conv.turns] == [1024, 12, 50]  # clamped, exact, default
     assert [[m["role"] for m in t.new_messages] for t in conv.turns] == [
@@ -121,7 +121,7 @@ def test_limits_ids_salt_and_tool_messages():
         RecordedConversation("b", ({"role": "system", "content": "nothing to ask"},)),
         RecordedConversation("c", ({"role": "user", "content": "q"},)),
     ]
-    w = replay_workload(convs, count, salt="S1", arrival_mean_s=0)
+    w = replay_workload(convs, count, salt="S1", pacing=Pacing(arrival_mean_s=0))
     assert [c.conversation_id for c in w.conversations] == ["replay-0-a", "replay-2-c"]
     assert w.params["skipped"] == 1
     first = w.conversations[0].turns

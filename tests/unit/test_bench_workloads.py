@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvrelay.bench.tokens import byte_template_counter, chat_template_counter
 from kvrelay.bench.workloads import (
     BLOCK_TOKENS,
+    Pacing,
     ThinkTime,
     WorkloadError,
     agent_workload,
@@ -109,18 +110,20 @@ def test_conversation_ids_are_unique():
 
 
 def test_agent_arrivals_and_concurrency():
-    w = agent_workload(count, conversations=50, arrival_mean_s=2.0)
+    w = agent_workload(count, conversations=50, pacing=Pacing(arrival_mean_s=2.0))
     starts = [c.start_s for c in w.conversations]
     assert starts[0] == 0 and starts == sorted(starts) and len(set(starts)) == 50
     assert 1.4 < statistics.mean(b - a for a, b in itertools.pairwise(starts)) < 2.6
     assert w.concurrency == 50
-    together = agent_workload(count, conversations=5, arrival_mean_s=0, concurrency=2)
+    together = agent_workload(count, conversations=5,
+                              pacing=Pacing(arrival_mean_s=0, concurrency=2))
     assert {c.start_s for c in together.conversations} == {0.0}
     assert together.concurrency == 2
 
 
 def test_first_turn_never_thinks_and_later_turns_follow_the_distribution():
-    w = agent_workload(count, conversations=2, turns=5, think=ThinkTime("constant", 3.5))
+    w = agent_workload(count, conversations=2, turns=5,
+                       pacing=Pacing(ThinkTime("constant", 3.5)))
     for conv in w.conversations:
         assert [t.think_s for t in conv.turns] == [0.0, 3.5, 3.5, 3.5, 3.5]
 

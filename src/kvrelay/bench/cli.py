@@ -269,7 +269,7 @@ def _trace(args: argparse.Namespace) -> int:
 def build_workload(args: argparse.Namespace, salt: str) -> Any:
     """The workload ``args`` describe (token counting from ``--model``)."""
     from kvrelay.bench.tokens import default_counter
-    from kvrelay.bench.workloads import ThinkTime, agent_workload, sweep_workload
+    from kvrelay.bench.workloads import Pacing, ThinkTime, agent_workload, sweep_workload
 
     count = default_counter(args.model)
     if args.bench_kind == "sweep":
@@ -279,22 +279,20 @@ def build_workload(args: argparse.Namespace, salt: str) -> Any:
             followup_answer_tokens=args.followup_answer_tokens, gap_s=args.gap_s,
             seed=args.seed, salt=salt,
         )
-    think = ThinkTime(args.think, args.think_mean_s, args.think_sigma)
+    pacing = Pacing(ThinkTime(args.think, args.think_mean_s, args.think_sigma),
+                    args.arrival_mean_s, args.concurrency)
     if args.bench_kind == "agent":
         return agent_workload(
             count, conversations=args.conversations, turns=args.turns,
             system_tokens=args.system_tokens, user_tokens=args.user_tokens,
-            answer_tokens=args.answer_tokens, think=think, arrival_mean_s=args.arrival_mean_s,
-            concurrency=args.concurrency, seed=args.seed, salt=salt,
+            answer_tokens=args.answer_tokens, pacing=pacing, seed=args.seed, salt=salt,
         )
     from kvrelay.bench.replay import load_conversations, replay_workload
 
     return replay_workload(
         load_conversations(args.file), count, max_conversations=args.max_conversations,
         max_turns=args.max_turns, default_answer_tokens=args.default_answer_tokens,
-        max_answer_tokens=args.max_answer_tokens, think=think,
-        arrival_mean_s=args.arrival_mean_s, concurrency=args.concurrency, seed=args.seed,
-        salt=salt,
+        max_answer_tokens=args.max_answer_tokens, pacing=pacing, seed=args.seed, salt=salt,
     )
 
 

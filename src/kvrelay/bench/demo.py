@@ -24,7 +24,7 @@ from kvrelay.bench.metrics import ModeSummary
 from kvrelay.bench.report import BenchResults, ModeRun, write_report
 from kvrelay.bench.runner import BenchOptions, bench_router
 from kvrelay.bench.tokens import CountTokens, default_counter
-from kvrelay.bench.workloads import ThinkTime, agent_workload, sweep_workload
+from kvrelay.bench.workloads import Pacing, ThinkTime, agent_workload, sweep_workload
 
 
 @dataclass(frozen=True)
@@ -70,7 +70,7 @@ async def run_demo_async(
             "router_url": router_url}
     agent = agent_workload(
         count, conversations=conversations, turns=turns, system_tokens=512, user_tokens=150,
-        answer_tokens=64, think=ThinkTime("exponential", think_mean_s), arrival_mean_s=0.1,
+        answer_tokens=64, pacing=Pacing(ThinkTime("exponential", think_mean_s), 0.1),
         seed=seed, salt=salt,
     )
     sweep = sweep_workload(count, lengths=lengths, conversations_per_length=1, gap_s=0.5,

@@ -13,6 +13,39 @@ from typing import TextIO
 from kvrelay.bench.metrics import TurnRecord, percentile
 
 
+class _Line:
+    """Where a bar is drawn and when: redrawn in place on a terminal, else a line each time
+    another tenth of ``total`` is done (and at the end)."""
+
+    def __init__(self, stream: TextIO | None) -> None:
+        self.stream = stream if stream is not None else sys.stderr
+        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
+        self._last_tenth = -1
+
+    def draw(self, text: str, done: float, total: float) -> None:
+        if self._tty:
+            self.stream.write("\r" + text)
+            self.stream.flush()
+            return
+        tenth = int(10 * done / total) if total else 10
+        if tenth != self._last_tenth:
+            self._last_tenth = tenth
+            self.stream.write(text + "\n")
+            self.stream.flush()
+
+    def close(self) -> None:
+        if self._tty:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
+def _bar(label: str, done: float, total: float, width: int) -> str:
+    """``[label] ######---- `` for ``done`` of ``total`` (full when there is nothing to do)."""
+    frac = min(1.0, done / total) if total else 1.0
+    filled = round(frac * width)
+    return f"[{label}] {'#' * filled}{'-' * (width - filled)} "
+
+
 class Progress:
     """Counts turns of one mode's run; ``update`` is an ``execute.OnTurn`` callback."""
 
@@ -21,13 +54,11 @@ class Progress:
     ) -> None:
         self.label = label
         self.total = max(total, 0)
-        self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.done = 0
         self.errors = 0
         self._ttfts: list[float] = []
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_tenth = -1
+        self._out = _Line(stream)
 
     def update(self, record: TurnRecord, skipped: int = 0) -> None:
         self.done += 1 + skipped
@@ -35,13 +66,11 @@ class Progress:
             self._ttfts.append(record.ttft_s)
         else:
             self.errors += 1
-        self._draw()
+        self._out.draw(self.line(), self.done, self.total)
 
     def line(self) -> str:
         """The current bar, without line control characters."""
-        frac = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = round(frac * self.width)
-        text = f"[{self.label}] {'#' * filled}{'-' * (self.width - filled)} "
+        text = _bar(self.label, self.done, self.total, self.width)
         text += f"{self.done}/{self.total} turns"
         if self._ttfts:
             text += f"  ttft p50 {percentile(self._ttfts, 50) * 1000:.0f} ms"
@@ -49,21 +78,8 @@ class Progress:
             text += f"  {self.errors} err"
         return text
 
-    def _draw(self) -> None:
-        if self._tty:
-            self.stream.write("\r" + self.line())
-            self.stream.flush()
-            return
-        tenth = int(10 * self.done / self.total) if self.total else 10
-        if tenth != self._last_tenth:
-            self._last_tenth = tenth
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
-
     def close(self) -> None:
-        if self._tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        self._out.close()
 
 
 class WorkProgress:
@@ -79,32 +95,18 @@ class WorkProgress:
         self.total = max(total, 0.0)
         self.unit = unit
         self.scale = scale
-        self.stream = stream if stream is not None else sys.stderr
         self.width = width
         self.done = 0.0
-        self._tty = bool(getattr(self.stream, "isatty", lambda: False)())
-        self._last_tenth = -1
+        self._out = _Line(stream)
 
     def advance_to(self, done: float) -> None:
         self.done = min(max(done, 0.0), self.total) if self.total else done
-        if self._tty:
-            self.stream.write("\r" + self.line())
-            self.stream.flush()
-            return
-        tenth = int(10 * self.done / self.total) if self.total else 10
-        if tenth != self._last_tenth:
-            self._last_tenth = tenth
-            self.stream.write(self.line() + "\n")
-            self.stream.flush()
+        self._out.draw(self.line(), self.done, self.total)
 
     def line(self) -> str:
-        frac = min(1.0, self.done / self.total) if self.total else 1.0
-        filled = round(frac * self.width)
         unit = f" {self.unit}" if self.unit else ""
-        return (f"[{self.label}] {'#' * filled}{'-' * (self.width - filled)} "
-                f"{self.done / self.scale:.0f}/{self.total / self.scale:.0f}{unit}")
+        return (_bar(self.label, self.done, self.total, self.width)
+                + f"{self.done / self.scale:.0f}/{self.total / self.scale:.0f}{unit}")
 
     def close(self) -> None:
-        if self._tty:
-            self.stream.write("\n")
-            self.stream.flush()
+        self._out.close()

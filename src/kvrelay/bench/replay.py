@@ -31,7 +31,7 @@ from types import MappingProxyType
 from typing import Any
 
 from kvrelay.bench.tokens import ChatMessage, CountTokens
-from kvrelay.bench.workloads import ConversationSpec, ThinkTime, TurnSpec, Workload
+from kvrelay.bench.workloads import ConversationSpec, Pacing, ThinkTime, TurnSpec, Workload
 
 _ROLE_ALIASES: Mapping[str, str] = MappingProxyType({
     "user": "user", "human": "user", "tool": "tool", "function": "tool", "observation": "tool",
@@ -124,9 +124,7 @@ def replay_workload(
     max_turns: int | None = None,
     default_answer_tokens: int = 128,
     max_answer_tokens: int = 1024,
-    think: ThinkTime | None = None,
-    arrival_mean_s: float = 1.0,
-    concurrency: int | None = None,
+    pacing: Pacing | None = None,
     seed: int = 0,
     salt: str = "",
 ) -> Workload:
@@ -138,11 +136,11 @@ def replay_workload(
     """
     if default_answer_tokens < 1 or max_answer_tokens < 1:
         raise ReplayFormatError("answer token limits must be >= 1")
-    think = think or ThinkTime()
-    rng_arrivals = random.Random(f"replay-arrivals/{seed}")
+    pacing = pacing or Pacing()
+    think = pacing.think
+    starts = pacing.starts("replay", seed)
     chosen = list(conversations)[: max_conversations or None]
     specs: list[ConversationSpec] = []
-    start = 0.0
     skipped = 0
     for index, conv in enumerate(chosen):
         rng = random.Random(f"replay/{seed}/{index}")
@@ -156,16 +154,15 @@ def replay_workload(
         if not turns:
             skipped += 1
             continue
-        specs.append(ConversationSpec(f"replay-{index}-{conv.id}", tuple(turns), start_s=start))
-        if arrival_mean_s > 0:
-            start += rng_arrivals.expovariate(1.0 / arrival_mean_s)
+        specs.append(ConversationSpec(f"replay-{index}-{conv.id}", tuple(turns),
+                                      start_s=next(starts)))
     if not specs:
         raise ReplayFormatError("no conversation has a user turn to replay")
-    return Workload("replay", tuple(specs), concurrency=concurrency or len(specs), params={
+    return Workload("replay", tuple(specs), concurrency=pacing.concurrency or len(specs),
+                    params={
         "conversations": len(specs), "skipped": skipped, "max_turns": max_turns,
         "default_answer_tokens": default_answer_tokens, "max_answer_tokens": max_answer_tokens,
-        "think": think.kind, "think_mean_s": think.mean_s, "think_sigma": think.sigma,
-        "arrival_mean_s": arrival_mean_s, "seed": seed, "salt": salt,
+        **pacing.params(), "seed": seed, "salt": salt,
     })
 
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import math
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -74,6 +74,33 @@ class ThinkTime:
             return rng.uniform(0.0, 2.0 * self.mean_s)
         mu = math.log(self.mean_s) - self.sigma**2 / 2
         return rng.lognormvariate(mu, self.sigma)
+
+
+@dataclass(frozen=True)
+class Pacing:
+    """When an open-loop workload's conversations start and how its clients think: starts
+    are a Poisson process with mean gap ``arrival_mean_s`` (0: all at once), every turn after
+    a conversation's first waits ``think``, and at most ``concurrency`` conversations run at
+    a time (``None``: all of them)."""
+
+    think: ThinkTime = field(default_factory=ThinkTime)
+    arrival_mean_s: float = 1.0
+    concurrency: int | None = None
+
+    def starts(self, kind: str, seed: int) -> Iterator[float]:
+        """Start times of successive conversations, the first at 0, reproducible from
+        ``kind`` and ``seed``."""
+        rng = random.Random(f"{kind}-arrivals/{seed}")
+        start = 0.0
+        while True:
+            yield start
+            if self.arrival_mean_s > 0:
+                start += rng.expovariate(1.0 / self.arrival_mean_s)
+
+    def params(self) -> dict[str, object]:
+        """The pacing as a workload's ``params`` record it."""
+        return {"think": self.think.kind, "think_mean_s": self.think.mean_s,
+                "think_sigma": self.think.sigma, "arrival_mean_s": self.arrival_mean_s}
 
 
 @dataclass(frozen=True)
@@ -258,9 +285,7 @@ def agent_workload(
     system_tokens: int = 1024,
     user_tokens: int = 150,
     answer_tokens: int = 300,
-    think: ThinkTime | None = None,
-    arrival_mean_s: float = 1.0,
-    concurrency: int | None = None,
+    pacing: Pacing | None = None,
     seed: int = 0,
     salt: str = "",
 ) -> Workload:
@@ -270,18 +295,17 @@ def agent_workload(
     later turn appends the answer (``answer_tokens`` = ``max_tokens``) and ``user_tokens``
     more (turns 2, 4, ... read as tool results, the others as tasks). The planned prompt of
     turn ``k`` (1-based) is ``system_tokens + k * user_tokens + (k - 1) * answer_tokens``:
-    each new message absorbs the template tokens, so the error never accumulates. Think times
-    come from ``think``; conversations arrive as a Poisson process with mean gap
-    ``arrival_mean_s`` (0: all at once).
+    each new message absorbs the template tokens, so the error never accumulates. Think
+    times, arrivals and concurrency come from ``pacing`` (``Pacing()`` when ``None``).
     """
+    pacing = pacing or Pacing()
     if conversations < 1 or turns < 1:
         raise WorkloadError("agent sessions need at least one conversation and one turn")
-    if arrival_mean_s < 0:
+    if pacing.arrival_mean_s < 0:
         raise WorkloadError("arrival_mean_s must be >= 0")
-    think = think or ThinkTime()
+    think = pacing.think
     answer: ChatMessage = {"role": "assistant", "content": placeholder_answer(answer_tokens, count)}
-    rng_arrivals = random.Random(f"agent-arrivals/{seed}")
-    start = 0.0
+    starts = pacing.starts("agent", seed)
     convs: list[ConversationSpec] = []
     for index in range(conversations):
         rng = random.Random(f"agent/{seed}/{index}")
@@ -300,12 +324,10 @@ def agent_workload(
                 think_s=think.sample(rng) if k > 1 else 0.0,
                 target_tokens=target,
             ))
-        convs.append(ConversationSpec(f"agent-{index}", tuple(specs), start_s=start))
-        if arrival_mean_s > 0:
-            start += rng_arrivals.expovariate(1.0 / arrival_mean_s)
-    return Workload("agent", tuple(convs), concurrency=concurrency or conversations, params={
+        convs.append(ConversationSpec(f"agent-{index}", tuple(specs), start_s=next(starts)))
+    return Workload("agent", tuple(convs), concurrency=pacing.concurrency or conversations,
+                    params={
         "conversations": conversations, "turns": turns, "system_tokens": system_tokens,
-        "user_tokens": user_tokens, "answer_tokens": answer_tokens, "think": think.kind,
-        "think_mean_s": think.mean_s, "think_sigma": think.sigma,
-        "arrival_mean_s": arrival_mean_s, "seed": seed, "salt": salt,
+        "user_tokens": user_tokens, "answer_tokens": answer_tokens, **pacing.params(),
+        "seed": seed, "salt": salt,
     })
