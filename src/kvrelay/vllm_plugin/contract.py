@@ -101,8 +101,14 @@ class Finding:
     why: str
 
 
+class Missing(LookupError):
+    """What a requirement or fact reads is not in the trees (the message says what): the
+    requirement fails (``check``), the fact is unknown (``Fact.value`` ``None``)."""
+
+
 class Context:
-    """The trees a contract is checked against: a vLLM release and the nixl installed here."""
+    """The trees a contract is checked against: a vLLM release and the nixl installed here.
+    Lookups raise ``Missing`` when what they name is not there."""
 
     def __init__(
         self, vllm: SourceTree, nixl: SourceTree | None, nixl_version: str | None
@@ -111,23 +117,24 @@ class Context:
         self.nixl = PyIndex(nixl) if nixl is not None else None
         self.nixl_version = nixl_version
 
-    def index(self, tree: Tree) -> PyIndex | None:
-        return self.vllm if tree == "vllm" else self.nixl
-
-    def function(self, ref: FunctionRef) -> Located | str:
-        """The definition ``ref`` names, or why there is none."""
-        index = self.index(ref.tree)
+    def index(self, tree: Tree) -> PyIndex:
+        index = self.vllm if tree == "vllm" else self.nixl
         if index is None:
-            return "nixl is not installed here"
-        found = index.find_function(ref.module, ref.qualname)
-        return found if found is not None else f"{ref.qualname} not found in {ref.module}"
+            raise Missing("nixl is not installed here")
+        return index
 
-    def cls(self, ref: ClassRef) -> Located | str:
-        index = self.index(ref.tree)
-        if index is None:
-            return "nixl is not installed here"
-        found = index.find_class(ref.module, ref.name)
-        return found if found is not None else f"class {ref.name} not found in {ref.module}"
+    def function(self, ref: FunctionRef) -> Located:
+        """The definition ``ref`` names."""
+        found = self.index(ref.tree).find_function(ref.module, ref.qualname)
+        if found is None:
+            raise Missing(f"{ref.qualname} not found in {ref.module}")
+        return found
+
+    def cls(self, ref: ClassRef) -> Located:
+        found = self.index(ref.tree).find_class(ref.module, ref.name)
+        if found is None:
+            raise Missing(f"class {ref.name} not found in {ref.module}")
+        return found
 
 
 def _line_in(
@@ -137,8 +144,6 @@ def _line_in(
     """The finding of a requirement met by a line of function ``where`` (``find``: its
     number, ``None`` if no line meets it; ``missing``: what to say then)."""
     fn = ctx.function(where)
-    if isinstance(fn, str):
-        return Finding(False, what, fn, why)
     line = find(fn)
     if line is None:
         return Finding(False, what, missing(fn), why)
@@ -146,8 +151,13 @@ def _line_in(
 
 
 class Requirement(Protocol):
+    """One line of the contract; ``check`` may raise ``Missing`` (a failed finding)."""
+
     @property
     def what(self) -> str: ...
+
+    @property
+    def why(self) -> str: ...
 
     def check(self, ctx: Context) -> Finding: ...
 
@@ -166,10 +176,7 @@ class Symbol:
         return f"import {self.module}.{self.name}"
 
     def check(self, ctx: Context) -> Finding:
-        index = ctx.index(self.tree)
-        if index is None:
-            return Finding(False, self.what, "nixl is not installed here", self.why)
-        binding = index.lookup(self.module, self.name)
+        binding = ctx.index(self.tree).lookup(self.module, self.name)
         if binding is None:
             return Finding(False, self.what, f"{self.name} is not defined in {self.module}",
                            self.why)
@@ -194,12 +201,7 @@ class Hook:
         return f"hook {self.cls.name}.{self.name}({', '.join(self.params)})"
 
     def check(self, ctx: Context) -> Finding:
-        cls = ctx.cls(self.cls)
-        if isinstance(cls, str):
-            return Finding(False, self.what, cls, self.why)
-        index = ctx.index(self.cls.tree)
-        assert index is not None
-        found = index.resolve_method(cls, self.name)
+        found = ctx.index(self.cls.tree).resolve_method(ctx.cls(self.cls), self.name)
         if not found:
             return Finding(False, self.what,
                            f"{self.name} is not defined on {self.cls.name} or its bases", self.why)
@@ -235,12 +237,7 @@ class Attribute:
         return f"attribute {self.cls.name}.{self.name}"
 
     def check(self, ctx: Context) -> Finding:
-        cls = ctx.cls(self.cls)
-        if isinstance(cls, str):
-            return Finding(False, self.what, cls, self.why)
-        index = ctx.index(self.cls.tree)
-        assert index is not None
-        for klass in index.mro(cls):
+        for klass in ctx.index(self.cls.tree).mro(ctx.cls(self.cls)):
             line = _attribute_line(klass, self.name)
             if line is not None:
                 return Finding(True, self.what, f"{klass.module.relpath}:{line}", self.why)
@@ -260,11 +257,7 @@ class Subclass:
 
     def check(self, ctx: Context) -> Finding:
         cls, base = ctx.cls(self.cls), ctx.cls(self.base)
-        if isinstance(cls, str) or isinstance(base, str):
-            return Finding(False, self.what, cls if isinstance(cls, str) else str(base), self.why)
-        index = ctx.index(self.cls.tree)
-        assert index is not None
-        if not index.is_subclass(cls, base):
+        if not ctx.index(self.cls.tree).is_subclass(cls, base):
             return Finding(False, self.what, f"{cls.where} does not derive from {base.where}",
                            self.why)
         return Finding(True, self.what, cls.where, self.why)
@@ -307,8 +300,6 @@ class CallsOnlyIn:
 
     def check(self, ctx: Context) -> Finding:
         allowed = ctx.function(self.allowed)
-        if isinstance(allowed, str):
-            return Finding(False, self.what, allowed, self.why)
         start, end = allowed.node.lineno, allowed.node.end_lineno or allowed.node.lineno
         outside = []
         for relpath in ctx.vllm.tree.python_files(self.package.replace(".", "/")):
@@ -395,8 +386,6 @@ class NixlVersionFloor:
 
     def check(self, ctx: Context) -> Finding:
         fn = ctx.function(self.where)
-        if isinstance(fn, str):
-            return Finding(False, self.what, fn, self.why)
         floors = [
             (str(call.args[0].value), call.lineno)
             for call in calls(fn.node)
@@ -530,34 +519,38 @@ def fix_facts(ctx: Context, device_type: str) -> FixFacts:
     )
 
 
+def _line_fact(
+    ctx: Context, label: str, where: FunctionRef, find: Callable[[Located], int | None]
+) -> Fact:
+    """A fact that holds when a line of function ``where`` meets ``find`` (its number, ``None``
+    if none does); unknown when ``where`` is missing."""
+    try:
+        fn = ctx.function(where)
+    except Missing as exc:
+        return Fact(label, None, str(exc))
+    line = find(fn)
+    return Fact(label, line is not None,
+                f"{fn.module.relpath}:{line}" if line is not None else fn.where)
+
+
 def _pins_main_thread(ctx: Context) -> Fact:
-    fn = ctx.function(method(BASE_WORKER, "__init__"))
-    if isinstance(fn, str):
-        return Fact(PINS_MAIN_THREAD, None, fn)
-    for call in calls(fn.node):
-        if (_callee(call.func) == "os.sched_setaffinity" and call.args
-                and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0):
-            return Fact(PINS_MAIN_THREAD, True, f"{fn.module.relpath}:{call.lineno}")
-    return Fact(PINS_MAIN_THREAD, False, fn.where)
+    def pins(fn: Located) -> int | None:
+        return next((call.lineno for call in calls(fn.node)
+                     if _callee(call.func) == "os.sched_setaffinity" and call.args
+                     and isinstance(call.args[0], ast.Constant) and call.args[0].value == 0),
+                    None)
+
+    return _line_fact(ctx, PINS_MAIN_THREAD, method(BASE_WORKER, "__init__"), pins)
 
 
 def _nixl_busy_polls(ctx: Context) -> Fact:
-    fn = ctx.function(method(NIXL_AGENT, "__init__"))
-    if isinstance(fn, str):
-        return Fact(NIXL_BUSY_POLLS, None, fn)
-    line = _attribute_store_line(fn.node, "pthrDelay", value=0)
-    if line is None:
-        return Fact(NIXL_BUSY_POLLS, False, fn.where)
-    return Fact(NIXL_BUSY_POLLS, True, f"{fn.module.relpath}:{line}")
+    return _line_fact(ctx, NIXL_BUSY_POLLS, method(NIXL_AGENT, "__init__"),
+                      lambda fn: _attribute_store_line(fn.node, "pthrDelay", value=0))
 
 
 def _scheduler_skips_processed_pull(ctx: Context) -> Fact:
-    fn = ctx.function(method(SCHEDULER, "get_num_new_matched_tokens"))
-    if isinstance(fn, str):
-        return Fact(SKIPS_PROCESSED, None, fn)
-    line = mentions(fn.node, "_remote_blocks_processed")
-    return Fact(SKIPS_PROCESSED, line is not None,
-                f"{fn.module.relpath}:{line}" if line is not None else fn.where)
+    return _line_fact(ctx, SKIPS_PROCESSED, method(SCHEDULER, "get_num_new_matched_tokens"),
+                      lambda fn: mentions(fn.node, "_remote_blocks_processed"))
 
 
 def _keyword_in_call(ctx: Context, module_name: str, callee: str, keyword: str,
@@ -573,12 +566,7 @@ def _keyword_in_call(ctx: Context, module_name: str, callee: str, keyword: str,
 
 
 def _writes_key(ctx: Context, where: FunctionRef, key: str, label: str) -> Fact:
-    fn = ctx.function(where)
-    if isinstance(fn, str):
-        return Fact(label, None, fn)
-    line = _params_key_line(fn.node, key, "writes")
-    return Fact(label, line is not None,
-                f"{fn.module.relpath}:{line}" if line is not None else fn.where)
+    return _line_fact(ctx, label, where, lambda fn: _params_key_line(fn.node, key, "writes"))
 
 
 def _callee(func: ast.expr) -> str | None:
@@ -677,9 +665,16 @@ def check(ctx: Context, contract: Sequence[Requirement] = CONTRACT) -> Report:
                                         "NIXL_CONNECTOR_VERSION", int),
         nixl=(f"nixl {ctx.nixl_version} ({ctx.nixl.tree.label})" if ctx.nixl is not None
               else "nixl not installed"),
-        findings=[requirement.check(ctx) for requirement in contract],
+        findings=[_finding(ctx, requirement) for requirement in contract],
         facts=facts(ctx),
     )
+
+
+def _finding(ctx: Context, requirement: Requirement) -> Finding:
+    try:
+        return requirement.check(ctx)
+    except Missing as exc:
+        return Finding(False, requirement.what, str(exc), requirement.why)
 
 
 def _module_value(index: PyIndex, module_name: str, name: str, kind: type[_T]) -> _T | None:
