@@ -232,22 +232,20 @@ async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -
         raise
     ids = gen.output if parsed.return_token_ids else None
     prompt_ids = inp.prompt_token_ids if parsed.return_token_ids else None
-    body_args: dict[str, Any] = {
-        "request_id": inp.request_id,
-        "created": int(time.time()),
-        "model": cfg.served_model_name,
-        "text": engine.model.decode(gen.output),
-        "token_ids": ids,
-        "prompt_token_ids": prompt_ids,
-        "num_prompt_tokens": len(inp.prompt_token_ids),
-        "num_output_tokens": len(gen.output),
-        "kv_transfer_params": params,
-        "system_fingerprint": cfg.effective_system_fingerprint,
-        "weight_versions": cfg.protocol.weight_versions,
-    }
+    head = oai.Head(inp.request_id, int(time.time()), cfg.served_model_name)
+    answer = oai.Answer(
+        text=engine.model.decode(gen.output),
+        token_ids=ids,
+        prompt_token_ids=prompt_ids,
+        num_prompt_tokens=len(inp.prompt_token_ids),
+        num_output_tokens=len(gen.output),
+        kv_transfer_params=params,
+        system_fingerprint=cfg.effective_system_fingerprint,
+        weight_versions=cfg.protocol.weight_versions,
+    )
     build = oai.chat_response if inp.endpoint == "chat" else oai.completion_response
     return Response(
-        oai.dumps(build(**body_args)),
+        oai.dumps(build(head, answer)),
         media_type=_JSON,
         background=BackgroundTask(_report_after_response, gen),
     )
@@ -261,11 +259,10 @@ async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> 
     inp, cfg = parsed.inp, engine.config
     wire = cfg.protocol
     chat = inp.endpoint == "chat"
-    created = int(time.time())
-    model = cfg.served_model_name
+    head = oai.Head(inp.request_id, int(time.time()), cfg.served_model_name)
     prompt_ids = inp.prompt_token_ids if parsed.return_token_ids else None
     n_prompt = len(inp.prompt_token_ids)
-    role_chunk = oai.sse(oai.chat_role_chunk(inp.request_id, created, model, prompt_ids))
+    role_chunk = oai.sse(oai.chat_role_chunk(head, prompt_ids))
     try:
         gen = await admit(engine, inp)
     except KVLoadFailed:
@@ -294,12 +291,11 @@ async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> 
             ids = [token] if parsed.return_token_ids else None
             text = engine.model.decode([token])
             if chat:
-                chunk = oai.chat_token_chunk(inp.request_id, created, model, text, ids,
-                                             final=final, weight_versions=wire.weight_versions)
+                chunk = oai.chat_token_chunk(head, text, ids, final=final,
+                                             weight_versions=wire.weight_versions)
             else:
                 first_ids = prompt_ids if sent == 1 else None
-                chunk = oai.completion_chunk(inp.request_id, created, model, text, ids,
-                                             first_ids, final=final,
+                chunk = oai.completion_chunk(head, text, ids, first_ids, final=final,
                                              weight_versions=wire.weight_versions)
             if parsed.continuous_usage:
                 chunk["usage"] = oai.usage(n_prompt, sent, full=False)
@@ -315,8 +311,7 @@ async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> 
         if parsed.include_usage:
             obj = "chat.completion.chunk" if chat else "text_completion"
             yield oai.sse(
-                oai.usage_chunk(inp.request_id, created, model, obj, n_prompt, total,
-                                cfg.effective_system_fingerprint)
+                oai.usage_chunk(head, obj, n_prompt, total, cfg.effective_system_fingerprint)
             )
         yield oai.SSE_DONE
     finally:

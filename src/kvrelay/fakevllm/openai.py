@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from dataclasses import dataclass
 from http import HTTPStatus
 from types import MappingProxyType
 
@@ -58,132 +59,91 @@ def usage(prompt_tokens: int, completion_tokens: int, *, full: bool) -> dict[str
     return out
 
 
-def chat_response(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    prompt_token_ids: list[int] | None,
-    num_prompt_tokens: int,
-    num_output_tokens: int,
-    kv_transfer_params: dict[str, object] | None,
-    system_fingerprint: str,
-    weight_versions: bool = False,
-) -> dict[str, object]:
-    """A non-streamed ``chat.completion`` (``token_ids``/``prompt_token_ids``: only with
+@dataclass(frozen=True)
+class Head:
+    """What every body of one response starts with: its id, creation time and model."""
+
+    request_id: str
+    created: int
+    model: str
+
+    def body(self, obj: str, choices: list[dict[str, object]]) -> dict[str, object]:
+        """``id``, ``object``, ``created``, ``model`` and ``choices``, in vLLM's order."""
+        return {"id": self.request_id, "object": obj, "created": self.created,
+                "model": self.model, "choices": choices}
+
+
+@dataclass(frozen=True)
+class Answer:
+    """A finished non-streamed generation (``token_ids``/``prompt_token_ids``: only with
     ``return_token_ids``)."""
-    choice: dict[str, object] = {
-        "index": 0,
-        "message": {
-            "role": "assistant",
-            "content": text,
-            "refusal": None,
-            "annotations": None,
-            "audio": None,
-            "function_call": None,
-            "reasoning": None,
-        },
-        "logprobs": None,
-        "finish_reason": "length",
-        "stop_reason": None,
-        "token_ids": token_ids,
-        "routed_experts": None,
-    }
-    if weight_versions:
+
+    text: str
+    token_ids: list[int] | None
+    prompt_token_ids: list[int] | None
+    num_prompt_tokens: int
+    num_output_tokens: int
+    kv_transfer_params: dict[str, object] | None
+    system_fingerprint: str
+    weight_versions: bool = False
+
+
+def _response(
+    head: Head, obj: str, choice: dict[str, object], answer: Answer,
+    extra: Mapping[str, object] = MappingProxyType({}),
+) -> dict[str, object]:
+    """A non-streamed body: ``choice`` (plus 0.33's ``weight_versions``), usage, ``extra``
+    (chat's prompt fields) and the transfer params."""
+    if answer.weight_versions:
         choice["weight_versions"] = None
     return {
-        "id": request_id,
-        "object": "chat.completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
+        **head.body(obj, [choice]),
         "service_tier": None,
-        "system_fingerprint": system_fingerprint,
-        "usage": usage(num_prompt_tokens, num_output_tokens, full=True),
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids,
-        "prompt_text": None,
-        "kv_transfer_params": kv_transfer_params,
+        "system_fingerprint": answer.system_fingerprint,
+        "usage": usage(answer.num_prompt_tokens, answer.num_output_tokens, full=True),
+        **extra,
+        "kv_transfer_params": answer.kv_transfer_params,
         "ec_transfer_params": None,
         "metrics": None,
     }
 
 
-def completion_response(
-    *,
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    prompt_token_ids: list[int] | None,
-    num_prompt_tokens: int,
-    num_output_tokens: int,
-    kv_transfer_params: dict[str, object] | None,
-    system_fingerprint: str,
-    weight_versions: bool = False,
-) -> dict[str, object]:
+def chat_response(head: Head, answer: Answer) -> dict[str, object]:
+    """A non-streamed ``chat.completion``."""
+    message = {"role": "assistant", "content": answer.text, "refusal": None,
+               "annotations": None, "audio": None, "function_call": None, "reasoning": None}
+    choice: dict[str, object] = {
+        "index": 0, "message": message, "logprobs": None, "finish_reason": "length",
+        "stop_reason": None, "token_ids": answer.token_ids, "routed_experts": None,
+    }
+    return _response(head, "chat.completion", choice, answer, {
+        "prompt_logprobs": None, "prompt_token_ids": answer.prompt_token_ids,
+        "prompt_text": None,
+    })
+
+
+def completion_response(head: Head, answer: Answer) -> dict[str, object]:
     """A non-streamed ``text_completion``; token ids sit in the choice, as in vLLM."""
     choice: dict[str, object] = {
-        "index": 0,
-        "text": text,
-        "logprobs": None,
-        "finish_reason": "length",
-        "stop_reason": None,
-        "token_ids": token_ids,
-        "prompt_logprobs": None,
-        "prompt_token_ids": prompt_token_ids,
-        "routed_experts": None,
+        "index": 0, "text": answer.text, "logprobs": None, "finish_reason": "length",
+        "stop_reason": None, "token_ids": answer.token_ids, "prompt_logprobs": None,
+        "prompt_token_ids": answer.prompt_token_ids, "routed_experts": None,
     }
-    if weight_versions:
-        choice["weight_versions"] = None
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-        "service_tier": None,
-        "system_fingerprint": system_fingerprint,
-        "usage": usage(num_prompt_tokens, num_output_tokens, full=True),
-        "kv_transfer_params": kv_transfer_params,
-        "ec_transfer_params": None,
-        "metrics": None,
-    }
+    return _response(head, "text_completion", choice, answer)
 
 
-def chat_role_chunk(
-    request_id: str, created: int, model: str, prompt_token_ids: list[int] | None
-) -> dict[str, object]:
+def chat_role_chunk(head: Head, prompt_token_ids: list[int] | None) -> dict[str, object]:
     """The first chat chunk: the assistant role (and prompt ids with ``return_token_ids``)."""
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [
-            {
-                "index": 0,
-                "delta": {"role": "assistant", "content": ""},
-                "logprobs": None,
-                "finish_reason": None,
-            }
-        ],
-        "prompt_token_ids": prompt_token_ids,
-        "prompt_text": None,
+    choice: dict[str, object] = {
+        "index": 0, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
+        "finish_reason": None,
     }
+    return {**head.body("chat.completion.chunk", [choice]),
+            "prompt_token_ids": prompt_token_ids, "prompt_text": None}
 
 
 def chat_token_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    *,
-    final: bool,
+    head: Head, text: str, token_ids: list[int] | None, *, final: bool,
     weight_versions: bool = False,
 ) -> dict[str, object]:
     """One generated token; the final one carries ``finish_reason``/``stop_reason`` (and,
@@ -199,25 +159,12 @@ def chat_token_chunk(
     choice["token_ids"] = token_ids
     if final and weight_versions:
         choice["weight_versions"] = None
-    return {
-        "id": request_id,
-        "object": "chat.completion.chunk",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    return head.body("chat.completion.chunk", [choice])
 
 
 def completion_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    text: str,
-    token_ids: list[int] | None,
-    prompt_token_ids: list[int] | None,
-    *,
-    final: bool,
-    weight_versions: bool = False,
+    head: Head, text: str, token_ids: list[int] | None, prompt_token_ids: list[int] | None,
+    *, final: bool, weight_versions: bool = False,
 ) -> dict[str, object]:
     """One generated token of a streamed completion (prompt ids only on the first chunk;
     0.33's ``weight_versions`` on every chunk)."""
@@ -232,31 +179,15 @@ def completion_chunk(
     }
     if weight_versions:
         choice["weight_versions"] = None
-    return {
-        "id": request_id,
-        "object": "text_completion",
-        "created": created,
-        "model": model,
-        "choices": [choice],
-    }
+    return head.body("text_completion", [choice])
 
 
 def usage_chunk(
-    request_id: str,
-    created: int,
-    model: str,
-    obj: str,
-    prompt_tokens: int,
-    completion_tokens: int,
-    system_fingerprint: str,
+    head: Head, obj: str, prompt_tokens: int, completion_tokens: int, system_fingerprint: str
 ) -> dict[str, object]:
     """The trailing chunk of ``stream_options.include_usage``: no choices, usage, fingerprint."""
     return {
-        "id": request_id,
-        "object": obj,
-        "created": created,
-        "model": model,
-        "choices": [],
+        **head.body(obj, []),
         "usage": usage(prompt_tokens, completion_tokens, full=False),
         "system_fingerprint": system_fingerprint,
     }
