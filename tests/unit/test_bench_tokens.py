@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.bench.tokens import byte_template_counter, chat_template_counter, default_counter
-from kvrelay.cluster.model import ensure_model
+from kvrelay.models import ensure_model
 
 CASES = [
     [{"role": "user", "content": "hi"}],

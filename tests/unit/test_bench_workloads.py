@@ -25,7 +25,7 @@ from kvrelay.bench.workloads import (
     planned_history,
     sweep_workload,
 )
-from kvrelay.cluster.model import ensure_model
+from kvrelay.models import ensure_model
 
 count = byte_template_counter
 

@@ -126,7 +126,7 @@ def test_engine_arg_flags_pass_each_value_as_one_argument():
 
 def test_default_models_are_qwen3_so_they_get_the_hermes_parser(tmp_path):
     from kvrelay.cluster.launcher import model_type_of
-    from kvrelay.cluster.model import ensure_model
+    from kvrelay.models import ensure_model
 
     path = ensure_model("tiny", tmp_path)
     assert tool_call_parser_for("auto", model_type_of(path)) == "hermes"

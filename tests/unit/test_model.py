@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from kvrelay.cluster.model import (
+from kvrelay.models import (
     MODEL_SPECS,
     PRINTABLE_BYTES,
     ensure_model,
@@ -148,14 +148,14 @@ def test_hermes_parser_reads_back_the_tool_calls_the_template_writes(tiny):
 
 
 def test_cache_key_changes_with_anything_that_shapes_the_files(monkeypatch):
-    from kvrelay.cluster import model
+    from kvrelay import models
 
     spec = MODEL_SPECS["tiny"]
     before = spec.fingerprint()
-    monkeypatch.setattr(model, "CHAT_TEMPLATE", model.CHAT_TEMPLATE + " ")
+    monkeypatch.setattr(models, "CHAT_TEMPLATE", models.CHAT_TEMPLATE + " ")
     assert spec.fingerprint() != before
     monkeypatch.undo()
-    monkeypatch.setattr(model, "TAG_TOKENS", (*model.TAG_TOKENS, "<extra>"))
+    monkeypatch.setattr(models, "TAG_TOKENS", (*models.TAG_TOKENS, "<extra>"))
     assert spec.fingerprint() != before
     monkeypatch.undo()
     assert spec.fingerprint() == before

@@ -17,9 +17,9 @@ from __future__ import annotations
 from collections.abc import Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import Any
 
 from kvrelay.bench.metrics import ModeSummary
+from kvrelay.display.figures import finish_figure, new_figure
 
 LOG_SCALE_SPAN = 20.0
 
@@ -82,27 +82,3 @@ def ttft_by_turn(summaries: dict[str, ModeSummary], path: Path, title: str) -> N
     ax.set_xlabel("turn")
     ax.set_ylabel("mean TTFT (ms)")
     finish_figure(fig, ax, path, title)
-
-
-def new_figure() -> tuple[Any, Any]:
-    """A private Agg figure with one axes, in the house size (7 x 4.2 in, 110 dpi)."""
-    from matplotlib.backends.backend_agg import FigureCanvasAgg
-    from matplotlib.figure import Figure
-
-    fig = Figure(figsize=(7, 4.2), dpi=110)
-    FigureCanvasAgg(fig)
-    return fig, fig.add_subplot(1, 1, 1)
-
-
-def finish_figure(fig: Any, ax: Any, path: Path, title: str, *, log_y: bool = False) -> None:
-    """Title, y axis from 0 (or log), grid, legend, tight layout, PNG at ``path``."""
-    ax.set_title(title)
-    if log_y:
-        ax.set_yscale("log")
-    else:
-        ax.set_ylim(bottom=0, top=ax.get_ylim()[1] * 1.12)  # room for the point labels
-    ax.grid(True, alpha=0.3)
-    if ax.get_legend_handles_labels()[0]:
-        ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, format="png")

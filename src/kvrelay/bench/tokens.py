@@ -31,7 +31,7 @@ def byte_template_counter(messages: Sequence[ChatMessage]) -> int:
     """Prompt tokens of ``messages`` for kvrelay's byte-level default models.
 
     Contract: equals ``len(tokenizer.apply_chat_template(messages, tokenize=True,
-    add_generation_prompt=True))`` for ``kvrelay.cluster.model``'s tokenizer when every
+    add_generation_prompt=True))`` for ``kvrelay.models``'s tokenizer when every
     content is a string without special-token text (``tests/unit/test_bench_tokens.py``
     checks it against the real tokenizer).
     """
@@ -64,7 +64,7 @@ def chat_template_counter(model_dir: str | Path) -> CountTokens:
 def default_counter(model: str) -> CountTokens:
     """The counter for ``--model``: the byte counter for the generated default sizes (whose
     tokenizer it reproduces exactly), else the model directory's chat template."""
-    from kvrelay.cluster.model import MODEL_SPECS
+    from kvrelay.models import MODEL_SPECS
 
     if model in MODEL_SPECS:
         return byte_template_counter

@@ -38,7 +38,7 @@ def register(sub: Any) -> None:
 
 
 def _model_init(args: argparse.Namespace) -> int:
-    from kvrelay.cluster.model import ensure_model
+    from kvrelay.models import ensure_model
 
     print(ensure_model(args.size))
     return 0

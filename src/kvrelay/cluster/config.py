@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, cast
 
-from kvrelay.cluster.model import MODEL_SPECS
+from kvrelay.models import MODEL_SPECS
 from kvrelay.vllm_plugin.settings import (
     CONNECTOR_MODULE_PATH,
     CONNECTOR_NAME,

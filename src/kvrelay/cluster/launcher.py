@@ -42,7 +42,7 @@ from kvrelay.cluster.config import (
     server_env,
     tool_call_parser_for,
 )
-from kvrelay.cluster.model import MODEL_SPECS, ensure_model
+from kvrelay.models import MODEL_SPECS, ensure_model
 
 _PR_SET_PDEATHSIG = 1
 

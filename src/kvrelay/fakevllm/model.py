@@ -95,7 +95,7 @@ class FakeModel:
         from transformers import AutoTokenizer
 
         if model_dir is None:
-            from kvrelay.cluster.model import ensure_model
+            from kvrelay.models import ensure_model
 
             model_dir = ensure_model("tiny")
         return cls(AutoTokenizer.from_pretrained(str(model_dir)), str(model_dir))

@@ -94,7 +94,7 @@ def _turns(
     source: TraceSource, fmt: str, block: int, progress: TextIO | None, label: str,
     sort: bool,
 ) -> Iterator[TraceTurn]:
-    from kvrelay.bench.progress import WorkProgress
+    from kvrelay.display.progress import WorkProgress
 
     sizes = [p.stat().st_size if p.exists() else 0 for p in source.paths]
     total = sum(sizes)

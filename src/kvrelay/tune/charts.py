@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from kvrelay.bench.charts import finish_figure, new_figure
+from kvrelay.display.figures import finish_figure, new_figure
 from kvrelay.tune.analyze import TuneResult
 from kvrelay.tune.model import PinnedSeries
 from kvrelay.tune.recommend import format_ttl
