@@ -356,3 +356,26 @@ async def test_health_requests_are_counted_and_request_params_recorded() -> None
         assert p.record(pr["id"]).request_kv_transfer_params == sent
         plain = await chat(p, PROMPT, max_tokens=1)
         assert p.record(plain["id"]).request_kv_transfer_params is None
+
+
+async def test_received_keeps_every_body_read_faulted_ones_included() -> None:
+    async with FakeCluster(1, 0, replace(CONFIG, records_limit=3)) as cluster:
+        p = cluster.prefill[0]
+        async with client() as http:
+            assert (await http.get(p.url + "/health")).status_code == 200  # no body: none
+            await http.post(p.url + "/tokenize", json={"prompt": "hi"})
+            p.faults.error_status, p.faults.error_count = 503, 1
+            assert (await http.post(p.url + "/v1/completions",
+                                    json={"prompt": "x", "max_tokens": 1})).status_code == 503
+            assert (await http.post(p.url + "/v1/completions", content=b"not json",
+                                    headers={"content-type": "application/json"})
+                    ).status_code == 400
+        assert [(r.method, r.path) for r in p.received] == [
+            ("POST", "/tokenize"), ("POST", "/v1/completions"), ("POST", "/v1/completions")]
+        assert json.loads(p.received[1].body) == {"prompt": "x", "max_tokens": 1}
+        assert p.received[2].body == b"not json" and not p.records
+        await chat(p, PROMPT, max_tokens=1)  # the oldest falls out at records_limit
+        assert [r.path for r in p.received] == ["/v1/completions"] * 2 + [
+            "/v1/chat/completions"]
+        await p.restart()
+        assert len(p.received) == 3  # kept across restarts, like num_health_requests

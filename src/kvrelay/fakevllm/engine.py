@@ -21,6 +21,7 @@ import time
 import uuid
 from collections import OrderedDict, deque
 from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from kvrelay.fakevllm.config import FakeEngineConfig, RequestRecord
@@ -62,6 +63,16 @@ Listen = Callable[["FakeEngine"], Listener]
 """Makes an engine's listener (called once, by ``FakeEngine.__init__``)."""
 
 
+@dataclass(frozen=True)
+class Received:
+    """A request body the engine's API read (generation, ``/tokenize``, ``/fake/faults``), as
+    it arrived: what a router sent this engine."""
+
+    method: str
+    path: str
+    body: bytes
+
+
 class EngineState:
     """Everything a restart wipes: engine id, KV cache, holds, counters, prefill queue,
     pending reports."""
@@ -98,7 +109,9 @@ class FakeEngine:
     (see ``RequestRecord``); ``record(id)`` finds one by response id or internal request id;
     ``freed_reads`` lists reads other engines made of blocks this engine had already freed.
     ``num_health_requests`` counts ``GET /health`` requests answered since the engine object
-    was made (restarts included), so a test can tell how often a router probed it.
+    was made (restarts included), so a test can tell how often a router probed it;
+    ``received`` keeps the last ``records_limit`` request bodies it read (restarts included),
+    so a test can tell what reached it (faulted and hung requests included).
     """
 
     def __init__(
@@ -122,6 +135,7 @@ class FakeEngine:
         self._sleep = sleep
         self.faults = Faults()
         self.num_health_requests = 0
+        self.received: deque[Received] = deque(maxlen=config.records_limit)
         self.side_channel_host = side_channel_host
         self.side_channel_port = side_channel_port
         self.incarnation = 0

@@ -26,7 +26,7 @@ from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
 from kvrelay.fakevllm import openai as oai
-from kvrelay.fakevllm.engine import FakeEngine, Listen
+from kvrelay.fakevllm.engine import FakeEngine, Listen, Received
 from kvrelay.fakevllm.generation import Generation, KVLoadFailed, admit
 from kvrelay.fakevllm.kv import KVCacheFull
 from kvrelay.fakevllm.requests import BadRequest, ParsedRequest, parse_generation, tokenize
@@ -44,14 +44,25 @@ def error_response(status: int, message: str | None = None, param: str | None = 
     return json_response(oai.error_body(status, message, param), status)
 
 
-async def _body(request: Request) -> dict[str, Any]:
+async def _receive(engine: FakeEngine, request: Request) -> bytes:
+    """The request's body, recorded in ``engine.received``."""
+    raw = await request.body()
+    engine.received.append(Received(request.method, request.url.path, raw))
+    return raw
+
+
+def _json_object(raw: bytes) -> dict[str, Any]:
     try:
-        body = json.loads(await request.body())
+        body = json.loads(raw)
     except ValueError as exc:
         raise BadRequest(f"JSON decode error: {exc}") from exc
     if not isinstance(body, dict):
         raise BadRequest("the request body must be a JSON object")
     return body
+
+
+async def _body(engine: FakeEngine, request: Request) -> dict[str, Any]:
+    return _json_object(await _receive(engine, request))
 
 
 def http_listener(host: str = "127.0.0.1", port: int = 0) -> Listen:
@@ -80,7 +91,7 @@ def build_app(engine: FakeEngine) -> Starlette:
 
     async def tokenize_route(request: Request) -> Response:
         try:
-            return json_response(tokenize(engine, await _body(request)))
+            return json_response(tokenize(engine, await _body(engine, request)))
         except BadRequest as exc:
             return error_response(exc.status, str(exc), exc.param)
 
@@ -91,13 +102,14 @@ def build_app(engine: FakeEngine) -> Starlette:
 
     def generation(endpoint: str) -> Handler:
         async def handle(request: Request) -> Response:
+            raw = await _receive(engine, request)
             await engine.faults.wait_while_hung()
             status = engine.faults.take_error()
             if status is not None:
                 return error_response(status)
             try:
                 parsed = parse_generation(
-                    engine, await _body(request), endpoint, request.headers.get("x-request-id")
+                    engine, _json_object(raw), endpoint, request.headers.get("x-request-id")
                 )
             except BadRequest as exc:
                 return error_response(exc.status, str(exc), exc.param)
@@ -114,7 +126,7 @@ def build_app(engine: FakeEngine) -> Starlette:
         if request.method == "GET":
             return json_response(engine.faults.to_json())
         try:
-            body = await _body(request)
+            body = await _body(engine, request)
             actions = {k: body.pop(k) for k in ("crash", "restart", "clear") if k in body}
             if actions.get("clear"):
                 engine.faults.clear()
