@@ -5,7 +5,8 @@ enough for tens of thousands of fuzzed requests.
 The client stays connected until the response is complete, as a real one does: once the
 body is delivered, ``receive()`` waits for the end of the response (then reports the
 disconnect, like an ASGI server). ``disconnect_after_body=True`` is a client that goes away
-as soon as it has sent its body."""
+as soon as it has sent its body; ``disconnect_on=event`` one that goes away when ``event``
+is set (e.g. once a node holds the request)."""
 
 from __future__ import annotations
 
@@ -44,6 +45,7 @@ async def call(
     query: bytes = b"",
     *,
     disconnect_after_body: bool = False,
+    disconnect_on: asyncio.Event | None = None,
 ) -> Answer:
     """One HTTP request; the body is delivered as ``chunks``."""
     answer = Answer()
@@ -59,7 +61,9 @@ async def call(
 
     async def receive() -> Message:
         if not pending:
-            if not disconnect_after_body:
+            if disconnect_on is not None:
+                await disconnect_on.wait()
+            elif not disconnect_after_body:
                 await complete.wait()
             return {"type": "http.disconnect"}
         answer.chunks_read += 1

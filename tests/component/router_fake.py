@@ -10,9 +10,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import httpx
@@ -20,12 +19,13 @@ import httpx
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.config import RequestRecord
 from kvrelay.fakevllm.server import HttpServer
-from kvrelay.router.app import create_app
+from kvrelay.router.app import RouterApp, create_app
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.index import Found
-from kvrelay.router.request import Endpoint, parse_request
+from kvrelay.router.request import Endpoint
 from kvrelay.router.state import RouterContext
 from tests.component.fake_vllm_version import engine_config
+from tests.component.router_rig import lookup
 from tests.ports import free_port
 
 ENGINE_CONFIG = engine_config(report_delay_s=0.0, default_max_tokens=16)
@@ -56,14 +56,39 @@ class PermitSleep:
 
 @dataclass
 class Routed:
+    """The router (``app``, its state ``ctx``) served at ``url`` in front of ``cluster``.
+    ``headers`` go with every ``post`` (e.g. an API key), as a client's default headers."""
+
     cluster: FakeCluster
     ctx: RouterContext
     url: str
     clock: ManualClock
     reference: FakeEngine
+    app: RouterApp
+    headers: dict[str, str] = field(default_factory=dict)
 
     def client(self, **kw: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=30.0, trust_env=False, **kw)
+
+    async def post(self, path: str, body: Any, *, headers: dict[str, str] | None = None,
+                   ) -> httpx.Response:
+        """POST a JSON value (or raw ``bytes``/``str``) with ``headers`` over ``self.headers``."""
+        sent = {**self.headers, **(headers or {})}
+        async with self.client() as c:
+            if isinstance(body, bytes | str):
+                return await c.post(path, content=body, headers=sent)
+            return await c.post(path, json=body, headers=sent)
+
+    async def lookup(
+        self,
+        body: dict[str, Any],
+        *,
+        endpoint: Endpoint = "chat",
+        headers: dict[str, str] | None = None,
+        tenant: str = "default",
+    ) -> Found | None:
+        """The entry the router would find for ``body`` (``router_rig.lookup``)."""
+        return await lookup(self.ctx, body, endpoint=endpoint, headers=headers, tenant=tenant)
 
     async def stats(self) -> dict[str, Any]:
         async with self.client() as c:
@@ -82,9 +107,7 @@ class Routed:
     ) -> Found | None:
         """The entry the router would find for this request (``ConversationIndex.lookup``
         on the request's own identity), without sending it."""
-        req = parse_request(endpoint, json.dumps(body).encode(), {}, tenant,
-                            self.ctx.config.session_headers)
-        return await self.ctx.index.lookup(req.identity)
+        return await self.lookup(body, endpoint=endpoint, tenant=tenant)
 
     async def recompute(self, body: dict[str, Any], endpoint: Endpoint = "chat") -> str:
         """The reply a plain recompute gives: the request (not streamed, no conversation
@@ -150,7 +173,7 @@ async def routed(
         await internal.start()
         try:
             yield Routed(cluster, ctx, f"http://127.0.0.1:{port}", clock,
-                         reference.prefill[0])
+                         reference.prefill[0], app)
         finally:
             await server.stop()
             await internal.stop()

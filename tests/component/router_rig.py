@@ -8,7 +8,7 @@ import asyncio
 import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 
@@ -160,22 +160,40 @@ class Rig:
         return await lookup(self.ctx, body, endpoint=endpoint, headers=headers, tenant=tenant)
 
 
+class Router(Protocol):
+    """What ``Chat`` drives: a ``Rig`` (mock cluster) or ``router_fake.Routed`` (fake one)."""
+
+    async def post(self, path: str, body: Any, *, headers: dict[str, str] | None = None,
+                   ) -> httpx.Response: ...
+
+    async def lookup(
+        self,
+        body: dict[str, Any],
+        *,
+        endpoint: Endpoint = "chat",
+        headers: dict[str, str] | None = None,
+        tenant: str = "default",
+    ) -> Found | None: ...
+
+
 @dataclass
 class Chat:
-    """One conversation: keeps the messages and sends each turn through the router."""
+    """One conversation: keeps the messages and sends each turn through the router
+    (``model``: the served name, ``mock`` for the mock cluster, ``tiny`` for fake engines)."""
 
-    rig: Rig
+    rig: Router
     conversation_id: str | None
     stream: bool = False
     max_tokens: int = 8
     messages: list[dict[str, Any]] = field(default_factory=list)
     last_response: httpx.Response | None = None
+    model: str = "mock"
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """The request for the messages so far (the last one is the new user message)."""
         body: dict[str, Any] = {
-            "model": "mock", "messages": list(self.messages), "max_tokens": self.max_tokens,
-            "stream": self.stream, **extra,
+            "model": self.model, "messages": list(self.messages),
+            "max_tokens": self.max_tokens, "stream": self.stream, **extra,
         }
         if self.conversation_id is not None:
             body["conversation_id"] = self.conversation_id

@@ -1,5 +1,6 @@
 """Hostile input: oversized and malformed bodies, unknown paths, long or odd conversation
-ids, header injection, slow clients. Always a 4xx with an OpenAI error body, never a 5xx."""
+ids, header injection, slow clients. Always a 4xx with an OpenAI error body, never a 5xx.
+The router runs in front of fake engines (``router_fake``)."""
 
 from __future__ import annotations
 
@@ -12,13 +13,13 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.fakevllm import FakeCluster, FakeEngine
 from kvrelay.router.app import create_app
+from kvrelay.router.config import RouterConfig
 from kvrelay.router.server import bind, make_server
 from kvrelay.router.state import RouterContext
 from tests.component.asgi_direct import call, is_openai_error
-from tests.component.httpx_transport import HttpxTransport
-from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Rig
+from tests.component.router_fake import ENGINE_CONFIG, Routed, routed, until
 from tests.ports import free_port
 
 CHAT = "/v1/chat/completions"
@@ -27,17 +28,21 @@ JSON = (b"content-type", b"application/json")
 
 
 def body(**extra: Any) -> bytes:
-    return json.dumps({"model": "mock", "messages": MSG, "max_tokens": 4, **extra}).encode()
+    return json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 4, **extra}).encode()
+
+
+def generation_requests(engine: FakeEngine) -> list[bytes]:
+    """The generation request bodies ``engine`` received (not ``/tokenize``)."""
+    return [r.body for r in engine.received if r.path.startswith("/v1/")]
 
 
 @pytest.fixture
-async def rig() -> AsyncIterator[Rig]:
-    r = Rig(MockCluster(), {"max_body_bytes": 1000})
-    yield r
-    await r.close()
+async def rig() -> AsyncIterator[Routed]:
+    async with routed(max_body_bytes=1000) as r:
+        yield r
 
 
-async def test_unknown_paths_and_methods_get_openai_errors(rig: Rig) -> None:
+async def test_unknown_paths_and_methods_get_openai_errors(rig: Routed) -> None:
     for method, path, status in [("GET", "/nope", 404), ("POST", "/v1/embeddings", 404),
                                  ("GET", CHAT, 405), ("DELETE", "/stats", 405),
                                  ("POST", "/v1/chat/completions/x", 404),
@@ -47,7 +52,7 @@ async def test_unknown_paths_and_methods_get_openai_errors(rig: Rig) -> None:
         assert is_openai_error(answer) and answer.json()["error"]["code"] == status
 
 
-async def test_declared_oversized_body_is_refused_before_reading(rig: Rig) -> None:
+async def test_declared_oversized_body_is_refused_before_reading(rig: Routed) -> None:
     answer = await call(rig.app, "POST", CHAT, [JSON, (b"content-length", b"1000000000")],
                         chunks=[b"x" * 100] * 50)
     assert answer.status == 413 and is_openai_error(answer)
@@ -56,16 +61,16 @@ async def test_declared_oversized_body_is_refused_before_reading(rig: Rig) -> No
     assert answer.chunks_read == 0
 
 
-async def test_streamed_oversized_body_is_cut_off_while_reading(rig: Rig) -> None:
+async def test_streamed_oversized_body_is_cut_off_while_reading(rig: Routed) -> None:
     answer = await call(rig.app, "POST", CHAT, [JSON], chunks=[b"x" * 100] * 50)
     assert answer.status == 413 and is_openai_error(answer)
     assert answer.chunks_read == 11  # stopped at the first chunk over 1000 bytes, of 50
     resp = await rig.post(CHAT, body(pad="y" * 2000), headers={"content-type": "x"})
     assert resp.status_code == 413  # through an HTTP client too
-    assert not rig.cluster.node("prefill-0").requests
+    assert not rig.cluster.prefill[0].received
 
 
-async def test_body_just_under_the_limit_is_served(rig: Rig) -> None:
+async def test_body_just_under_the_limit_is_served(rig: Routed) -> None:
     raw = body()
     raw = raw[:-1] + b', "pad": "' + b"z" * (1000 - len(raw) - 11) + b'"}'
     assert len(raw) == 1000
@@ -80,17 +85,14 @@ async def test_body_just_under_the_limit_is_served(rig: Rig) -> None:
     b'{"messages": [{"role": "user", "content": "x"}], "max_tokens": 1' + b"0" * 5000 + b"}",
 ])
 async def test_malformed_bodies_are_400(raw: bytes) -> None:
-    rig = Rig(MockCluster())  # default 8 MiB limit: the deep nesting fits
-    try:
+    async with routed() as rig:  # default 8 MiB limit: the deep nesting fits
         resp = await rig.post(CHAT, raw)
         assert resp.status_code == 400, resp.text
         assert is_openai_error(await call(rig.app, "POST", CHAT, [JSON], [raw]))
-        assert not rig.cluster.node("prefill-0").requests
-    finally:
-        await rig.close()
+        assert not any(e.received for e in rig.cluster.engines)
 
 
-async def test_invalid_content_length_is_400(rig: Rig) -> None:
+async def test_invalid_content_length_is_400(rig: Routed) -> None:
     answer = await call(rig.app, "POST", CHAT, [(b"content-length", b"12abc")], [body()])
     assert answer.status == 400 and is_openai_error(answer)
 
@@ -100,8 +102,8 @@ async def test_invalid_content_length_is_400(rig: Rig) -> None:
     ("a\r\nX-Injected: yes", 400), ("tab\there", 400), ("nul\x00", 400),
     ("\ud800", 400), ("emoji \U0001F600 ok", 200),
 ])
-async def test_conversation_id_limits(rig: Rig, conversation_id: str, status: int) -> None:
-    raw = json.dumps({"model": "mock", "messages": MSG, "max_tokens": 4,
+async def test_conversation_id_limits(rig: Routed, conversation_id: str, status: int) -> None:
+    raw = json.dumps({"model": "tiny", "messages": MSG, "max_tokens": 4,
                       "conversation_id": conversation_id}).encode()
     resp = await rig.post(CHAT, raw)
     assert resp.status_code == status, resp.text
@@ -110,14 +112,14 @@ async def test_conversation_id_limits(rig: Rig, conversation_id: str, status: in
     assert "x-injected" not in resp.headers
 
 
-async def test_long_conversation_id_header_is_400(rig: Rig) -> None:
+async def test_long_conversation_id_header_is_400(rig: Routed) -> None:
     resp = await rig.post(CHAT, body(), headers={"X-Conversation-ID": "h" * 257})
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "conversation_id"
     resp = await rig.post(CHAT, body(), headers={"X-Session-ID": "h" * 256})
     assert resp.status_code == 200
 
 
-async def test_nothing_from_the_request_is_reflected_in_headers(rig: Rig) -> None:
+async def test_nothing_from_the_request_is_reflected_in_headers(rig: Routed) -> None:
     evil = "m\r\nX-Injected: 1"
     for extra in ({"model": evil}, {"conversation_id": "ok", "user": evil}):
         answer = await call(rig.app, "POST", CHAT,
@@ -129,27 +131,37 @@ async def test_nothing_from_the_request_is_reflected_in_headers(rig: Rig) -> Non
             assert b"Injected" not in value
 
 
-async def test_huge_max_tokens_is_left_to_the_engine(rig: Rig) -> None:
+async def test_huge_max_tokens_is_left_to_the_engine(rig: Routed) -> None:
     resp = await rig.post(CHAT, body(max_tokens=10**30))
     assert resp.status_code == 400  # the engine's answer (vLLM: exceeds max_model_len)
     assert "maximum context length" in resp.json()["error"]["message"]
     assert resp.json()["error"]["code"] == 400
 
 
-async def test_a_client_that_leaves_cancels_its_turn(rig: Rig) -> None:
+async def test_a_client_that_leaves_cancels_its_turn(rig: Routed) -> None:
     """The client goes away while P computes: the turn stops there (D never asked),
     nothing is kept, the slot is free again."""
-    rig.cluster.node("prefill-0").faults.append("hang")
+    p, d = rig.cluster.prefill[0], rig.cluster.decode[0]
+    p.faults.hang = True
+    held = asyncio.Event()
+
+    async def hold() -> None:
+        await until(lambda: p.faults.num_hung == 1, "P holds the request")
+        held.set()
+
+    watcher = asyncio.create_task(hold())
     answer = await call(rig.app, "POST", CHAT, [JSON], [body(conversation_id="gone")],
-                        disconnect_after_body=True)
+                        disconnect_on=held)
+    await watcher
     assert answer.status == 0  # nobody left to answer
     assert rig.ctx.admission.in_flight == 0
     assert rig.ctx.metrics.requests.labels(CHAT, "499")._value.get() == 1
     last = await rig.last_decision()
     assert (last["outcome"], last["state"]) == ("client_gone", "failed")
-    assert len(rig.cluster.node("prefill-0").generation_requests()) == 1
-    assert not rig.cluster.node("decode-0").generation_requests()
+    assert len(generation_requests(p)) == 1
+    assert not generation_requests(d)
     assert len(rig.ctx.desk) == 0 and len(rig.ctx.index) == 0
+    p.faults.hang = False
 
 
 # -- slow clients against the real server -------------------------------------------------
@@ -157,27 +169,27 @@ async def test_a_client_that_leaves_cancels_its_turn(rig: Rig) -> None:
 
 @contextlib.asynccontextmanager
 async def served(**settings: Any) -> AsyncIterator[tuple[str, RouterContext]]:
-    cluster = MockCluster()
-    port = free_port()
-    config = cluster.config(port=port, internal_port=free_port(), health_interval_s=3600.0,
-                            drain_timeout_s=1, **settings)
-    app = create_app(config, transport=HttpxTransport(cluster.transport))
-    cluster.router_app = app.internal
-    server = make_server(config, app, install_signals=False, log_config=None)
-    sockets = [bind(config.host, config.port),
-               bind(config.internal_host, config.listen_internal_port)]
-    task = asyncio.create_task(server.serve(sockets=sockets))
-    try:
-        for _ in range(500):
-            if server.started:
-                break
-            await asyncio.sleep(0.01)
-        assert server.started
-        yield f"127.0.0.1:{port}", app.ctx
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 30)
-        await cluster.drain()
+    async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster:
+        port = free_port()
+        config = RouterConfig.from_urls(
+            cluster.prefill_urls, cluster.decode_urls, port=port, internal_port=free_port(),
+            health_interval_s=3600.0, drain_timeout_s=1, **settings)
+        app = create_app(config)
+        server = make_server(config, app, install_signals=False, log_config=None)
+        sockets = [bind(config.host, config.port),
+                   bind(config.internal_host, config.listen_internal_port)]
+        task = asyncio.create_task(server.serve(sockets=sockets))
+        try:
+            for _ in range(500):
+                if server.started:
+                    break
+                await asyncio.sleep(0.01)
+            assert server.started
+            yield f"127.0.0.1:{port}", app.ctx
+        finally:
+            server.should_exit = True
+            await asyncio.wait_for(task, 30)
+            await app.ctx.upstream.aclose()
 
 
 async def read_all(reader: asyncio.StreamReader) -> bytes:
