@@ -57,7 +57,8 @@ class PermitSleep:
 @dataclass
 class Routed:
     """The router (``app``, its state ``ctx``) served at ``url`` in front of ``cluster``.
-    ``headers`` go with every ``post`` (e.g. an API key), as a client's default headers."""
+    ``client()`` talks HTTP to ``url``; ``get``/``post`` call the app in process, with
+    ``headers`` (e.g. an API key) as a client's default headers."""
 
     cluster: FakeCluster
     ctx: RouterContext
@@ -70,11 +71,23 @@ class Routed:
     def client(self, **kw: Any) -> httpx.AsyncClient:
         return httpx.AsyncClient(base_url=self.url, timeout=30.0, trust_env=False, **kw)
 
+    def asgi_client(self) -> httpx.AsyncClient:
+        """A client of the public app called in process (no HTTP parser in between, so it
+        sends headers exactly as given, e.g. ``Bearer `` with its trailing space)."""
+        return httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app.public),
+                                 base_url="http://router", timeout=30.0)
+
+    async def get(self, path: str, *, headers: dict[str, str] | None = None) -> httpx.Response:
+        """GET (in process) with ``headers`` over ``self.headers``."""
+        async with self.asgi_client() as c:
+            return await c.get(path, headers={**self.headers, **(headers or {})})
+
     async def post(self, path: str, body: Any, *, headers: dict[str, str] | None = None,
                    ) -> httpx.Response:
-        """POST a JSON value (or raw ``bytes``/``str``) with ``headers`` over ``self.headers``."""
+        """POST (in process) a JSON value, or raw ``bytes``/``str``, with ``headers`` over
+        ``self.headers``."""
         sent = {**self.headers, **(headers or {})}
-        async with self.client() as c:
+        async with self.asgi_client() as c:
             if isinstance(body, bytes | str):
                 return await c.post(path, content=body, headers=sent)
             return await c.post(path, json=body, headers=sent)
@@ -91,8 +104,7 @@ class Routed:
         return await lookup(self.ctx, body, endpoint=endpoint, headers=headers, tenant=tenant)
 
     async def stats(self) -> dict[str, Any]:
-        async with self.client() as c:
-            resp = await c.get("/stats")
+        resp = await self.get("/stats")
         assert resp.status_code == 200
         result: dict[str, Any] = resp.json()
         return result

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -11,9 +12,8 @@ import pytest
 from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.router.config import ConfigError, build_config
-from tests.component.router_fake import Routed, routed
-from tests.component.router_mock import MockCluster
-from tests.component.router_rig import Chat, Rig, lookup, stream_text
+from tests.component.router_fake import STOCK_CONFIG, PermitSleep, Routed, routed
+from tests.component.router_rig import Chat, lookup, stream_text
 
 FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
 KEYS = ["tenant-a:key-a-123", "tenant-b:key-b-456", "bare-key-789"]
@@ -21,6 +21,10 @@ A = {"Authorization": "Bearer key-a-123"}
 B = {"Authorization": "Bearer key-b-456"}
 ADMIN = {"Authorization": "Bearer admin-key-0"}
 LONG = "a question that is long enough to pull " + "y" * 60
+
+
+def conversation(r: Routed, conversation_id: str | None, **kw: Any) -> Chat:
+    return Chat(r, conversation_id, model="tiny", **kw)
 
 
 def assert_error(resp: httpx.Response, status: int) -> dict[str, Any]:
@@ -111,72 +115,65 @@ async def test_tenants_cannot_address_each_others_conversations(
     {"Authorization": "Bearer key-a-1234"}, {"Authorization": "Bearer admin-key-0"},
 ])
 async def test_requests_without_a_valid_key_get_401(headers: dict[str, str]) -> None:
-    rig = Rig(MockCluster(), {"api_keys": KEYS, "admin_key": "admin-key-0"})
-    try:
+    async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS, admin_key="admin-key-0") as rig:
         for path in ("/v1/chat/completions", "/v1/completions"):
             resp = await rig.post(path, {"prompt": "x", "messages": []}, headers=headers)
             err = assert_error(resp, 401)
             assert err["type"] == "AuthenticationError"
             assert resp.headers["www-authenticate"] == "Bearer"
             assert "key-a-123" not in resp.text
-        assert_error(await rig.client.get("/v1/models", headers=headers), 401)
-        assert not rig.cluster.node("prefill-0").requests  # nothing reached a node
+        assert_error(await rig.get("/v1/models", headers=headers), 401)
+        assert not any(e.received for e in rig.cluster.engines)  # nothing reached a node
         # the health check and metrics stay open
-        assert (await rig.client.get("/health")).status_code == 200
-        assert (await rig.client.get("/metrics")).status_code == 200
-    finally:
-        await rig.close()
+        assert (await rig.get("/health")).status_code == 200
+        assert (await rig.get("/metrics")).status_code == 200
 
 
 async def test_bare_key_maps_to_the_default_tenant() -> None:
-    rig = Rig(MockCluster(), {"api_keys": KEYS})
-    try:
-        chat_ = Chat(rig, "c")
+    async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS) as rig:
+        chat_ = conversation(rig, "c")
         resp, _ = await chat_.turn(LONG, )
         assert_error(resp, 401)
-        rig.client.headers["Authorization"] = "Bearer bare-key-789"
+        rig.headers["Authorization"] = "Bearer bare-key-789"
         chat_.messages.clear()
         resp, _ = await chat_.turn(LONG)
         assert resp.status_code == 200
         await rig.settle()
         assert await chat_.entry(tenant="default") is not None
         assert await chat_.entry(tenant="bare-key-789") is None
-        assert (await rig.client.get("/v1/models")).status_code == 200
-    finally:
-        await rig.close()
+        assert (await rig.get("/v1/models")).status_code == 200
 
 
 async def test_admin_endpoints_need_the_admin_key() -> None:
-    rig = Rig(MockCluster(1, 2), {"api_keys": KEYS, "admin_key": "admin-key-0"})
-    try:
+    async with routed(1, 2, STOCK_CONFIG, api_keys=KEYS, admin_key="admin-key-0") as rig:
         path = "/admin/nodes/decode-0/drain"
         assert_error(await rig.post(path, b""), 401)
         assert_error(await rig.post(path, b"", headers=A), 403)
         assert_error(await rig.post("/admin/nodes/nope/drain", b"", headers=ADMIN), 404)
-        assert_error(await rig.client.get(path, headers=ADMIN), 405)
+        assert_error(await rig.get(path, headers=ADMIN), 405)
         resp = await rig.post(path, b"", headers=ADMIN)
         assert resp.json() == {"node": "decode-0", "drained": True}
         # node details are the admin's: /admin/nodes
-        assert_error(await rig.client.get("/admin/nodes"), 401)
-        assert_error(await rig.client.get("/admin/nodes", headers=A), 403)
-        nodes = (await rig.client.get("/admin/nodes", headers=ADMIN)).json()["nodes"]
+        assert_error(await rig.get("/admin/nodes"), 401)
+        assert_error(await rig.get("/admin/nodes", headers=A), 403)
+        nodes = (await rig.get("/admin/nodes", headers=ADMIN)).json()["nodes"]
         assert [(n["id"], n["url"], n["drained"]) for n in nodes] == [
-            ("prefill-0", "http://prefill-0.test", False),
-            ("decode-0", "http://decode-0.test", True),
-            ("decode-1", "http://decode-1.test", False)]
+            ("prefill-0", rig.cluster.prefill_urls[0], False),
+            ("decode-0", rig.cluster.decode_urls[0], True),
+            ("decode-1", rig.cluster.decode_urls[1], False)]
         assert [n["guard"] for n in nodes] == ["tokenize"] * 3  # stock vLLM, nothing seen
-        rig.client.headers.update(A)
+        rig.headers.update(A)
         for i in range(3):  # no new turn goes to the drained node
-            resp, _ = await Chat(rig, f"d{i}").turn(LONG)
+            resp, _ = await conversation(rig, f"d{i}").turn(LONG)
             assert resp.status_code == 200
             assert (await rig.last_decision())["decode_node"] == "decode-1"
-        stats = (await rig.client.get("/stats", headers=ADMIN)).json()
+        stats = (await rig.get("/stats", headers=ADMIN)).json()
         assert [n["drained"] for n in stats["nodes"]] == [False, True, False]
         assert (await rig.post("/admin/nodes/decode-0/undrain", b"", headers=ADMIN)).json()[
             "drained"] is False
 
         # drop one conversation of one tenant
-        chat_a = Chat(rig, "to-drop")
+        chat_a = conversation(rig, "to-drop")
         assert (await chat_a.turn(LONG))[0].status_code == 200
         await rig.settle()
         body = {"tenant": "tenant-a", "conversation_id": "to-drop"}
@@ -192,23 +189,20 @@ async def test_admin_endpoints_need_the_admin_key() -> None:
         await chat_a.turn("next")
         assert (await rig.last_decision())["reason"] == "no_entry"
         # the admin sees every tenant's decisions
-        recent = (await rig.client.get("/stats", headers=ADMIN)).json()["decisions"]["recent"]
+        recent = (await rig.get("/stats", headers=ADMIN)).json()["decisions"]["recent"]
         assert {d["tenant"] for d in recent} == {"tenant-a"}
-    finally:
-        await rig.close()
 
 
 async def test_one_tenant_cannot_evict_anothers_entries() -> None:
     """Each tenant holds at most ``max_entries_per_tenant`` entries: a tenant starting many
     conversations evicts its own oldest, never another tenant's."""
-    rig = Rig(MockCluster(), {"api_keys": KEYS, "max_entries_per_tenant": 2,
-                              "max_entries": 10})
-    try:
-        rig.client.headers.update(B)
-        b_chat = Chat(rig, None)
+    async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS, max_entries_per_tenant=2,
+                      max_entries=10) as rig:
+        rig.headers.update(B)
+        b_chat = conversation(rig, None)
         await b_chat.turn(LONG)
-        rig.client.headers.update(A)
-        a_chats = [Chat(rig, None) for _ in range(4)]
+        rig.headers.update(A)
+        a_chats = [conversation(rig, None) for _ in range(4)]
         for i, c in enumerate(a_chats):
             assert (await c.turn(f"{LONG} {i}"))[0].status_code == 200
         assert len(rig.ctx.index) == 3
@@ -216,32 +210,24 @@ async def test_one_tenant_cannot_evict_anothers_entries() -> None:
             False, False, True, True]
         assert await b_chat.entry(tenant="tenant-b") is not None
         assert rig.ctx.metrics.dropped.labels("capacity")._value.get() == 2
-        rig.client.headers.update(B)
+        rig.headers.update(B)
         resp, _ = await b_chat.turn("next")
         assert resp.headers["x-kvrelay-action"] == "pull"
-    finally:
-        await rig.close()
 
 
 async def test_admin_endpoints_do_not_exist_without_an_admin_key() -> None:
-    rig = Rig(MockCluster(), {"api_keys": KEYS})
-    try:
+    async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS) as rig:
         for path in ("/admin/nodes/decode-0/drain", "/admin/conversations/drop"):
             for headers in ({}, A, {"Authorization": "Bearer admin-key-0"}):
                 err = assert_error(await rig.post(path, b"{}", headers=headers), 404)
                 assert err["type"] == "NotFoundError"
-    finally:
-        await rig.close()
 
 
 async def test_without_keys_the_router_is_open() -> None:
-    rig = Rig(MockCluster())
-    try:
-        resp, _ = await Chat(rig, "c").turn(LONG)
+    async with routed(1, 1, STOCK_CONFIG) as rig:
+        resp, _ = await conversation(rig, "c").turn(LONG)
         assert resp.status_code == 200
-        assert (await rig.client.get("/stats")).status_code == 200
-    finally:
-        await rig.close()
+        assert (await rig.get("/stats")).status_code == 200
 
 
 async def test_logs_never_show_raw_conversation_ids_or_keys(
@@ -249,25 +235,29 @@ async def test_logs_never_show_raw_conversation_ids_or_keys(
 ) -> None:
     caplog.set_level(logging.DEBUG)
     raw_id = "RAW-conversation-ID-7f3a"
-    cluster = MockCluster(1, 2, report_mode="manual")
-    rig = Rig(cluster, {"api_keys": KEYS, "admin_key": "admin-key-0", "report_wait_s": 0.01})
-    try:
-        rig.client.headers.update(A)
-        chat_ = Chat(rig, raw_id, stream=True)
+    held = PermitSleep()  # D's reports wait for deliver()
+    config = replace(STOCK_CONFIG, report_delay_s=0.1)
+
+    async def deliver(r: Routed) -> None:
+        held.grant(held.waiting)
+        await r.cluster.drain_reports()
+
+    async with routed(1, 2, config, sleep=held, api_keys=KEYS, admin_key="admin-key-0",
+                      report_wait_s=0.01) as rig:
+        rig.headers.update(A)
+        chat_ = conversation(rig, raw_id, stream=True)
         assert (await chat_.turn(LONG))[0].status_code == 200
         await chat_.turn("report still pending")  # logs that the report is pending
-        await cluster.deliver_reports()
-        cluster.node("decode-0").faults.append("connect")  # a D failure, retried elsewhere
-        cluster.node("decode-1").faults.append("connect")
+        await deliver(rig)
+        for d in rig.cluster.decode:  # a D failure, retried elsewhere
+            await d.crash()
         await chat_.turn("and a failure")
-        rig.client.headers.update(B)
-        await Chat(rig, raw_id).turn(LONG, stream=True)
+        rig.headers.update(B)
+        await conversation(rig, raw_id).turn(LONG, stream=True)
         await rig.post("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                 "conversation_id": raw_id, "n": 3})
         await rig.post("/admin/conversations/drop", {"conversation_id": raw_id}, headers=ADMIN)
-        await cluster.deliver_reports()
-    finally:
-        await rig.close()
+        await deliver(rig)
     messages = [r.getMessage() for r in caplog.records]
     assert any("pending" in m for m in messages)  # the id-bearing paths did log
     assert any("down" in m for m in messages)
