@@ -25,11 +25,11 @@ machine; docs/perf.md has a run and the exact command.
 
     .venv/bin/python scripts/bench_router_overhead.py --clients 64 --turns 4 --rounds 3
 
-Against vLLM 0.33's protocol (D's params on the final streamed chunk, which the router parses
-out of every token chunk, since 0.33 puts ``"kv_transfer_params": null`` on each):
+Against vLLM 0.33's protocol (D's params on the final streamed chunk, so after a D's first
+stream the router asks it for no report; the ``"kv_transfer_params":null`` 0.33 puts on every
+token chunk is cut as bytes):
 
-    .venv/bin/python scripts/bench_router_overhead.py --engine-arg=--vllm-version \
-        --engine-arg=0.33
+    .venv/bin/python scripts/bench_router_overhead.py --engine-arg=--vllm-version=0.33
 """
 
 from __future__ import annotations
