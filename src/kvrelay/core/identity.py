@@ -37,7 +37,8 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import msgspec
 
@@ -123,6 +124,23 @@ class ChatMessage(msgspec.Struct, frozen=True):
 class ToolCall(msgspec.Struct, frozen=True):
     name: str
     arguments: str
+
+
+def message_tool_calls(message: Mapping[str, Any]) -> list[ToolCall]:
+    """The tool calls of an OpenAI chat message (request history or D's answer), read the
+    same way on both sides so that a re-sent answer digests as D's did: a call without a
+    function object is skipped, a missing name or arguments reads as empty."""
+    calls = message.get("tool_calls")
+    if not isinstance(calls, list):
+        return []
+    out: list[ToolCall] = []
+    for call in calls:
+        function = call.get("function") if isinstance(call, dict) else None
+        if isinstance(function, dict):
+            name, args = function.get("name"), function.get("arguments")
+            out.append(ToolCall(name if isinstance(name, str) else "",
+                                args if isinstance(args, str) else ""))
+    return out
 
 
 def answer_digest(content: str, tool_calls: Sequence[ToolCall] = ()) -> Continuation:

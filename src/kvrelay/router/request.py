@@ -27,9 +27,9 @@ from kvrelay.core.conversation import conversation_tag
 from kvrelay.core.identity import (
     ChatMessage,
     RequestIdentity,
-    ToolCall,
     answer_digest,
     chat_identity,
+    message_tool_calls,
     pack_token_ids,
     scope_of,
     text_identity,
@@ -266,7 +266,8 @@ def _messages(body: Mapping[str, Any]) -> list[ChatMessage]:
             raise ClientError("every message must be an object", "messages")
         answer = None
         if message.get("role") == "assistant":
-            answer = answer_digest(message_text(message.get("content")), _tool_calls(message))
+            content = message_text(message.get("content"))
+            answer = answer_digest(content, message_tool_calls(message))
         out.append(ChatMessage(_ENCODER.encode(message), answer))
     return out
 
@@ -281,20 +282,6 @@ def message_text(content: object) -> str:
             if isinstance(part, dict) and isinstance(part.get("text"), str)
         )
     return ""
-
-
-def _tool_calls(message: Mapping[str, Any]) -> list[ToolCall]:
-    calls = message.get("tool_calls")
-    if not isinstance(calls, list):
-        return []
-    out: list[ToolCall] = []
-    for call in calls:
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            name, args = function.get("name"), function.get("arguments")
-            out.append(ToolCall(name if isinstance(name, str) else "",
-                                args if isinstance(args, str) else ""))
-    return out
 
 
 def _check_id(conversation_id: str) -> None:

@@ -27,7 +27,7 @@ from typing import Any
 
 import msgspec
 
-from kvrelay.core.identity import ToolCall
+from kvrelay.core.identity import ToolCall, message_tool_calls
 from kvrelay.router.errors import dumps, error_body
 
 SSE_DONE = b"data: [DONE]\n\n"
@@ -246,7 +246,7 @@ def rewrite_body(
         if isinstance(message, dict):
             content = message.get("content")
             text = content if isinstance(content, str) else ""
-            calls = _message_calls(message)
+            calls = message_tool_calls(message)
         elif isinstance(choice.get("text"), str):
             text = choice["text"]
         if isinstance(choice.get("prompt_token_ids"), list) and prompt_ids is None:
@@ -285,17 +285,6 @@ def add_cached_tokens(obj: dict[str, Any], cached_tokens: int) -> bool:
         **(details if isinstance(details, dict) else {}), "cached_tokens": max(0, cached)
     }
     return True
-
-
-def _message_calls(message: dict[str, Any]) -> list[ToolCall]:
-    out: list[ToolCall] = []
-    for call in message.get("tool_calls") or ():
-        function = call.get("function") if isinstance(call, dict) else None
-        if isinstance(function, dict):
-            name, args = function.get("name"), function.get("arguments")
-            out.append(ToolCall(name if isinstance(name, str) else "",
-                                args if isinstance(args, str) else ""))
-    return out
 
 
 def _split(events: bytes) -> list[bytes]:
