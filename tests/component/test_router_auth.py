@@ -236,7 +236,8 @@ async def test_logs_never_show_raw_conversation_ids_or_keys(
     caplog.set_level(logging.DEBUG)
     raw_id = "RAW-conversation-ID-7f3a"
     held = PermitSleep()  # D's reports wait for deliver()
-    config = replace(STOCK_CONFIG, report_delay_s=0.1)
+    # vLLM 0.32 engines: a 0.33 D's stream carries its params, so no report would be pending
+    config = replace(STOCK_CONFIG, report_delay_s=0.1, vllm_version="0.32")
 
     async def deliver(r: Routed) -> None:
         held.grant(held.waiting)
