@@ -120,12 +120,13 @@ async def test_a_tenant_cannot_take_more_than_its_share(tmp_path: Path) -> None:
         cluster.decode[0].faults.slow_stream_s = 0.01  # every token is a step of ``sleep``
         sleep.hold(2)  # alice's two streams stop at their first token; later steps pass
         alice = {"authorization": "Bearer KA"}
-        await hold_streams(stack, router, alice, 2)
+        held = await hold_streams(stack, router, alice, 2)  # kept: a dropped one would close
         await until(lambda: sleep.held == 2, "alice's two streams held by D")
         async with router.client() as c:
             third = await c.post(CHAT, json=BODY, headers=alice)
             bob = await c.post(CHAT, json=BODY, headers={"authorization": "Bearer KB"})
         sleep.release()
+        assert len(held) == 2
     assert third.status_code == 429, (
         f"alice's third concurrent request got {third.status_code} (share 2 of 4"
         + (f"; the router does not take {router.dropped_flags}" if router.dropped_flags else "")
