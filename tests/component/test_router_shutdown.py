@@ -46,8 +46,11 @@ async def router(cluster: FakeCluster, *args: str) -> AsyncIterator[
 
 async def assert_draining(url: str) -> None:
     """While draining: new work gets 503 with ``Connection: close`` (the listener stays open
-    so a load balancer sees a clear answer), the metrics still answer."""
-    async with httpx.AsyncClient(trust_env=False, timeout=10) as c:
+    so a load balancer sees a clear answer), the metrics still answer. Every probe on a new
+    connection: a draining router closes a kept-alive one once its response is out, and a
+    request sent on it meanwhile would read a reset (HTTP/1.1's keep-alive race)."""
+    fresh = httpx.Limits(max_keepalive_connections=0)
+    async with httpx.AsyncClient(trust_env=False, timeout=10, limits=fresh) as c:
         for _ in range(200):  # the signal is handled asynchronously
             resp = await c.post(url + "/v1/chat/completions", json=BODY)
             if resp.status_code == 503:
