@@ -38,7 +38,8 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvrelay.cluster.launcher import free_port, spawn_supervised
-from kvrelay.fakevllm import FakeCluster
+from kvrelay.fakevllm import FakeCluster, FakeEngineConfig
+from tests.component.fake_vllm_version import engine_config
 
 #: Options issue #12 adds to ``kvrelay route`` (see the module docstring).
 ISSUE_12_FLAGS = frozenset({
@@ -257,6 +258,30 @@ async def run_router(
     finally:
         router.kill()
         log_file.close()
+
+
+@dataclass
+class Rig:
+    """A router subprocess in front of one fake P and one fake D: the module-scoped fixture
+    of the black-box security tests (``fake_rig``)."""
+
+    cluster: FakeCluster
+    router: RouterProcess
+
+    def generation_requests(self) -> int:
+        """Generation requests the engines received so far (``/tokenize`` not counted)."""
+        return sum(len(e.records) for e in self.cluster.engines)
+
+
+@contextlib.asynccontextmanager
+async def fake_rig(
+    log_dir: Path, *args: str, config: FakeEngineConfig | None = None,
+) -> AsyncIterator[Rig]:
+    """``run_router(cluster, log_dir, *args)`` in front of ``FakeCluster(1, 1, config)``;
+    ``config`` defaults to engines that post D's reports at once."""
+    async with FakeCluster(1, 1, config or engine_config(report_delay_s=0.0)) as cluster, \
+            run_router(cluster, log_dir, *args) as router:
+        yield Rig(cluster, router)
 
 
 async def _wait_listening(router: RouterProcess, port: int) -> None:

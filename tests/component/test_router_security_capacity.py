@@ -10,20 +10,17 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
 from kvrelay.client.sse import chunk_content, line_chunks
-from kvrelay.fakevllm import FakeCluster
-from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
     Metrics,
-    RouterProcess,
+    Rig,
     eventually,
+    fake_rig,
     openai_error_of,
-    run_router,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -32,18 +29,10 @@ CHAT = "/v1/chat/completions"
 FIRST = "Tell me how sand becomes sandstone, and how long that takes. " * 4
 
 
-@dataclass
-class Rig:
-    cluster: FakeCluster
-    router: RouterProcess
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("router-capacity")
-    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
-            run_router(cluster, log_dir) as router:
-        yield Rig(cluster, router)
+    async with fake_rig(tmp_path_factory.mktemp("router-capacity")) as started:
+        yield started
 
 
 async def test_d_answering_503_is_a_503_with_retry_after(rig: Rig) -> None:

@@ -12,19 +12,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Sequence
-from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
-from kvrelay.fakevllm import FakeCluster
-from tests.component.fake_vllm_version import engine_config
 from tests.component.raw_http import RawConnection, RawResponse, request_bytes
 from tests.component.router_process import (
     PATIENCE_S,
+    Rig,
     RouterProcess,
+    fake_rig,
     is_openai_error,
-    run_router,
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -34,18 +32,10 @@ CHAT = "/v1/chat/completions"
 KEYS = ("--api-key", "alice:KA", "--api-key", "bob:KB")
 
 
-@dataclass
-class Rig:
-    cluster: FakeCluster
-    router: RouterProcess
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("router-headers")
-    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
-            run_router(cluster, log_dir, *KEYS) as router:
-        yield Rig(cluster, router)
+    async with fake_rig(tmp_path_factory.mktemp("router-headers"), *KEYS) as started:
+        yield started
 
 
 async def exchange(router: RouterProcess, data: bytes) -> RawResponse:

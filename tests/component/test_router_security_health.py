@@ -10,14 +10,11 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
-from kvrelay.fakevllm import FakeCluster
-from tests.component.fake_vllm_version import engine_config
-from tests.component.router_process import RouterProcess, run_router
+from tests.component.router_process import Rig, fake_rig
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -25,18 +22,10 @@ CHAT = "/v1/chat/completions"
 FIRST = "Describe the water cycle from ocean to cloud to river and back. " * 4
 
 
-@dataclass
-class Rig:
-    cluster: FakeCluster
-    router: RouterProcess
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("router-health")
-    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
-            run_router(cluster, log_dir) as router:
-        yield Rig(cluster, router)
+    async with fake_rig(tmp_path_factory.mktemp("router-health")) as started:
+        yield started
 
 
 async def test_health_calls_probe_no_engine(rig: Rig) -> None:

@@ -13,14 +13,11 @@ an OpenAI error body, never a 5xx and never by forwarding it.
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 import pytest
 import pytest_asyncio
 
-from kvrelay.fakevllm import FakeCluster
-from tests.component.fake_vllm_version import engine_config
-from tests.component.router_process import RouterProcess, is_openai_error, run_router
+from tests.component.router_process import Rig, fake_rig, is_openai_error
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -30,22 +27,10 @@ ALICE = {"authorization": "Bearer KA", "content-type": "application/json"}
 PREFIX = '{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2'
 
 
-@dataclass
-class Rig:
-    cluster: FakeCluster
-    router: RouterProcess
-
-    def generation_requests(self) -> int:
-        """Generation requests the engines received so far (``/tokenize`` not counted)."""
-        return sum(len(e.records) for e in self.cluster.engines)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("router-input")
-    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
-            run_router(cluster, log_dir, *KEYS) as router:
-        yield Rig(cluster, router)
+    async with fake_rig(tmp_path_factory.mktemp("router-input"), *KEYS) as started:
+        yield started
 
 
 def nested(kind: str, depth: int) -> str:

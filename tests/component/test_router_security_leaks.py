@@ -15,7 +15,6 @@
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,8 +26,10 @@ from kvrelay.fakevllm import FakeCluster
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_process import (
     HeldSleep,
+    Rig,
     RouterProcess,
     eventually,
+    fake_rig,
     is_openai_error,
     openai_error_of,
     run_router,
@@ -49,18 +50,10 @@ REPRS = ("RemoteProtocolError", "Error(", "Exception", "Traceback", "httpx", "ht
          "aiohttp")
 
 
-@dataclass
-class Rig:
-    cluster: FakeCluster
-    router: RouterProcess
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    log_dir = tmp_path_factory.mktemp("router-leaks")
-    async with FakeCluster(1, 1, CONFIG) as cluster, \
-            run_router(cluster, log_dir, *ARGS) as router:
-        yield Rig(cluster, router)
+    async with fake_rig(tmp_path_factory.mktemp("router-leaks"), *ARGS, config=CONFIG) as started:
+        yield started
 
 
 def internals(cluster: FakeCluster) -> list[str]:
