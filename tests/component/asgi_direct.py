@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvrelay.router.asgi import ASGIApp, Message
+from tests.component.router_process import is_openai_error as openai_error_shape
 
 
 @dataclass
@@ -89,13 +90,4 @@ def is_openai_error(answer: Answer) -> bool:
         body = answer.json()
     except ValueError:
         return False
-    if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
-        return False
-    err = body["error"]
-    return (
-        set(err) == {"message", "type", "param", "code"}
-        and isinstance(err["message"], str) and bool(err["message"])
-        and isinstance(err["type"], str) and bool(err["type"])
-        and (err["param"] is None or isinstance(err["param"], str))
-        and isinstance(err["code"], int)
-    )
+    return openai_error_shape(body)
