@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import queue
+import random
 import re
 import signal
 import subprocess
@@ -35,6 +36,15 @@ TTL_S = 60
 """D's ``decoder_kv_blocks_ttl`` in the session cluster: short enough for a test to wait it
 out (tests/e2e/test_contract.py), long enough for the router's pull window (TTL minus its
 safety margins) to cover several turns."""
+
+
+#: The vocabulary of the e2e agent conversations (``words``).
+WORDS = "open read edit run test fail pass fix log trace diff merge lint type".split()
+
+
+def words(n: int, rng: random.Random) -> str:
+    """``n`` words of agent-like text drawn by ``rng`` (a seeded conversation repeats)."""
+    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 @dataclass(frozen=True)

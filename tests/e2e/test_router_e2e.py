@@ -13,16 +13,11 @@ import pytest
 
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.client.sse import chunk_content, line_chunks
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import RealCluster, words
 
 pytestmark = pytest.mark.e2e
 
-WORDS = "open read edit run test fail pass fix log trace diff merge lint type".split()
 Message = dict[str, object]
-
-
-def words(n: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 class Turn:

@@ -20,16 +20,11 @@ from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.cluster.launcher import ServiceProcess, free_port_block
 from kvrelay.core.fingerprint import held_fingerprint
-from tests.e2e.conftest import RealCluster, start_extra_router
+from tests.e2e.conftest import RealCluster, start_extra_router, words
 
 pytestmark = pytest.mark.e2e
 
-WORDS = "open read edit run test fail pass fix log trace diff merge lint type".split()
 Message = dict[str, object]
-
-
-def words(n: int, rng: random.Random) -> str:
-    return " ".join(rng.choice(WORDS) for _ in range(n))
 
 
 class Answer:
