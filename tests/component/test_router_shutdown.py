@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import signal
 import sys
 from collections.abc import AsyncIterator
@@ -15,6 +16,7 @@ import httpx
 
 from kvrelay.client.sse import line_chunks
 from kvrelay.fakevllm import FakeCluster
+from tests.component.raw_http import RawConnection, request_bytes
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.test_router_cli import wait_healthy
 from tests.ports import free_port
@@ -51,15 +53,18 @@ async def assert_draining(url: str) -> None:
     request sent on it meanwhile would read a reset (HTTP/1.1's keep-alive race)."""
     fresh = httpx.Limits(max_keepalive_connections=0)
     async with httpx.AsyncClient(trust_env=False, timeout=10, limits=fresh) as c:
-        for _ in range(200):  # the signal is handled asynchronously
-            resp = await c.post(url + "/v1/chat/completions", json=BODY)
-            if resp.status_code == 503:
+        # The signal is handled asynchronously: wait for it on /health, which starts no
+        # stream (a chat request sent before it would be a new stream the drain waits for).
+        for _ in range(200):
+            health = await c.get(url + "/health")
+            if health.status_code == 503:
                 break
             await asyncio.sleep(0.01)
+        assert health.status_code == 503, health.text
+        resp = await c.post(url + "/v1/chat/completions", json=BODY)
         assert resp.status_code == 503, resp.text
         assert resp.json()["error"]["code"] == 503
         assert resp.headers["connection"] == "close"
-        assert (await c.get(url + "/health")).status_code == 503
         metrics = await c.get(url + "/metrics")
         assert metrics.status_code == 200
         assert 'kvrelay_router_rejected_requests_total{reason="draining"}' in metrics.text
@@ -115,3 +120,36 @@ async def test_drain_deadline_cuts_streams_that_take_too_long_and_exits_0() -> N
         log = out.decode(errors="replace")
         assert log.count("stream of a recompute turn cut at the drain deadline") == 1, log
         assert "Traceback" not in log
+
+
+async def test_requests_arriving_as_the_drain_begins_get_503_not_a_reset() -> None:
+    """When the drain begins the router closes kept-alive connections that are idle. One
+    opened just before with nothing sent yet, and one that has sent part of its next request,
+    are not idle: each is answered 503 with ``Connection: close``, never reset."""
+    async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster:
+        cluster.decode[0].faults.slow_stream_s = 5.0  # the stream holds the drain open
+        async with router(cluster, "--drain-timeout-s", "60") as (url, proc), \
+                httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as c, \
+                c.stream("POST", "/v1/chat/completions", json=BODY) as stream:
+            assert stream.status_code == 200
+            host, port = "127.0.0.1", int(url.rsplit(":", 1)[1])
+            chat = request_bytes("POST", "/v1/chat/completions",
+                                 [("Content-Type", "application/json")],
+                                 json.dumps(BODY).encode())
+            idle = await RawConnection.open(host, port)
+            partial = await RawConnection.open(host, port)
+            for conn in (idle, partial):  # one answered request each: kept alive
+                await conn.send(request_bytes("GET", "/health"))
+                assert (await asyncio.wait_for(conn.read_response(), 30)).status == 200
+                conn.received.clear()
+            await partial.send(chat[:20])
+            fresh = await RawConnection.open(host, port)
+            proc.send_signal(signal.SIGTERM)
+            await asyncio.wait_for(idle.closed.wait(), 30)  # the drain has begun
+            assert await partial.send(chat[20:])
+            assert await fresh.send(chat)
+            for conn in (partial, fresh):
+                got = await asyncio.wait_for(conn.read_response(), 30)
+                assert got.status == 503, bytes(conn.received)[:200]
+                assert got.headers["connection"] == "close"
+                assert got.json()["error"]["code"] == 503

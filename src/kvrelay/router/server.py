@@ -96,6 +96,7 @@ class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
     _kvrelay_timer: asyncio.TimerHandle | None = None
     _kvrelay_head: bytearray | None = None
     _kvrelay_rejected: bool = False
+    _kvrelay_draining: bool = False
 
     def connection_made(self, transport: Any) -> None:
         lingering = _LingeringTransport(transport, self.loop, self._kvrelay_unread)
@@ -120,6 +121,24 @@ class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def on_message_begin(self) -> None:
         super().on_message_begin()
         self.scope[DISCONNECT_SCOPE_KEY] = True  # type: ignore[literal-required]
+
+    def on_headers_complete(self) -> None:
+        super().on_headers_complete()
+        if self._kvrelay_draining and self.cycle is not None:
+            self.cycle.keep_alive = False
+
+    def shutdown(self) -> None:
+        """The drain begins (``RouterServer.shutdown``). uvicorn closes every connection not
+        serving a request, which also resets one whose client has just connected or has sent
+        part of its next request: that request would be lost rather than answered 503.
+        Close only a kept-alive connection with nothing of a next request in; every other
+        one is served, and closed after its response (``Connection: close``)."""
+        self._kvrelay_draining = True
+        cycle = self.cycle
+        if cycle is not None and cycle.response_complete and not self._kvrelay_head:
+            self.transport.close()
+        elif cycle is not None and not cycle.response_complete:
+            cycle.keep_alive = False
 
     def data_received(self, data: bytes) -> None:
         if self._kvrelay_rejected:
