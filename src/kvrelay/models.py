@@ -43,10 +43,6 @@ TAG_TOKENS: tuple[str, ...] = (
     "</tool_response>",
 )
 
-#: vLLM's ``--tool-call-parser`` for the default models: their chat template renders tools
-#: and tool calls exactly as Qwen3's does, which is the format of the ``hermes`` parser.
-TOOL_CALL_PARSER = "hermes"
-
 #: Qwen3's chat template for system, user and assistant turns, tools and tool calls, minus
 #: thinking. As in Qwen3: ``tools`` go into the system prompt (merged with a leading system
 #: message), an assistant's ``tool_calls`` render as ``<tool_call>\n{"name": ..., "arguments":

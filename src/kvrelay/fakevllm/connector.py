@@ -50,10 +50,6 @@ class KVPlan:
     source: RemoteBlocks | None = None
     external_tokens: int = 0
 
-    @property
-    def notify_only(self) -> bool:
-        return self.source is not None and self.external_tokens == 0
-
 
 def kv_role(params: Mapping[str, object] | None) -> KVRole:
     """The side ``request_finished`` puts a request on."""

@@ -85,10 +85,6 @@ class BlockPool:
         self._by_hash: dict[int, int] = {}
 
     @property
-    def num_free(self) -> int:
-        return len(self._free)
-
-    @property
     def usage(self) -> float:
         """Fraction of blocks referenced by running requests or holds (vLLM's kv_cache_usage)."""
         return len(self._ref) / (self.num_blocks - 1)

@@ -146,11 +146,6 @@ class Authenticator:
         self.default_tenant = default_tenant
 
     @property
-    def enabled(self) -> bool:
-        """Whether client requests need an API key."""
-        return bool(self._keys)
-
-    @property
     def admin_enabled(self) -> bool:
         return self._admin is not None
 

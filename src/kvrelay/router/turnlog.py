@@ -78,7 +78,6 @@ class TurnLogWriter:
         self._size = 0
         self.written_records = 0
         self.dropped_records = 0
-        self.rotations = 0
         self._open()
 
     @property
@@ -161,7 +160,6 @@ class TurnLogWriter:
                         older.replace(self._backup(i + 1))
                 if self.path.exists():
                     self.path.replace(self._backup(1))
-            self.rotations += 1
             self._open()
         except OSError as exc:
             self._warn(f"turn log {self.path}: rotation failed: {exc}")
