@@ -26,7 +26,7 @@ from kvrelay.router.request import Endpoint
 from kvrelay.router.state import RouterContext
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_rig import lookup
-from tests.ports import free_port
+from tests.ports import free_ports
 
 ENGINE_CONFIG = engine_config(report_delay_s=0.0, default_max_tokens=16)
 STOCK_CONFIG = replace(ENGINE_CONFIG, kvrelay_connector=False)
@@ -170,8 +170,8 @@ async def routed(
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
                            **extra) as cluster, \
             FakeCluster(1, 0, engine_config, model=cluster.model) as reference:
-        port = free_port()
-        defaults: dict[str, Any] = {"port": port, "internal_port": free_port(),
+        port, internal_port = free_ports(2)
+        defaults: dict[str, Any] = {"port": port, "internal_port": internal_port,
                                     "health_interval_s": 3600.0, "report_wait_s": 5.0,
                                     "block_size": engine_config.block_size}
         config = RouterConfig.from_urls(

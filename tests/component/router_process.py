@@ -37,9 +37,10 @@ from typing import Any
 import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
-from kvrelay.cluster.launcher import free_port, spawn_supervised
+from kvrelay.cluster.launcher import spawn_supervised
 from kvrelay.fakevllm import FakeCluster, FakeEngineConfig
 from tests.component.fake_vllm_version import engine_config
+from tests.ports import free_ports
 
 #: Options issue #12 adds to ``kvrelay route`` (see the module docstring).
 ISSUE_12_FLAGS = frozenset({
@@ -220,13 +221,12 @@ async def run_router(
     router that lists them (module docstring).
     """
     known = await asyncio.to_thread(route_flags)
-    port = free_port()
+    port, iport = free_ports(2)
     internal_port: int | None = None
     extra: list[str] = []
     dropped: list[str] = []
     wanted: list[tuple[str, str]] = list(zip(new_flags[::2], new_flags[1::2], strict=True))
     if internal:
-        iport = free_port()
         wanted = [("--internal-host", "127.0.0.1"), ("--internal-port", str(iport)),
                   ("--internal-url", f"http://127.0.0.1:{iport}"), *wanted]
     for flag, value in wanted:

@@ -31,7 +31,7 @@ from kvrelay.deploy.prometheus import (
     prometheus_service,
 )
 from tests.component.redis_server import RedisServer
-from tests.ports import free_port, free_port_block
+from tests.ports import free_port_block, free_ports
 
 RATE_WINDOW = "2m"
 SCRAPE_INTERVAL_S = 1.0
@@ -75,7 +75,7 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
         [f"http://127.0.0.1:{base}/health", f"http://127.0.0.1:{base + 1}/health"],
         tmp_path / "engines.log", ready_timeout_s=120)
     prefill, decode = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
-    router_port = free_port()
+    router_port, prometheus_port = free_ports(2)
     router_url = f"http://127.0.0.1:{router_port}"
     router = ServiceProcess(
         "router",
@@ -87,7 +87,7 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
     targets = [ScrapeTarget("prefill", prefill), ScrapeTarget("decode", decode),
                ScrapeTarget("router", router_url)]
     prometheus = prometheus_service(binary, targets, tmp_path / "prometheus", "127.0.0.1",
-                                    free_port(), interval_s=SCRAPE_INTERVAL_S)
+                                    prometheus_port, interval_s=SCRAPE_INTERVAL_S)
     with engines, router, prometheus:
         assert prometheus.url is not None
         yield Rig(router_url, prefill, decode, prometheus.url)

@@ -14,7 +14,7 @@ from kvrelay.client.sse import sse_events
 from kvrelay.fakevllm import FakeCluster
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.router_rig import stream_text
-from tests.ports import free_port
+from tests.ports import free_ports
 
 FIRST = "What is the capital of France, and why? " * 8
 
@@ -35,7 +35,7 @@ async def wait_healthy(url: str, proc: asyncio.subprocess.Process) -> None:
 
 async def test_route_subprocess_serves_pulls_and_stops_on_sigint() -> None:
     async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster:
-        port, internal = free_port(), free_port()
+        port, internal = free_ports(2)
         url = f"http://127.0.0.1:{port}"
         proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "kvrelay.cli", "route",

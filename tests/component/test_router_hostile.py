@@ -20,7 +20,7 @@ from kvrelay.router.server import bind, make_server
 from kvrelay.router.state import RouterContext
 from tests.component.asgi_direct import call, is_openai_error
 from tests.component.router_fake import ENGINE_CONFIG, Routed, routed, until
-from tests.ports import free_port
+from tests.ports import free_ports
 
 CHAT = "/v1/chat/completions"
 MSG = [{"role": "user", "content": "hello there"}]
@@ -170,9 +170,9 @@ async def test_a_client_that_leaves_cancels_its_turn(rig: Routed) -> None:
 @contextlib.asynccontextmanager
 async def served(**settings: Any) -> AsyncIterator[tuple[str, RouterContext]]:
     async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster:
-        port = free_port()
+        port, internal_port = free_ports(2)
         config = RouterConfig.from_urls(
-            cluster.prefill_urls, cluster.decode_urls, port=port, internal_port=free_port(),
+            cluster.prefill_urls, cluster.decode_urls, port=port, internal_port=internal_port,
             health_interval_s=3600.0, drain_timeout_s=1, **settings)
         app = create_app(config)
         server = make_server(config, app, install_signals=False, log_config=None)

@@ -19,7 +19,8 @@ from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext
 from tests.component.redis_server import RedisServer
-from tests.component.router_fake import ENGINE_CONFIG, free_port
+from tests.component.router_fake import ENGINE_CONFIG
+from tests.ports import free_ports
 
 FIRST = "Tell me everything about the rivers of Europe, in order of length. " * 6
 
@@ -68,9 +69,9 @@ async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIter
         servers, ctxs, urls = [], [], []
         try:
             for _ in range(n):
-                port = free_port()
+                port, internal_port = free_ports(2)
                 defaults: dict[str, Any] = {
-                    "port": port, "internal_port": free_port(), "health_interval_s": 3600.0,
+                    "port": port, "internal_port": internal_port, "health_interval_s": 3600.0,
                     "report_wait_s": 5.0, "state": redis.url, "state_timeout_ms": 2000.0,
                 }
                 config = RouterConfig.from_urls(

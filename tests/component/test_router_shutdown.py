@@ -33,7 +33,7 @@ async def router(cluster: FakeCluster, *args: str) -> AsyncIterator[
     proc = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "kvrelay.cli", "route",
         "--prefill", cluster.prefill_urls[0], "--decode", cluster.decode_urls[0],
-        "--port", str(port), "--internal-port", str(free_port()), "--block-size", "128",
+        "--port", str(port), "--internal-port", "0", "--block-size", "128",
         "--log-level", "info", *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )

@@ -381,6 +381,17 @@ def free_port(host: str = "127.0.0.1") -> int:
         return int(s.getsockname()[1])
 
 
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports the OS says are free on ``host`` right now: all are bound at
+    once while they are picked, so two of them are never the same (``free_port`` twice can
+    answer one port twice)."""
+    with contextlib.ExitStack() as stack:
+        socks = [stack.enter_context(socket.socket()) for _ in range(count)]
+        for s in socks:
+            s.bind((host, 0))
+        return [int(s.getsockname()[1]) for s in socks]
+
+
 def free_port_block(size: int, start: int = 20000, stop: int = 60000) -> int:
     """First port ``p`` in [start, stop) such that p..p+size-1 can all be bound right now."""
     port = start
