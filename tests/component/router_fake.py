@@ -92,17 +92,6 @@ class Routed:
                 return await c.post(path, content=body, headers=sent)
             return await c.post(path, json=body, headers=sent)
 
-    async def lookup(
-        self,
-        body: dict[str, Any],
-        *,
-        endpoint: Endpoint = "chat",
-        headers: dict[str, str] | None = None,
-        tenant: str = "default",
-    ) -> Found | None:
-        """The entry the router would find for ``body`` (``router_rig.lookup``)."""
-        return await lookup(self.ctx, body, endpoint=endpoint, headers=headers, tenant=tenant)
-
     async def stats(self) -> dict[str, Any]:
         resp = await self.get("/stats")
         assert resp.status_code == 200
@@ -119,7 +108,7 @@ class Routed:
     ) -> Found | None:
         """The entry the router would find for this request (``ConversationIndex.lookup``
         on the request's own identity), without sending it."""
-        return await self.lookup(body, endpoint=endpoint, tenant=tenant)
+        return await lookup(self.ctx, body, endpoint=endpoint, tenant=tenant)
 
     async def recompute(self, body: dict[str, Any], endpoint: Endpoint = "chat") -> str:
         """The reply a plain recompute gives: the request (not streamed, no conversation

@@ -163,17 +163,11 @@ class Rig:
 class Router(Protocol):
     """What ``Chat`` drives: a ``Rig`` (mock cluster) or ``router_fake.Routed`` (fake one)."""
 
+    @property
+    def ctx(self) -> RouterContext: ...
+
     async def post(self, path: str, body: Any, *, headers: dict[str, str] | None = None,
                    ) -> httpx.Response: ...
-
-    async def lookup(
-        self,
-        body: dict[str, Any],
-        *,
-        endpoint: Endpoint = "chat",
-        headers: dict[str, str] | None = None,
-        tenant: str = "default",
-    ) -> Found | None: ...
 
 
 @dataclass
@@ -206,7 +200,7 @@ class Chat:
         recompute with ``no_entry``)."""
         self.messages.append({"role": "user", "content": "(probe)"})
         try:
-            found = await self.rig.lookup(self.body(), headers=headers, tenant=tenant)
+            found = await lookup(self.rig.ctx, self.body(), headers=headers, tenant=tenant)
         finally:
             self.messages.pop()
         return found.entry if found is not None else None
