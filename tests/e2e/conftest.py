@@ -21,9 +21,12 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import httpx
 import psutil
 import pytest
 
+from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
+from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.cluster.config import ClusterConfig, block_size_of, router_command
 from kvrelay.cluster.launcher import ServiceProcess
 from tests.ports import free_port_block
@@ -138,3 +141,31 @@ def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
                          extra=["--pull-cost-factor", str(PULL_COST_FACTOR), *extra])
     url = f"http://127.0.0.1:{port}"
     return ServiceProcess(log_path.stem, cmd, [f"{url}/health"], log_path, url=url).start()
+
+
+def chat(url: str, body: dict[str, object]) -> tuple[str, httpx.Headers, dict[str, int]]:
+    """POST ``body`` to ``url``'s chat endpoint, streamed when ``body["stream"]``: the answer's
+    text, the response headers and the usage (the usage chunk's when streamed; ``{}`` if the
+    stream had none). No ``kv_transfer_params`` (nor prompt ids) may reach the client."""
+    endpoint = f"{url}/v1/chat/completions"
+    if not body.get("stream"):
+        resp = httpx.post(endpoint, json=body, timeout=300)
+        assert resp.status_code == 200, resp.text
+        data = resp.json()
+        assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
+        return data["choices"][0]["message"]["content"] or "", resp.headers, data["usage"]
+    parts: list[str] = []
+    usage: dict[str, int] = {}
+    with httpx.stream("POST", endpoint, json=body, timeout=300) as resp:
+        assert resp.status_code == 200, resp.read()
+        for chunk in line_chunks(resp.iter_lines()):
+            assert "kv_transfer_params" not in chunk
+            parts.append(chunk_content(chunk))
+            usage = chunk.get("usage") or usage
+        return "".join(parts), resp.headers, usage
+
+
+def p_external(cluster: RealCluster) -> float:
+    """P's external-KV token counter (tokens it pulled) now."""
+    return external_kv_tokens(parse_prometheus(
+        httpx.get(f"{cluster.prefill_url}/metrics", timeout=30).text))

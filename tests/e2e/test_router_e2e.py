@@ -11,9 +11,8 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
-from kvrelay.client.sse import chunk_content, line_chunks
-from tests.e2e.conftest import RealCluster, words
+from kvrelay.client.prometheus import parse_prometheus
+from tests.e2e.conftest import RealCluster, chat, p_external, words
 
 pytestmark = pytest.mark.e2e
 
@@ -28,11 +27,6 @@ class Turn:
         self.held_by_d = usage["prompt_tokens"] + usage["completion_tokens"] - 1
 
 
-def p_external(cluster: RealCluster) -> float:
-    return external_kv_tokens(parse_prometheus(
-        httpx.get(f"{cluster.prefill_url}/metrics", timeout=30).text))
-
-
 def send(cluster: RealCluster, messages: Sequence[Message], conversation_id: str | None,
          stream: bool, max_tokens: int = 16) -> Turn:
     body: dict[str, object] = {"model": cluster.model, "messages": list(messages),
@@ -41,26 +35,7 @@ def send(cluster: RealCluster, messages: Sequence[Message], conversation_id: str
     if conversation_id:
         body["conversation_id"] = conversation_id
     before = p_external(cluster)
-    url = f"{cluster.router_url}/v1/chat/completions"
-    usage: dict[str, int] = {}
-    if stream:
-        parts = []
-        with httpx.stream("POST", url, json=body, timeout=300) as resp:
-            assert resp.status_code == 200, resp.read()
-            headers = resp.headers
-            for chunk in line_chunks(resp.iter_lines()):
-                assert "kv_transfer_params" not in chunk
-                parts.append(chunk_content(chunk))
-                usage = chunk.get("usage") or usage
-        text = "".join(parts)
-    else:
-        resp = httpx.post(url, json=body, timeout=300)
-        assert resp.status_code == 200, resp.text
-        data = resp.json()
-        assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
-        headers = resp.headers
-        text = data["choices"][0]["message"]["content"]
-        usage = data["usage"]
+    text, headers, usage = chat(cluster.router_url, body)
     return Turn(text, headers["x-kvrelay-action"], headers["x-kvrelay-reason"],
                 int(headers["x-kvrelay-reused-tokens"]), p_external(cluster) - before, usage)
 

@@ -19,8 +19,7 @@ import httpx
 import openai
 import pytest
 
-from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import RealCluster, p_external
 
 pytestmark = pytest.mark.e2e
 
@@ -45,11 +44,6 @@ def client_for(cluster: RealCluster) -> openai.OpenAI:
 def opening() -> list[Any]:
     return [{"role": "system", "content": "You are a travel agent. Use tools when useful."},
             {"role": "user", "content": "What should I pack for Oslo this week? " * 8}]
-
-
-def p_external(cluster: RealCluster) -> float:
-    return external_kv_tokens(parse_prometheus(
-        httpx.get(f"{cluster.prefill_url}/metrics", timeout=30).text))
 
 
 def decision(headers: httpx.Headers) -> tuple[str, str, int]:

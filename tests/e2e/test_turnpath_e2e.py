@@ -16,11 +16,10 @@ import pytest
 from msgspec.structs import replace
 
 from kvrelay.client.pd import PDClient
-from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
-from kvrelay.client.sse import chunk_content, line_chunks
+from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.cluster.launcher import ServiceProcess, free_port_block
 from kvrelay.core.fingerprint import held_fingerprint
-from tests.e2e.conftest import RealCluster, start_extra_router, words
+from tests.e2e.conftest import RealCluster, chat, p_external, start_extra_router, words
 
 pytestmark = pytest.mark.e2e
 
@@ -39,11 +38,6 @@ class Answer:
         self.cached = details.get("cached_tokens") if isinstance(details, dict) else None
 
 
-def p_external(cluster: RealCluster) -> float:
-    return external_kv_tokens(parse_prometheus(
-        httpx.get(f"{cluster.prefill_url}/metrics", timeout=30).text))
-
-
 def send(url: str, model: str, messages: Sequence[Message], *, stream: bool = False,
          conversation_id: str | None = None, temperature: float = 0.0, max_tokens: int = 16,
          extra: dict[str, object] | None = None) -> Answer:
@@ -54,24 +48,7 @@ def send(url: str, model: str, messages: Sequence[Message], *, stream: bool = Fa
         body["stream_options"] = {"include_usage": True}
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
-    endpoint = f"{url}/v1/chat/completions"
-    if not stream:
-        resp = httpx.post(endpoint, json=body, timeout=300)
-        assert resp.status_code == 200, resp.text
-        data = resp.json()
-        assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
-        return Answer(data["choices"][0]["message"]["content"] or "", resp.headers,
-                      data["usage"])
-    parts: list[str] = []
-    usage: dict[str, int] = {}
-    with httpx.stream("POST", endpoint, json=body, timeout=300) as resp:
-        assert resp.status_code == 200, resp.read()
-        headers = resp.headers
-        for chunk in line_chunks(resp.iter_lines()):
-            assert "kv_transfer_params" not in chunk
-            parts.append(chunk_content(chunk))
-            usage = chunk.get("usage") or usage
-    return Answer("".join(parts), headers, usage)
+    return Answer(*chat(url, body))
 
 
 def recompute(cluster: RealCluster, messages: Sequence[Message], stream: bool = False) -> Answer:

@@ -20,9 +20,9 @@ import httpx
 import psutil
 import pytest
 
-from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
+from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.client.sse import sse_data
-from tests.e2e.conftest import ADMIN_KEY, RealCluster
+from tests.e2e.conftest import ADMIN_KEY, RealCluster, p_external
 from tests.ports import free_port_block
 
 pytestmark = pytest.mark.e2e
@@ -45,11 +45,6 @@ def turn(cluster: RealCluster, messages: list[Any], conversation_id: str,
     h = resp.headers
     return (h["x-kvrelay-action"], h["x-kvrelay-reason"], int(h["x-kvrelay-reused-tokens"]),
             p_external(cluster) - before, resp.json()["choices"][0]["message"]["content"])
-
-
-def p_external(cluster: RealCluster) -> float:
-    return external_kv_tokens(parse_prometheus(
-        httpx.get(f"{cluster.prefill_url}/metrics", timeout=30).text))
 
 
 def dropped_because_node_lost(cluster: RealCluster) -> float:
