@@ -1,0 +1,108 @@
+"""The retention policy on D: which retained turns to release, and when.
+
+Pure and shared by kvrelay's connector inside vLLM and by the fake engine, so both release
+the same turns for the same state. Time is passed in (D's own monotonic clock).
+
+A retained turn is a finished request whose blocks D keeps so that P can pull them on the
+conversation's next turn. Three things end one early:
+
+* **pressure**: D needs blocks for work it has (a waiting request that cannot be allocated,
+  or a running one that would be preempted). Releasing retention comes first: live work
+  never waits behind KV that may never be read.
+* **headroom**: the operator keeps ``headroom`` (a fraction of D's KV cache) free of
+  retention; retained blocks above ``(1 - headroom) * num_blocks_total`` are released.
+* **deadline**: the turn's own retention time (``kvrelay_retain_s`` clamped to D's TTL).
+
+Under pressure and headroom the least valuable go first: lowest ``value`` (the router's
+``kvrelay_retain_value``, 0 when unset), then oldest. A turn P is reading is never released.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+
+import msgspec
+
+
+class RetainedTurn(msgspec.Struct, frozen=True):
+    """One finished request whose blocks D retains for a P to read."""
+
+    request_id: str
+    num_blocks: int
+    num_tokens: int
+    retained_at_s: float
+    deadline_s: float
+    value: float = 0.0
+    reading: bool = False
+    """True while a P is reading the blocks: such a turn is never released."""
+
+
+class Release(msgspec.Struct, frozen=True):
+    """What to release now, and why (``reason``: ``pressure``, ``headroom``, ``expired`` or
+    ``none``). ``num_blocks`` is what the release frees; ``short_blocks`` what is still
+    missing after it (0 when the release is enough)."""
+
+    request_ids: tuple[str, ...]
+    num_blocks: int
+    reason: str
+    short_blocks: int = 0
+
+
+NOTHING = Release(request_ids=(), num_blocks=0, reason="none")
+
+
+def release_order(turns: Iterable[RetainedTurn]) -> list[RetainedTurn]:
+    """Releasable turns, least valuable first: lowest value, then oldest."""
+    return sorted((turn for turn in turns if not turn.reading),
+                  key=lambda turn: (turn.value, turn.retained_at_s, turn.request_id))
+
+
+def release_for(turns: Iterable[RetainedTurn], num_blocks: int, reason: str) -> Release:
+    """The fewest least-valuable turns that free at least ``num_blocks`` blocks (all
+    releasable ones when they are not enough)."""
+    if num_blocks <= 0:
+        return NOTHING
+    chosen: list[str] = []
+    freed = 0
+    for turn in release_order(turns):
+        if freed >= num_blocks:
+            break
+        chosen.append(turn.request_id)
+        freed += turn.num_blocks
+    if not chosen:
+        return Release(request_ids=(), num_blocks=0, reason="none", short_blocks=num_blocks)
+    return Release(request_ids=tuple(chosen), num_blocks=freed, reason=reason,
+                   short_blocks=max(0, num_blocks - freed))
+
+
+def retention_cap_blocks(num_blocks_total: int, headroom: float) -> int:
+    """The most blocks retention may hold when ``headroom`` of the cache stays free of it."""
+    if not 0.0 <= headroom <= 1.0:
+        raise ValueError(f"headroom is a fraction in [0, 1], got {headroom}")
+    return math.floor(num_blocks_total * (1.0 - headroom))
+
+
+def release_over_headroom(turns: Iterable[RetainedTurn], *, num_blocks_total: int,
+                          headroom: float) -> Release:
+    """Release what retention holds above its cap (``retention_cap_blocks``)."""
+    turns = list(turns)
+    held = sum(turn.num_blocks for turn in turns)
+    over = held - retention_cap_blocks(num_blocks_total, headroom)
+    return release_for(turns, over, "headroom") if over > 0 else NOTHING
+
+
+def release_under_pressure(turns: Iterable[RetainedTurn], *, num_blocks_free: int,
+                           num_blocks_needed: int) -> Release:
+    """Release enough for ``num_blocks_needed`` blocks when ``num_blocks_free`` is short."""
+    short = num_blocks_needed - num_blocks_free
+    return release_for(turns, short, "pressure") if short > 0 else NOTHING
+
+
+def release_expired(turns: Iterable[RetainedTurn], now_s: float) -> Release:
+    """Turns whose retention time has run out (not those being read)."""
+    done = [turn for turn in turns if not turn.reading and now_s >= turn.deadline_s]
+    if not done:
+        return NOTHING
+    return Release(request_ids=tuple(turn.request_id for turn in done),
+                   num_blocks=sum(turn.num_blocks for turn in done), reason="expired")

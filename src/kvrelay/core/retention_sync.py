@@ -1,0 +1,151 @@
+"""D's retention, synced with the router: what D holds, what it released, what to release.
+
+vLLM keeps every finished turn's blocks on D for one global TTL (``decoder_kv_blocks_ttl``)
+and frees them only when P's read completes or the TTL sweep runs. kvrelay's connector on D
+accounts each retained request and can release one early (under memory pressure, or because
+the router knows its entry is dead). This module is the one home of the wire contract
+between that connector (and the fake engine) and the router.
+
+**Keys in a decode request's ``kv_transfer_params``** (router -> D; vLLM passes unknown
+keys through untouched):
+
+* ``kvrelay_retention_url``: where D's connector syncs its retention (``POST``, the router's
+  internal listener, path ``RETENTION_PATH``). The connector remembers the most recent
+  ``MAX_SYNC_URLS`` URLs it was given (several router replicas) and syncs with each.
+* ``kvrelay_retain_s`` (float > 0): how long D keeps this turn's blocks; D clamps it to its
+  configured TTL (``decoder_kv_blocks_ttl``), never above.
+* ``kvrelay_retain_value`` (float): release order under pressure, lowest first; turns
+  without one count as 0 and go oldest first.
+
+**The sync** (D -> router, ``RetentionSync`` as JSON), sent every ``SYNC_INTERVAL_S`` while
+D holds retained turns or has releases to tell, and at once after a release. The router
+answers ``RetentionOrders``: D's request ids to release now. D never releases a request P is
+reading; an order for an unknown or busy request is ignored (its next sync says what
+happened). A released request's blocks are gone: the router drops the entry and the next
+turn recomputes (reason ``released``).
+
+Everything here is pure: bodies are decoded and checked, never sent.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import msgspec
+
+RETENTION_PATH = "/internal/kv-retention"
+RETENTION_URL_KEY = "kvrelay_retention_url"
+RETAIN_S_KEY = "kvrelay_retain_s"
+RETAIN_VALUE_KEY = "kvrelay_retain_value"
+
+SYNC_INTERVAL_S = 0.25
+"""How often D syncs while it holds retained turns (a router's order lands within ~0.5 s)."""
+MAX_SYNC_URLS = 8
+MAX_SYNC_BYTES = 1024 * 1024
+"""Sync bodies larger than this are refused unread."""
+MAX_RELEASED_PER_SYNC = 4096
+MAX_ORDERS = 4096
+
+ReleaseCause = Literal["pressure", "router", "expired"]
+"""Why D freed a retained turn before P read it: D needed the blocks (``pressure``), the
+router ordered it (``router``), or its retention time ran out (``expired``). A turn P read
+is not a release: vLLM frees it after the read, as always."""
+RELEASE_CAUSES: tuple[ReleaseCause, ...] = ("pressure", "router", "expired")
+
+
+class Released(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One retained turn D freed since its previous sync with this router."""
+
+    request_id: str
+    cause: ReleaseCause
+
+
+class RetentionSync(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """D's retention as D's connector counts it, from D's own block pool.
+
+    ``engine_id`` is D's vLLM engine id (a restart changes it); ``num_blocks_*`` count D's
+    KV cache blocks (``block_size`` tokens, ``bytes_per_block`` bytes each across layers);
+    ``retained_*`` are the finished turns D holds for a P to read; ``releases_total`` counts
+    releases by cause since D started; ``released`` lists the releases since the previous
+    sync to this router (at most ``MAX_RELEASED_PER_SYNC``, oldest dropped first).
+    """
+
+    engine_id: str
+    block_size: int
+    bytes_per_block: int
+    num_blocks_total: int
+    num_blocks_free: int
+    retained_requests: int
+    retained_blocks: int
+    retained_tokens: int
+    releases_total: dict[str, int] = {}
+    released: tuple[Released, ...] = ()
+
+    @property
+    def retained_bytes(self) -> int:
+        return self.retained_blocks * self.bytes_per_block
+
+
+class RetentionOrders(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """The router's answer to a sync: D's request ids to release now."""
+
+    release: tuple[str, ...] = ()
+
+
+class RetentionSyncError(ValueError):
+    """A sync body that is not the contract's format or breaks its limits."""
+
+
+_decode_sync = msgspec.json.Decoder(RetentionSync)
+_decode_orders = msgspec.json.Decoder(RetentionOrders)
+
+
+def decode_sync(body: bytes) -> RetentionSync:
+    """Parse and check a sync body; raises ``RetentionSyncError``."""
+    if len(body) > MAX_SYNC_BYTES:
+        raise RetentionSyncError(f"sync body over {MAX_SYNC_BYTES} bytes")
+    try:
+        sync = _decode_sync.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RetentionSyncError(f"not a retention sync: {exc}") from None
+    counts = (sync.block_size, sync.bytes_per_block, sync.num_blocks_total,
+              sync.num_blocks_free, sync.retained_requests, sync.retained_blocks,
+              sync.retained_tokens, *sync.releases_total.values())
+    if any(value < 0 for value in counts):
+        raise RetentionSyncError("negative count in a retention sync")
+    if sync.block_size <= 0 or not sync.engine_id:
+        raise RetentionSyncError("a retention sync needs a block size and an engine id")
+    if sync.num_blocks_free > sync.num_blocks_total:
+        raise RetentionSyncError("more free blocks than blocks")
+    if sync.retained_blocks > sync.num_blocks_total:
+        raise RetentionSyncError("more retained blocks than blocks")
+    if unknown := set(sync.releases_total) - set(RELEASE_CAUSES):
+        raise RetentionSyncError(f"unknown release causes {sorted(unknown)}")
+    if len(sync.released) > MAX_RELEASED_PER_SYNC:
+        raise RetentionSyncError(f"more than {MAX_RELEASED_PER_SYNC} releases in one sync")
+    return sync
+
+
+def decode_orders(body: bytes) -> RetentionOrders:
+    """Parse the router's answer (D's side); raises ``RetentionSyncError``."""
+    try:
+        orders = _decode_orders.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RetentionSyncError(f"not retention orders: {exc}") from None
+    if len(orders.release) > MAX_ORDERS:
+        raise RetentionSyncError(f"more than {MAX_ORDERS} release orders")
+    return orders
+
+
+def encode(value: RetentionSync | RetentionOrders) -> bytes:
+    return msgspec.json.encode(value)
+
+
+def clamp_retain_s(requested_s: object, ttl_s: float) -> float:
+    """How long D keeps a turn: the router's ``kvrelay_retain_s`` within (0, ttl_s], D's
+    TTL when absent or not a positive number."""
+    if isinstance(requested_s, bool) or not isinstance(requested_s, int | float):
+        return ttl_s
+    if not requested_s > 0:
+        return ttl_s
+    return min(float(requested_s), ttl_s)
