@@ -16,6 +16,7 @@ have read D's blocks, which frees them).
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -38,6 +39,8 @@ from kvrelay.router.turn import Turn, TurnState
 from kvrelay.router.upstream import UpstreamError
 
 _RECOMPUTE: dict[str, object] = request_remote_decode()
+
+log = logging.getLogger("kvrelay.router")
 
 
 class _Usage(msgspec.Struct):
@@ -128,6 +131,9 @@ class Prefiller:
                                      blocks.verified_tokens,
                                      ctx.config.policy.kv_recompute_threshold)
             turn.refused = None if outcome == "pull" else outcome
+        log.debug("P %s %s: %d prompt tokens, %d not computed, %.4f s", node.node_id,
+                  "pull" if pull else "recompute", turn.prompt_tokens, turn.cached_tokens,
+                  seconds)
         ctx.nodes.set_costs(node.node_id, learn_prefill(
             ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
             cached_tokens=turn.cached_tokens, seconds=seconds,
