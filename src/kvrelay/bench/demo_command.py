@@ -20,6 +20,9 @@ NEVER_PULL_FACTOR = 1e9
 """The baseline router's ``--pull-cost-factor``: no predicted pull is cheap enough, so it
 recomputes every follow-up (``cost_model``) on the same engines as the reusing router."""
 
+STARTUP_TIMEOUT_S = 900.0
+"""vLLM's CPU start-up takes ~1 min alone here, and several times that on a busy machine."""
+
 SIZES = {"bench": (250, 60), "tiny": (100, 40)}
 """Words of the system prompt and of each tool output, per default model (a word is ~6
 tokens with the byte-level tokenizer); a local model dir gets the bench sizes."""
@@ -56,7 +59,8 @@ def _demo(args: argparse.Namespace) -> int:
 
     out = args.out or Path("results") / f"demo-{time.strftime('%Y%m%d-%H%M%S')}"
     config = ClusterConfig(model=args.model, base_port=free_port_block(2, start=8100),
-                           side_channel_base_port=free_port_block(2, start=5600))
+                           side_channel_base_port=free_port_block(2, start=5600),
+                           startup_timeout_s=STARTUP_TIMEOUT_S)
     cluster = LocalCluster(config, out / "runs")
     routers: list[ServiceProcess] = []
     system_words, tool_words = SIZES.get(args.model, SIZES["bench"])
