@@ -50,11 +50,6 @@ async def two_routers(cluster: FakeCluster) -> AsyncIterator[tuple[str, str]]:
             await server.stop()
 
 
-def test_pairs_alternate_who_goes_first() -> None:
-    assert pair_order(4) == ["reuse", "baseline", "reuse", "baseline"]
-    assert pair_order(3, recompute_first=True) == ["baseline", "reuse", "baseline"]
-
-
 @pytest.mark.parametrize("recompute_first", [False, True])
 async def test_showcase_compares_alternated_pairs(recompute_first: bool) -> None:
     async with FakeCluster(1, 1, ENGINE_CONFIG) as cluster, \
