@@ -31,6 +31,7 @@ from kvrelay.deploy.prometheus import (
     prometheus_service,
 )
 from tests.component.redis_server import RedisServer
+from tests.costs import fixed_costs_flag
 from tests.ports import free_port_block, free_ports
 
 RATE_WINDOW = "2m"
@@ -82,7 +83,7 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
         router_command([prefill], [decode], host="127.0.0.1", port=router_port, ttl_s=480,
                        block_size=128,
                        extra=["--state", redis_server.url, "--health-interval-s", "1",
-                              "--state-timeout-ms", "500"]),
+                              "--state-timeout-ms", "500", "--fixed-costs", fixed_costs_flag()]),
         [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
     targets = [ScrapeTarget("prefill", prefill), ScrapeTarget("decode", decode),
                ScrapeTarget("router", router_url)]

@@ -20,6 +20,7 @@ from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext
 from tests.component.redis_server import RedisServer
 from tests.component.router_fake import ENGINE_CONFIG
+from tests.costs import fixed
 from tests.ports import free_ports
 
 FIRST = "Tell me everything about the rivers of Europe, in order of length. " * 6
@@ -73,6 +74,7 @@ async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIter
                 defaults: dict[str, Any] = {
                     "port": port, "internal_port": internal_port, "health_interval_s": 3600.0,
                     "report_wait_s": 5.0, "state": redis.url, "state_timeout_ms": 2000.0,
+                    **fixed(),
                 }
                 config = RouterConfig.from_urls(
                     cluster.prefill_urls, cluster.decode_urls,

@@ -29,6 +29,7 @@ from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.cluster.config import ClusterConfig, block_size_of, router_command
 from kvrelay.cluster.launcher import ServiceProcess
+from tests.costs import PULL_PAYS, fixed_costs_flag
 from tests.ports import free_port_block
 
 STARTUP_TIMEOUT_S = 900
@@ -83,7 +84,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
            "--router-port", str(router_port), "--ttl-s", str(TTL_S),
            "--monitoring", "--prometheus-port", str(prometheus_port),
            f"--router-arg=--admin-key={ADMIN_KEY}",
-           f"--router-arg=--pull-cost-factor={PULL_COST_FACTOR}"]
+           f"--router-arg=--fixed-costs={FIXED_COSTS}"]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -126,10 +127,11 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
     assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"
 
 
-PULL_COST_FACTOR = 0.01
-"""The tiny model prefills a 1k-token prompt in milliseconds, so the learned costs may
-rightly prefer recomputing; these tests check what a pull does (the cost model has its own
-unit and component tests), so their routers are made to choose pulls."""
+FIXED_COSTS = fixed_costs_flag(PULL_PAYS)
+"""The tiny model prefills a 1k-token prompt in milliseconds, so costs learned from this
+machine's timings may rightly prefer recomputing, more so while it is busy; these tests check
+what a pull does (the cost model has its own unit and component tests), so their routers get
+fixed costs under which every pull pays, never learned (``tests.costs``)."""
 
 
 def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
@@ -138,7 +140,7 @@ def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
     starts its own, plus ``extra`` flags); the caller stops it."""
     cmd = router_command([cluster.prefill_url], [cluster.decode_url], host="127.0.0.1",
                          port=port, ttl_s=cluster.ttl_s, block_size=CPU_BLOCK_SIZE,
-                         extra=["--pull-cost-factor", str(PULL_COST_FACTOR), *extra])
+                         extra=["--fixed-costs", FIXED_COSTS, *extra])
     url = f"http://127.0.0.1:{port}"
     return ServiceProcess(log_path.stem, cmd, [f"{url}/health"], log_path, url=url).start()
 

@@ -10,8 +10,8 @@ The router's handler only carries these out; the rules live here, next to ``deci
   started (connection refused, HTTP 503), else P must compute again first: vLLM does not
   refuse a second read of freed blocks, it would silently read reused memory.
 * ``learn_prefill``: which sample teaches which cost: a pull that P served from D's KV
-  teaches the transfer estimate (the time left after the predicted prefill of the suffix);
-  anything else teaches the prefill rate.
+  teaches the pull line (the time left after the predicted P call for the suffix, its
+  fixed cost included); anything else teaches the prefill line.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def learn_prefill(
     n = max(0, prompt_tokens)
     cached = min(max(cached_tokens, 0), n)
     if pulled and cached > 0:
-        prefill_s = costs.prefill_s(n - cached, context_tokens=cached)
+        prefill_s = costs.prefill.call_seconds(n - cached, context_tokens=cached)
         transfer = costs.transfer.observe(num_tokens=cached, seconds=max(0.0, seconds - prefill_s))
         return replace(costs, transfer=transfer)
     prefill = costs.prefill.observe(num_tokens=n - cached, context_tokens=cached, seconds=seconds)

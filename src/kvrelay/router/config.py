@@ -24,6 +24,7 @@ from kvrelay.core.conversation import (
     DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     DEFAULT_EXPIRY_SAFETY_MARGIN_S,
 )
+from kvrelay.core.costs import CostLine, CostLines
 from kvrelay.core.policy import PolicyConfig
 from kvrelay.core.selection import AffinityConfig
 from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
@@ -137,6 +138,11 @@ class RouterConfig:
     conversation id, which narrows the lookup. D's reports go to the internal listener
     (``internal_host``:``internal_port``, default ``port + 1``; 0: any free port, bound when
     the server starts), which D reaches as ``internal_url``.
+
+    ``costs`` are the prefill and pull lines each P's cost estimates start from (``None``:
+    ``core.costs``' priors); with ``learn_costs=False`` the router never updates them from
+    the timings it sees, so every decision the cost model takes follows from the config
+    alone (tests, and deployments that measured their costs: ``--fixed-costs``).
     """
 
     prefill: tuple[NodeConfig, ...]
@@ -150,6 +156,8 @@ class RouterConfig:
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
     tenant: str = "default"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    costs: CostLines | None = None
+    learn_costs: bool = True
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     ttl_safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S
     report_wait_s: float = 1.0
@@ -296,7 +304,8 @@ _NODE_KEYS = {"url", "id", "side_channel", "ttl_s", "block_size"}
 def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
     """Merge settings layers (later wins) into a ``RouterConfig``; ``ConfigError`` if invalid.
 
-    Keys: ``RouterConfig`` scalar fields, ``prefill``/``decode`` (lists of URLs or of
+    Keys: ``RouterConfig`` scalar fields (``costs``: a table or a ``key=value,...`` string,
+    see ``parse_cost_lines``), ``prefill``/``decode`` (lists of URLs or of
     ``{"url", "id", "side_channel", "ttl_s", "block_size"}`` tables), ``ttl_s`` (default D
     TTL), ``block_size`` (default block size, unset: inferred),
     ``side_channels`` (``{url_or_id: "host[:port]"}``), ``policy`` and ``affinity`` tables
@@ -394,6 +403,10 @@ def _nodes(
 def _coerce(key: str, value: Any) -> Any:
     """Env/flag strings to the field's type (TOML values are already typed)."""
     kind = _SCALAR_KEYS[key].type
+    if key == "costs":
+        return parse_cost_lines(value)
+    if key == "learn_costs":
+        return _flag(key, value)
     if key == "session_headers":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(h, str) for h in items):
@@ -406,6 +419,64 @@ def _coerce(key: str, value: Any) -> Any:
     if kind == "float":
         return float(value)
     return value
+
+
+COST_KEYS = {
+    "prefill_s_per_token": ("prefill", "s_per_token"),
+    "prefill_fixed_s": ("prefill", "fixed_s"),
+    "pull_s_per_token": ("pull", "s_per_token"),
+    "pull_fixed_s": ("pull", "fixed_s"),
+}
+"""The keys of a ``costs`` setting: each line's slope and fixed part (seconds)."""
+
+
+def parse_cost_lines(value: object) -> CostLines:
+    """``costs`` as a table (TOML) or ``"prefill_s_per_token=1e-4,pull_s_per_token=2e-5"``
+    (flag, env); keys left out keep ``core.costs``' priors. ``ConfigError`` if invalid."""
+    if isinstance(value, CostLines):
+        return value
+    if isinstance(value, str):
+        table: dict[str, object] = {}
+        for item in (i.strip() for i in value.split(",")):
+            key, sep, number = item.partition("=")
+            if not sep:
+                raise ConfigError(f"costs: {item!r} is not KEY=SECONDS")
+            table[key.strip()] = number.strip()
+    elif isinstance(value, Mapping):
+        table = {str(k): v for k, v in value.items()}
+    else:
+        raise ConfigError("costs must be a table or KEY=SECONDS,... text")
+    unknown = sorted(set(table) - set(COST_KEYS))
+    if unknown:
+        raise ConfigError(f"costs: unknown key(s) {unknown}; known: {sorted(COST_KEYS)}")
+    lines = {"prefill": CostLines().prefill, "pull": CostLines().pull}
+    for key, raw in table.items():
+        line, part = COST_KEYS[key]
+        try:
+            if not isinstance(raw, int | float | str) or isinstance(raw, bool):
+                raise TypeError(f"must be a number, got {raw!r}")
+            lines[line] = _with_part(lines[line], part, float(raw))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"costs: {key}: {exc}") from None
+    return CostLines(prefill=lines["prefill"], pull=lines["pull"])
+
+
+def _with_part(line: CostLine, part: str, seconds: float) -> CostLine:
+    """``line`` with its ``fixed_s`` or ``s_per_token`` set (``ValueError`` if invalid)."""
+    if part == "fixed_s":
+        return CostLine(seconds, line.s_per_token)
+    return CostLine(line.fixed_s, seconds)
+
+
+def _flag(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 ENV_PREFIX = "KVRELAY_"
@@ -429,6 +500,8 @@ ENV_KEYS = {
     "KV_RECOMPUTE_THRESHOLD": "kv_recompute_threshold",
     "NEAR_EXPIRY_S": "near_expiry_s",
     "PULL_COST_FACTOR": "pull_cost_factor",
+    "FIXED_COSTS": "costs",
+    "LEARN_COSTS": "learn_costs",
     "DIRECT": "direct_enabled",
     "LOG_LEVEL": "log_level",
     "API_KEYS": "api_keys",
@@ -455,6 +528,9 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
             continue
         if key == "direct_enabled":
             out[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        elif suffix == "FIXED_COSTS":  # fixed: given and never learned
+            out["costs"] = value
+            out.setdefault("learn_costs", "false")
         elif key in ("kv_recompute_threshold", "block_size"):
             out[key] = _number(suffix, value, int)
         elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s"):

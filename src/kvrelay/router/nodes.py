@@ -21,7 +21,9 @@ Capabilities, learned from the params a node returns: a P whose answers carry
 checked report) carry a fingerprint needs no ``return_token_ids``.
 
 Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight.
-``CostEstimates`` are kept per P node: its prefill rate and the rate it pulls KV from any D.
+``CostEstimates`` are kept per P node: its prefill line and the line of its pulls from any D,
+starting at ``RouterConfig.costs`` (else the priors); ``set_costs`` is how the P step
+replaces them with what it learned (it does not when ``learn_costs`` is off).
 """
 
 from __future__ import annotations
@@ -91,7 +93,10 @@ class NodeRegistry:
         self._upstream = upstream
         self._index = index
         self._metrics = metrics
-        self._nodes = {n.node_id: _Node(n, block_size=n.block_size) for n in config.nodes}
+        start = (CostEstimates.from_lines(config.costs) if config.costs is not None
+                 else CostEstimates())
+        self._nodes = {n.node_id: _Node(n, block_size=n.block_size, costs=start)
+                       for n in config.nodes}
         self._order = [n.node_id for n in config.nodes]
         self._drained: set[str] = set()
         for node in self._nodes.values():
@@ -383,9 +388,10 @@ def _describe(error: UpstreamError) -> str:
 
 def _costs_json(costs: CostEstimates) -> dict[str, object]:
     return {
-        "prefill_s_per_token": costs.prefill.seconds_per_token.value,
-        "prefill_samples": costs.prefill.seconds_per_token.num_samples,
-        "transfer_s_per_token": costs.transfer.seconds_per_token.value,
-        "transfer_overhead_s": costs.transfer.overhead_s.value,
-        "transfer_samples": costs.transfer.seconds_per_token.num_samples,
+        "prefill_s_per_token": costs.prefill.fit.line.s_per_token,
+        "prefill_fixed_s": costs.prefill.fit.line.fixed_s,
+        "prefill_samples": costs.prefill.fit.num_samples,
+        "transfer_s_per_token": costs.transfer.fit.line.s_per_token,
+        "transfer_overhead_s": costs.transfer.fit.line.fixed_s,
+        "transfer_samples": costs.transfer.fit.num_samples,
     }

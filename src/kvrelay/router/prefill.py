@@ -6,7 +6,9 @@ itself; or already cut by the router in ``/tokenize`` mode), or ``{"do_remote_de
 true}`` (recompute). P answers with its own params for D; the router learns P's engine id,
 whether P runs kvrelay's connector, the exact prompt length, how many tokens P did not
 compute (``remote_prefill_cached_tokens``) and, for a pull, how many P's connector verified;
-and it feeds P's timing to the cost estimates (``core.consequences.learn_prefill``).
+and it feeds P's timing, on the router clock (``ctx.clock``, injectable like every clock),
+to the cost estimates (``core.consequences.learn_prefill``) unless ``learn_costs`` is off
+(fixed costs: no decision then depends on how fast this machine was).
 
 A failed P call is retried once on another P (the same one if it is the only P). A pull
 that P never received (connection refused, or a 503) is retried as the same pull, since
@@ -17,7 +19,6 @@ have read D's blocks, which frees them).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -107,10 +108,10 @@ class Prefiller:
     ) -> Prefilled:
         ctx = self._ctx
         body = prefill_body(turn.request, params)
-        started = time.perf_counter()
+        started = ctx.clock()
         with ctx.nodes.busy(node.node_id, turn.prompt_tokens):
             raw = await ctx.upstream.post(node, turn.request.path, body)
-        seconds = time.perf_counter() - started
+        seconds = ctx.clock() - started
         try:
             answer = _ANSWER.decode(raw)
             blocks = parse_remote_blocks(answer.kv_transfer_params)
@@ -134,10 +135,11 @@ class Prefiller:
         log.debug("P %s %s: %d prompt tokens, %d not computed, %.4f s", node.node_id,
                   "pull" if pull else "recompute", turn.prompt_tokens, turn.cached_tokens,
                   seconds)
-        ctx.nodes.set_costs(node.node_id, learn_prefill(
-            ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
-            cached_tokens=turn.cached_tokens, seconds=seconds,
-        ))
+        if ctx.config.learn_costs:
+            ctx.nodes.set_costs(node.node_id, learn_prefill(
+                ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
+                cached_tokens=turn.cached_tokens, seconds=seconds,
+            ))
         reused = turn.cached_tokens if pull else 0
         ctx.metrics.tokens(reused, turn.prompt_tokens - reused)
         return Prefilled(node, self._for_decode(node, blocks))
