@@ -15,7 +15,7 @@ import pytest
 from kvrelay.bench.showcase import ShowcaseResult, pair_order, run_showcase
 from kvrelay.fakevllm import FakeCluster
 from kvrelay.fakevllm.server import HttpServer
-from kvrelay.router.app import create_app
+from kvrelay.router.app import RouterApp, create_app
 from kvrelay.router.config import RouterConfig
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.costs import fixed
@@ -28,6 +28,7 @@ NEVER_PULL = {"pull_cost_factor": 1e9}
 async def two_routers(cluster: FakeCluster) -> AsyncIterator[tuple[str, str]]:
     """A reusing router and one that never pulls, both in front of ``cluster``."""
     servers: list[HttpServer] = []
+    apps: list[RouterApp] = []
     urls: list[str] = []
     try:
         for extra in ({}, NEVER_PULL):
@@ -39,6 +40,7 @@ async def two_routers(cluster: FakeCluster) -> AsyncIterator[tuple[str, str]]:
             config = RouterConfig.from_urls(cluster.prefill_urls, cluster.decode_urls,
                                             **settings)
             app = create_app(config)
+            apps.append(app)
             for served, at in ((app.public, port), (app.internal, config.listen_internal_port)):
                 server = HttpServer(served, "127.0.0.1", at)
                 await server.start()
@@ -48,6 +50,8 @@ async def two_routers(cluster: FakeCluster) -> AsyncIterator[tuple[str, str]]:
     finally:
         for server in servers:
             await server.stop()
+        for app in apps:
+            await app.ctx.upstream.aclose()
 
 
 @pytest.mark.parametrize("recompute_first", [False, True])
