@@ -198,6 +198,7 @@ def _default_index(
             max_entries=config.max_entries,
             max_per_tenant=config.tenant_entries,
             on_error=lambda op: metrics.state_errors.labels(op).inc(),
+            on_evict=lambda why, count: metrics.dropped.labels(why).inc(count),
         )
 
     def evicted(entry: Any, why: str) -> None:
