@@ -11,7 +11,17 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.component.router_fake import Routed, routed
+from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.retention_sync import (
+    RETAIN_S_KEY,
+    RETENTION_PATH,
+    RETENTION_URL_KEY,
+    Released,
+    RetentionSync,
+    encode,
+)
+from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
 SYSTEM = "You are a careful agent that fixes failing tests. " * 8
 FIRST = "The test test_parse fails on main. Find out why and fix it."
@@ -59,3 +69,123 @@ async def test_identical_conversations_finishing_together_all_pull(num_decode: i
         for reply, history in zip(follow_ups, histories, strict=True):
             assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
                 {"model": "tiny", "messages": history, "max_tokens": 16})
+
+
+def sync_body(engine_id: str, *, released: tuple[tuple[str, str], ...] = (),
+              retained_blocks: int = 4, num_blocks_free: int = 100) -> bytes:
+    """A sync as D's connector sends it (``core.retention_sync``), written here by hand."""
+    return encode(RetentionSync(
+        engine_id=engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+        num_blocks_free=num_blocks_free, retained_requests=1, retained_blocks=retained_blocks,
+        retained_tokens=retained_blocks * 16,
+        releases_total={cause: sum(1 for _, c in released if c == cause)
+                        for cause in ("pressure", "router", "expired")},
+        released=tuple(Released(rid, cause) for rid, cause in released),  # type: ignore[arg-type]
+    ))
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sample ``name{labels}`` whatever the order of its labels; missing is an error."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base == name and set(filter(None, rest.rstrip("}").split(","))) == want:
+            return value
+    raise AssertionError((name, labels, sorted(k for k in samples if k.startswith(name))))
+
+
+async def post_sync(r: Routed, body: bytes) -> httpx.Response:
+    async with httpx.AsyncClient(trust_env=False, timeout=10.0) as c:
+        return await c.post(r.ctx.retention.url, content=body)
+
+
+def follow_up(answer: str) -> list[dict[str, Any]]:
+    return [*first_turn(), {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Now run the tests."}]
+
+
+async def one_first_turn(r: Routed) -> tuple[list[dict[str, Any]], ConversationEntry]:
+    async with r.client() as c:
+        reply = await chat(c, first_turn())
+    await r.settle()
+    history = follow_up(reply.json()["choices"][0]["message"]["content"])
+    found = await r.find({"model": "tiny", "messages": history})
+    assert found is not None
+    return history, found.entry
+
+
+@pytest.mark.parametrize("guard", list(GUARD_CONFIGS))
+async def test_decode_requests_tell_a_connector_d_where_to_sync(guard: str) -> None:
+    """kvrelay's connector on D gets the router's retention URL and a retention time (never
+    above D's TTL); stock D gets neither (vLLM passes unknown keys through, but nobody
+    would read them)."""
+    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
+        async with r.client() as c:
+            await chat(c, first_turn())
+            await chat(c, first_turn())  # D's capabilities are known after its first answer
+        params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+        assert params is not None
+        if guard == "connector":
+            assert params[RETENTION_URL_KEY] == (
+                f"http://127.0.0.1:{r.ctx.config.listen_internal_port}{RETENTION_PATH}")
+            retain_s = params[RETAIN_S_KEY]
+            assert isinstance(retain_s, float)
+            assert 0 < retain_s <= ENGINE_CONFIG.decoder_kv_blocks_ttl
+        else:
+            assert RETENTION_URL_KEY not in params and RETAIN_S_KEY not in params
+
+
+async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> None:
+    """D released a retained turn (memory pressure): its sync tells the router, the entry
+    is never pulled, and the next turn recomputes with reason ``released`` (headers,
+    ``/stats``, metrics), its answer equal to a recompute."""
+    async with routed() as r:
+        d, d_id = r.cluster.decode[0], r.ctx.config.decode[0].node_id
+        history, entry = await one_first_turn(r)
+        resp = await post_sync(r, sync_body(d.engine_id, released=(
+            (entry.request_id, "pressure"), ("unknown-request", "expired"))))
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"release": []}
+        found = await r.find({"model": "tiny", "messages": history})
+        assert found is not None and found.entry.released == "pressure"
+        async with r.client() as c:
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-action"] == "recompute"
+        assert reply.headers["x-kvrelay-reason"] == "released"
+        assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
+            {"model": "tiny", "messages": history, "max_tokens": 16})
+        assert not any(rec.plan == "pull" for rec in r.cluster.prefill[0].records)
+        stats = await r.stats()
+        assert stats["decisions"]["by_reason"]["released"] == 1
+        assert stats["retention"][d_id]["retained_blocks"] == 4
+        assert stats["retention"][d_id]["releases_total"]["pressure"] == 1
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_d_retained_bytes", node=d_id) == 4 * 4096
+        assert metric(metrics, "kvrelay_router_d_releases_total", node=d_id,
+                      cause="pressure") == 1
+        assert metric(metrics, "kvrelay_router_retention_releases_seen_total", node=d_id,
+                      cause="expired") == 1
+        assert metric(metrics, "kvrelay_router_entries_released_total", node=d_id) == 1
+        assert metric(metrics, "kvrelay_router_turn_decisions_total", action="recompute",
+                      reason="released") == 1
+
+
+async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_nothing(
+) -> None:
+    async with routed() as r:
+        history, entry = await one_first_turn(r)
+        forged = await post_sync(r, sync_body("not-an-engine", released=(
+            (entry.request_id, "pressure"),)))
+        assert forged.status_code == 404 and forged.json()["error"]["message"]
+        for bad in (b"{", b"[]", b'{"engine_id": "x"}',
+                    sync_body(r.cluster.decode[0].engine_id).replace(b'"block_size":16',
+                                                                      b'"block_size":-1')):
+            resp = await post_sync(r, bad)
+            assert resp.status_code == 400, (bad, resp.text)
+            assert resp.json()["error"]["message"]
+        found = await r.find({"model": "tiny", "messages": history})
+        assert found is not None and found.entry.released is None
+        async with r.client() as c:
+            assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
+        public = await r.post(RETENTION_PATH, sync_body(r.cluster.decode[0].engine_id))
+        assert public.status_code == 404  # the internal listener only

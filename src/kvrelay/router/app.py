@@ -32,6 +32,7 @@ from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.request import PATHS
+from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
 from kvrelay.router.turnlog import TurnLogWriter
@@ -166,6 +167,7 @@ def create_app(
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
         auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
+        retention=RetentionDesk(index, nodes, metrics, clock, base_url=config.internal_base_url),
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,
@@ -174,6 +176,7 @@ def create_app(
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
     metrics.track_retained_tokens(lambda: ctx.index.retained_tokens(ctx.clock()))
+    metrics.track_d_retention(ctx.retention.gauges)
     generation = GenerationHandler(ctx)
     public = Routes([
         Route("/v1/chat/completions", frozenset({"POST"}), generation.route("chat")),

@@ -252,15 +252,20 @@ class RouterConfig:
         return self.internal_port if self.internal_port is not None else self.port + 1
 
     @property
-    def report_url(self) -> str:
-        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+    def internal_base_url(self) -> str:
+        """How D reaches the internal listener: ``internal_url``, else its host and port."""
         base = self.internal_url
         if base is None:
             host = self.internal_host
             host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
             host = f"[{host}]" if ":" in host else host
             base = f"http://{host}:{self.listen_internal_port}"
-        return base.rstrip("/") + "/internal/kv-report"
+        return base.rstrip("/")
+
+    @property
+    def report_url(self) -> str:
+        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+        return self.internal_base_url + "/internal/kv-report"
 
     @property
     def tenant_in_flight(self) -> int:
