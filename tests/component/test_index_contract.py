@@ -427,3 +427,31 @@ async def test_an_explicit_id_continues_its_latest_entry_when_the_history_was_ed
     assert matched is not None and matched.probe is not None
     unscoped = chat(SYSTEM, user("edited task"), assistant("a2"), user("u3"))
     assert await index.lookup(unscoped) is None  # never without an id: that would steal
+
+
+async def test_release_orders_follow_every_drop_but_claims_and_lost_blocks(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """Dropped entries D may still hold are queued for release on their D; claimed ones (P
+    reads them), released ones and those of a D that went down or restarted are not;
+    orders for another engine of that D are discarded when taken."""
+    index, _ = made
+    scope = scope_of("t", "conv")
+    refs = [stored_at(chat(SYSTEM, FIRST, scope=scope), str(i)) for i in range(6)]
+    stored = [entry("d0", "A", request=f"r{i}") for i in range(6)]
+    for i, (ref, e) in enumerate(zip(refs, stored, strict=True)):
+        await index.put(ref, e, tenant=f"t{i}")
+    assert await index.claim(refs[0], stored[0]) == stored[0]
+    assert await index.drop(refs[1], stored[1]) is True
+    assert await index.drop(refs[2], stored[2], release=False) is True
+    await index.mark_released("d0", "A", [Released("r3", "pressure")])
+    assert await index.drop(refs[3]) is True
+    assert await index.mark_released("d0", "B", [Released("r4", "pressure")]) == 0
+    assert await index.take_releases("d0", "A") == ("r1",)
+    assert await index.drop_scope(scope) == 2  # r4, r5: an admin's flush
+    assert await index.take_releases("d1", "A") == ()
+    assert await index.take_releases("d0", "B") == ()  # D restarted: the orders are moot
+    assert await index.take_releases("d0", "A") == ()
+    await index.put(refs[0], stored[0], tenant="t")
+    assert await index.drop_engine("d0", "A") == 1 and await index.drop_node("d0") == 0
+    assert await index.take_releases("d0", "A") == ()

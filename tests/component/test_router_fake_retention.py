@@ -189,3 +189,78 @@ async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_n
             assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
         public = await r.post(RETENTION_PATH, sync_body(r.cluster.decode[0].engine_id))
         assert public.status_code == 404  # the internal listener only
+
+
+def conversation(i: int) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Conversation {i}: " + FIRST}]
+
+
+async def orders_for(r: Routed) -> list[str]:
+    """What the router answers D's next sync (an empty one: D released nothing)."""
+    resp = await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
+    assert resp.status_code == 200, resp.text
+    release: list[str] = resp.json()["release"]
+    return release
+
+
+async def test_an_entry_evicted_for_capacity_is_released_on_d() -> None:
+    """``--max-entries 1``: the second conversation's entry evicts the first's, whose D
+    request id the router orders released in its answer to D's next sync (once)."""
+    async with routed(max_entries=1) as r:
+        async with r.client() as c:
+            first = await chat(c, conversation(1))
+            await r.settle()
+            history = [*conversation(1), first.json()["choices"][0]["message"],
+                       {"role": "user", "content": "go on"}]
+            evicted = await r.find({"model": "tiny", "messages": history})
+            assert evicted is not None
+            await chat(c, conversation(2))
+            await r.settle()
+        assert await r.find({"model": "tiny", "messages": history}) is None
+        assert await orders_for(r) == [evicted.entry.request_id]
+        assert await orders_for(r) == []
+
+
+async def test_a_turn_that_did_not_pull_supersedes_and_releases_the_entry_it_continued(
+) -> None:
+    """Every follow-up recomputes (threshold above any prompt): once it commits, the entry
+    it continued is dead (the conversation moved on) and D is told to release it."""
+    async with routed(kv_recompute_threshold=100_000) as r:
+        history, entry = await one_first_turn(r)
+        async with r.client() as c:
+            reply = await chat(c, history)
+        await r.settle()
+        assert reply.headers["x-kvrelay-reason"] == "below_threshold"
+        assert await r.find({"model": "tiny", "messages": history}) is None
+        assert await orders_for(r) == [entry.request_id]
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_entries_dropped_total", reason="superseded") == 1
+        assert metric(metrics, "kvrelay_router_release_orders_total",
+                      node=r.ctx.config.decode[0].node_id) == 1
+
+
+async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
+    async with routed(admin_key="root") as r:
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": first_turn(), "max_tokens": 16,
+                "conversation_id": "flush-me"})
+            assert resp.status_code == 200
+        await r.settle()
+        (entry,) = [f.entry for f in [await r.find({
+            "model": "tiny", "messages": first_turn(), "conversation_id": "flush-me"})] if f]
+        dropped = await r.post("/admin/conversations/drop", {"conversation_id": "flush-me"},
+                               headers={"Authorization": "Bearer root"})
+        assert dropped.json() == {"dropped": True, "entries": 1}
+        assert await orders_for(r) == [entry.request_id]
+
+
+async def test_a_pulled_entry_is_never_ordered_released() -> None:
+    """A pull consumes the entry (P's read frees D's blocks): no order for it."""
+    async with routed() as r:
+        history, _ = await one_first_turn(r)
+        async with r.client() as c:
+            assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
+        await r.settle()
+        assert await orders_for(r) == []

@@ -86,6 +86,8 @@ class Decoder:
             max_output_tokens=req.max_output_tokens,
         )
         turn.pending = pending
+        if turn.found is not None and not turn.decision.consumes_entry:
+            pending.supersedes = turn.found
         pending.awaits_report = req.stream and not ctx.nodes.streams_params(node.node_id)
         ids = not ctx.nodes.fingerprints(node.node_id) or req.prompt_token_ids is not None
         body = decode_body(
