@@ -455,3 +455,22 @@ async def test_release_orders_follow_every_drop_but_claims_and_lost_blocks(
     await index.put(refs[0], stored[0], tenant="t")
     assert await index.drop_engine("d0", "A") == 1 and await index.drop_node("d0") == 0
     assert await index.take_releases("d0", "A") == ()
+
+
+async def test_a_release_that_overtakes_the_commit_is_not_lost(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """D's sync names a request whose entry is not stored yet: the entry is stored
+    released (never claimed); a release by another engine of that D does not count."""
+    index, _ = made
+    ref = stored_at(TURN1, "early")
+    await index.mark_released("d0", "A", [Released("early", "pressure"),
+                                          Released("other", "pressure")])
+    await index.mark_released("d0", "B", [Released("other-engine", "expired")])
+    await index.put(ref, entry("d0", "A", request="early"), tenant="t")
+    await index.put(ref, entry("d0", "A", request="other-engine"), tenant="u")
+    assert (await index.claim(ref, entry("d0", "A", request="early")) or entry()
+            ).request_id == "other-engine"
+    found = await index.lookup(follow("early"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.released == "pressure"
+    assert await index.claim(ref, found.entry) is None

@@ -34,7 +34,9 @@ slot of its continuation. Contracts:
   ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for another
   engine of that D are discarded) for the answer to D's next sync. ``mark_released`` marks
   the entries D said it released (its sync): they are never claimed, and ``lookup`` returns
-  one only when its ref has no other, so the turn recomputes with reason ``released``.
+  one only when its ref has no other, so the turn recomputes with reason ``released``. A
+  release of a request with no entry yet (D's sync overtook the turn's commit) is kept
+  (bounded) and the entry ``put`` later is stored released.
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
@@ -205,6 +207,7 @@ class InMemoryIndex:
         self._by_scope: dict[bytes, dict[_Key, None]] = {}
         self._by_request: dict[tuple[str, str], dict[_Key, None]] = {}
         self._releases: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
 
     def __len__(self) -> int:
         return len(self._items)
@@ -253,6 +256,10 @@ class InMemoryIndex:
         same = self._member(ref, entry, same_expiry=False)
         if same is not None:
             self._remove(same, release=False)
+        early = self._released_early.pop(
+            (entry.decode_node_id, entry.decode_engine_id, entry.request_id), None)
+        if early is not None and entry.released is None:
+            entry = replace(entry, released=early)
         self._seq += 1
         key = (ref, self._seq)
         self._items[key] = _Item(ref, tenant, entry)
@@ -310,7 +317,13 @@ class InMemoryIndex:
     ) -> int:
         marked = 0
         for one in released:
-            for key in self._by_request.get((node_id, one.request_id), ()):
+            keys = self._by_request.get((node_id, one.request_id))
+            if not keys:
+                self._released_early[(node_id, engine_id, one.request_id)] = one.cause
+                while len(self._released_early) > MAX_QUEUED_RELEASES:
+                    self._released_early.popitem(last=False)
+                continue
+            for key in keys:
                 item = self._items[key]
                 if item.entry.decode_engine_id == engine_id and item.entry.released is None:
                     item.entry = replace(item.entry, released=one.cause)

@@ -190,6 +190,13 @@ redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'nod
            'sx', KEYS[4], 'tz', KEYS[5], 'az', KEYS[6], 'rx', KEYS[8], 'mem', ARGV[9],
            'qx', KEYS[9], 'rid', ARGV[13], 'lq', KEYS[10])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
+local prior = redis.call('GET', KEYS[9])
+if prior and string.sub(prior, 1, 1) == '!' then
+  local tab = string.find(prior, '\t', 1, true)
+  if tab and string.sub(prior, 2, tab - 1) == ARGV[5] then
+    redis.call('HSET', KEYS[1], 'rel', string.sub(prior, tab + 1))
+  end
+end
 redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
 redis.call('SADD', KEYS[3], ARGV[8])
 local seq = redis.call('INCR', KEYS[7])
@@ -292,12 +299,16 @@ return out
 """
 
 # D released these: KEYS = request keys, ARGV[1] = D's engine id, ARGV[1 + i] = the cause of
-# KEYS[i]. Marks each entry (of that engine) released; returns how many.
+# KEYS[i]. Marks each entry (of that engine) released; returns how many. A request with no
+# entry yet (D's sync came before the turn committed) gets a marker ('!engine<TAB>cause')
+# that put turns into a released entry.
 _MARK_RELEASED = """
 local n = 0
 for i = 1, #KEYS do
   local k = redis.call('GET', KEYS[i])
-  if k then
+  if not k then
+    redis.call('SET', KEYS[i], '!' .. ARGV[1] .. '\t' .. ARGV[i + 1], 'PX', @QTTL@)
+  elseif string.sub(k, 1, 1) ~= '!' then
     local v = redis.call('HMGET', k, 'engine', 'rel')
     if v[1] == ARGV[1] and not v[2] then
       redis.call('HSET', k, 'rel', ARGV[i + 1])
@@ -306,7 +317,7 @@ for i = 1, #KEYS do
   end
 end
 return n
-"""
+""".replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
 # the release orders queued for D: KEYS = D's queue; ARGV = D's engine id, how many at most.
 # Orders for another engine (D restarted: those blocks are gone) are discarded.
