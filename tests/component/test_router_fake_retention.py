@@ -6,6 +6,7 @@ numbers show in ``/stats`` and ``/metrics``."""
 from __future__ import annotations
 
 import asyncio
+import json
 from typing import Any
 
 import httpx
@@ -21,6 +22,7 @@ from kvrelay.core.retention_sync import (
     RetentionSync,
     encode,
 )
+from kvrelay.router.request import parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
 SYSTEM = "You are a careful agent that fixes failing tests. " * 8
@@ -264,3 +266,62 @@ async def test_a_pulled_entry_is_never_ordered_released() -> None:
             assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
         await r.settle()
         assert await orders_for(r) == []
+
+
+def learn_gaps(r: Routed, gap_s: float, n: int = 40) -> None:
+    """Tell the router ``n`` follow-ups came ``gap_s`` after their turn (as ``plan`` does
+    when it finds an entry), in the default tenant."""
+    req = parse_request("chat", json.dumps({"model": "tiny", "messages": first_turn()}).encode(),
+                        {}, "default", ())
+    for _ in range(n):
+        r.ctx.retention.observe_gap(req, gap_s)
+
+
+async def retain_s_sent(r: Routed) -> object:
+    params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+    assert params is not None
+    return params.get(RETAIN_S_KEY)
+
+
+async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_follows() -> None:
+    """Follow-ups come 20 s after their turn: D is asked to keep the next turn about 50 s
+    (the gaps' high quantile + the router's margin), not its 480 s TTL, and the router's
+    entry expires with it; a D short of free blocks is asked for less."""
+    async with routed() as r:
+        async with r.client() as c:
+            await chat(c, conversation(0))  # D's capabilities are known after its first answer
+            await r.settle()
+            await chat(c, conversation(1))
+            await r.settle()
+            assert await retain_s_sent(r) == ENGINE_CONFIG.decoder_kv_blocks_ttl  # the prior
+            learn_gaps(r, 20.0)
+            history, entry = await one_first_turn(r)
+            retain_s = await retain_s_sent(r)
+            assert isinstance(retain_s, float)
+            margin = r.ctx.config.ttl_safety_margin_s + r.ctx.config.policy.near_expiry_s
+            assert margin + 20.0 <= retain_s < margin + 20.0 * 1.25
+            assert entry.expires_at_s - entry.created_at_s == pytest.approx(
+                retain_s - r.ctx.config.ttl_safety_margin_s)
+            full = await post_sync(r, sync_body(r.cluster.decode[0].engine_id,
+                                                num_blocks_free=6))  # 6 of 128 free
+            assert full.status_code == 200
+            await chat(c, conversation(2))
+            await r.settle()
+            shorter = await retain_s_sent(r)
+            assert isinstance(shorter, float) and shorter < retain_s
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        for reason in ("prior", "learned", "headroom"):
+            assert metric(metrics, "kvrelay_router_retain_time_decisions_total",
+                          reason=reason) >= 1
+        del history
+
+
+async def test_no_learned_retention_sends_no_retain_s() -> None:
+    async with routed(learned_retention=False) as r:
+        learn_gaps(r, 3.0)
+        async with r.client() as c:
+            await chat(c, conversation(0))
+            await chat(c, conversation(1))
+        params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+        assert params is not None and RETENTION_URL_KEY in params
+        assert RETAIN_S_KEY not in params

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrelay.core.retention_time import RetentionTimeConfig
 from kvrelay.router.admin import internal_routes, public_routes
 from kvrelay.router.asgi import Receive, Route, Routes, Scope, Send, send_error
 from kvrelay.router.auth import Authenticator
@@ -167,7 +168,13 @@ def create_app(
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
         auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
-        retention=RetentionDesk(index, nodes, metrics, clock, base_url=config.internal_base_url),
+        retention=RetentionDesk(
+            index, nodes, metrics, clock, base_url=config.internal_base_url,
+            learned=RetentionTimeConfig(
+                quantile=config.retain_quantile,
+                router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
+            ) if config.learned_retention else None,
+        ),
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,

@@ -34,7 +34,9 @@ Names (all prefixed ``kvrelay_router_``):
   ``expired``); the router's side: ``retention_syncs_total{outcome}`` (``ok``,
   ``invalid``, ``unknown_engine``), ``retention_releases_seen_total{node,cause}`` (releases
   the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
-  released), ``release_orders_total{node}`` (orders delivered to D).
+  released), ``release_orders_total{node}`` (orders delivered to D);
+  ``retain_time_decisions_total{reason}`` (``prior``, ``learned``, ``headroom``) and
+  ``retain_seconds`` (histogram): the per-turn retention times sent to D.
 * ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out
   (``get``, ``put``, ``claim``, ``drop``, ``drop_node``, ``drop_engine``, ``decode``).
 * ``in_flight`` – generation requests in flight (streams until their end);
@@ -152,6 +154,14 @@ class RouterMetrics:
         )
         self.release_orders = Counter(
             _P + "release_orders_total", "Release orders delivered to D", ["node"], registry=r,
+        )
+        self.retain_decisions = Counter(
+            _P + "retain_time_decisions_total", "Per-turn retention times sent to D, by where "
+            "they came from", ["reason"], registry=r,
+        )
+        self.retain_seconds = Histogram(
+            _P + "retain_seconds", "Per-turn retention times sent to D (kvrelay_retain_s)",
+            buckets=_GAP_BUCKETS, registry=r,
         )
         self._retained: _Retained | None = None
         self._d_retention: _DRetention | None = None

@@ -68,6 +68,7 @@ class Planner:
                                     entry.created_at_s)
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
+            ctx.retention.observe_gap(req, gap_s)
         prompt, p = await self._prompt(req, found, p)
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")

@@ -18,8 +18,11 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
    (``take_releases``): entries the router dropped while D still held them. With Redis the
    queue is shared, so whichever replica D syncs with delivers it.
 
-``url`` is what decode requests carry as ``kvrelay_retention_url``, to D nodes that run
-kvrelay's connector (``NodeRegistry.manages_retention``).
+``decode_params`` gives a decode request to a D that runs kvrelay's connector
+(``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
+learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
+D keeps the turn, ``core.retention_time.decide_retain_s`` from the gaps between turns seen
+(``router.retain_times``, fed by ``observe_gap``) and D's free share at its last sync.
 """
 
 from __future__ import annotations
@@ -38,11 +41,14 @@ from kvrelay.core.retention_sync import (
     RetentionSyncError,
     decode_sync,
 )
+from kvrelay.core.retention_time import RetentionTimeConfig, decide_retain_s
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
 from kvrelay.router.index import ConversationIndex
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.request import TurnRequest
+from kvrelay.router.retain_times import RetainTimes
 from kvrelay.router.turn import Turn
 
 log = logging.getLogger("kvrelay.router")
@@ -65,7 +71,8 @@ class DRetention:
 
 
 class RetentionDesk:
-    """D's syncs and the router's orders for one router app (module docstring)."""
+    """D's syncs and the router's orders for one router app (module docstring).
+    ``learned``: how per-turn retention times are learned (``None``: none are sent)."""
 
     def __init__(
         self,
@@ -75,13 +82,20 @@ class RetentionDesk:
         clock: Callable[[], float],
         *,
         base_url: str,
+        learned: RetentionTimeConfig | None,
     ) -> None:
         self._index = index
         self._nodes = nodes
         self._metrics = metrics
         self._clock = clock
         self.url = base_url.rstrip("/") + RETENTION_PATH
+        self._learned = learned
+        self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
+
+    def observe_gap(self, req: TurnRequest, gap_s: float) -> None:
+        """A turn arrived ``gap_s`` after the turn it continues ended."""
+        self._gaps.observe(req, gap_s)
 
     def decode_params(
         self, turn: Turn, node: NodeConfig
@@ -91,8 +105,18 @@ class RetentionDesk:
         expiry on the router clock follows)."""
         if not self._nodes.manages_retention(node.node_id):
             return None, node.ttl_s
-        retain_s = node.ttl_s
-        return {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: retain_s}, retain_s
+        if self._learned is None:
+            return {RETENTION_URL_KEY: self.url}, node.ttl_s
+        state = self.latest(node.node_id)
+        decided = decide_retain_s(
+            self._gaps.histograms(turn.request), ttl_s=node.ttl_s,
+            free_fraction=state.free_fraction if state is not None else None,
+            config=self._learned,
+        )
+        self._metrics.child(self._metrics.retain_decisions, decided.reason).inc()
+        self._metrics.retain_seconds.observe(decided.retain_s)
+        turn.retain_s = decided.retain_s
+        return {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}, decided.retain_s
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, or once D went down or restarted)."""
