@@ -474,3 +474,28 @@ async def test_a_release_that_overtakes_the_commit_is_not_lost(
     found = await index.lookup(follow("early"))  # type: ignore[arg-type]
     assert found is not None and found.entry.released == "pressure"
     assert await index.claim(ref, found.entry) is None
+
+
+async def test_d_may_free_what_it_asks_for_unless_a_p_leg_reads_it(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """``releasing``: the entries are marked released at once (no claim takes them); the
+    answer leaves out a request a claimed P leg is still reading, until its read is done."""
+    index, _ = made
+    ref, pulled = stored_at(TURN1, "ask"), stored_at(TURN1, "read")
+    await index.put(ref, entry("d0", "A", request="idle"), tenant="t")
+    await index.put(pulled, entry("d0", "A", request="busy"), tenant="u")
+    claimed = await index.claim(pulled, entry("d0", "A", request="busy"))
+    assert claimed is not None
+    free = await index.release_requested("d0", "A", ["idle", "busy", "gone"])
+    assert sorted(free) == ["gone", "idle"]
+    assert await index.claim(ref, entry("d0", "A", request="idle")) is None
+    found = await index.lookup(follow("ask"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.released == "releasing"
+    await index.mark_released("d0", "A", [Released("idle", "headroom")])
+    found = await index.lookup(follow("ask"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.released == "headroom"
+    await index.read_done("d0", "busy")
+    assert await index.release_requested("d0", "A", ["busy"]) == ("busy",)
+    await index.put(pulled, entry("d0", "A", request="gone"), tenant="u")  # came late
+    assert await index.claim(pulled, entry("d0", "A", request="gone")) is None

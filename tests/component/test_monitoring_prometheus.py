@@ -16,8 +16,8 @@ import httpx
 import pytest
 
 from kvrelay.cluster.config import router_command
-from kvrelay.core.retention_sync import RETENTION_PATH, RetentionSync, encode
 from kvrelay.cluster.launcher import ServiceProcess
+from kvrelay.core.retention_sync import RETENTION_PATH, RetentionSync, encode
 from kvrelay.deploy.dashboard_png import render_png
 from kvrelay.deploy.panels import (
     RETAINED_TOKENS,

@@ -147,7 +147,7 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
         resp = await post_sync(r, sync_body(d.engine_id, released=(
             (entry.request_id, "pressure"), ("unknown-request", "expired"))))
         assert resp.status_code == 200, resp.text
-        assert resp.json() == {"release": []}
+        assert resp.json() == {"release": [], "dropped": []}
         found = await r.find({"model": "tiny", "messages": history})
         assert found is not None and found.entry.released == "pressure"
         async with r.client() as c:
@@ -325,3 +325,26 @@ async def test_no_learned_retention_sends_no_retain_s() -> None:
         params = r.cluster.decode[0].records[-1].request_kv_transfer_params
         assert params is not None and RETENTION_URL_KEY in params
         assert RETAIN_S_KEY not in params
+
+
+async def test_a_turn_d_asks_to_free_is_dropped_and_answered_then_recomputes_released(
+) -> None:
+    """D wants the blocks (pressure) and asks first (``releasing``): the router marks the
+    entry released (no pull can start), answers that D may free it (no P leg reads it), and
+    the next turn recomputes, reason ``released``."""
+    async with routed() as r:
+        d = r.cluster.decode[0]
+        history, entry = await one_first_turn(r)
+        body = encode(RetentionSync(
+            engine_id=d.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+            num_blocks_free=0, retained_requests=1, retained_blocks=4, retained_tokens=64,
+            releasing=(entry.request_id, "never-seen")))
+        resp = await post_sync(r, body)
+        assert resp.status_code == 200, resp.text
+        assert sorted(resp.json()["dropped"]) == sorted([entry.request_id, "never-seen"])
+        async with r.client() as c:
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-reason"] == "released"
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_release_requests_total",
+                      node=r.ctx.config.decode[0].node_id, answer="dropped") == 2

@@ -101,8 +101,8 @@ PANELS: tuple[Panel, ...] = (
            Query(f"max by (node) ({D_TOTAL_BLOCKS})", "total {{node}}"))),
     Panel("Retention releases by cause", "reqps",
           "Retained turns D released before a P read them: pressure (live work needed the "
-          "blocks), router (the router's order: a dropped entry), expired (the turn's "
-          "retention time ran out).",
+          "blocks), headroom (over the operator's share), router (the router's order: a "
+          "dropped entry), expired (the turn's retention time ran out).",
           (Query(f"max by (node, cause) (rate({D_RELEASES}[{RATE}]))",
                  "{{node}} {{cause}}"),)),
     Panel("Per-turn retention time", "s",

@@ -37,6 +37,13 @@ slot of its continuation. Contracts:
   one only when its ref has no other, so the turn recomputes with reason ``released``. A
   release of a request with no entry yet (D's sync overtook the turn's commit) is kept
   (bounded) and the entry ``put`` later is stored released.
+* D asks before it frees a turn itself (pressure, headroom: ``RetentionSync.releasing``).
+  ``release_requested(node_id, engine_id, ids)`` marks those entries released
+  (``RELEASING``; a release D reports later names the cause) so no claim can take them, and
+  returns the ids D may free now: those no P leg is reading. A claim counts as a read of the
+  claimed entry's D request id until ``read_done(node_id, request_id)`` (the P leg ended
+  and P provably read nothing more; a networked index lets an unfinished one lapse after
+  ``READ_TTL_S``).
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
@@ -118,6 +125,12 @@ class ConversationIndex(Protocol):
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[str, ...]: ...
 
+    async def release_requested(
+        self, node_id: str, engine_id: str, request_ids: Iterable[str]
+    ) -> tuple[str, ...]: ...
+
+    async def read_done(self, node_id: str, request_id: str) -> None: ...
+
     def retained_tokens(self, now_s: float) -> Mapping[str, int]: ...
 
     async def refresh(self, node_ids: list[str]) -> None: ...
@@ -144,6 +157,13 @@ def find_in_bucket(
             return slot
     return None
 
+
+RELEASING = "releasing"
+"""``ConversationEntry.released`` of an entry D asked to free (its cause comes later)."""
+
+READ_TTL_S = 600.0
+"""How long a networked index keeps a claimed entry's read in progress when the P leg never
+said it ended (a router that died mid-pull): P's read timeout, by default."""
 
 MAX_QUEUED_RELEASES = 4 * MAX_ORDERS
 """Release orders kept per D until its next sync (the oldest dropped beyond)."""
@@ -208,6 +228,7 @@ class InMemoryIndex:
         self._by_request: dict[tuple[str, str], dict[_Key, None]] = {}
         self._releases: dict[str, OrderedDict[tuple[str, str], None]] = {}
         self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._reading: dict[tuple[str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -284,7 +305,11 @@ class InMemoryIndex:
         if key is None:
             return None
         item = self._remove(key, release=False)
-        return item.entry if item is not None else None
+        if item is None:
+            return None
+        read = (item.entry.decode_node_id, item.entry.request_id)
+        self._reading[read] = self._reading.get(read, 0) + 1
+        return item.entry
 
     async def drop(
         self, ref: EntryRef, entry: ConversationEntry | None = None, *, release: bool = True
@@ -315,19 +340,43 @@ class InMemoryIndex:
     async def mark_released(
         self, node_id: str, engine_id: str, released: Iterable[Released]
     ) -> int:
+        return sum(self._mark(node_id, engine_id, one.request_id, one.cause)
+                   for one in released)
+
+    async def release_requested(
+        self, node_id: str, engine_id: str, request_ids: Iterable[str]
+    ) -> tuple[str, ...]:
+        free: list[str] = []
+        for request_id in request_ids:
+            self._mark(node_id, engine_id, request_id, RELEASING)
+            if (node_id, request_id) not in self._reading:
+                free.append(request_id)
+        return tuple(free)
+
+    async def read_done(self, node_id: str, request_id: str) -> None:
+        read = (node_id, request_id)
+        left = self._reading.get(read, 0) - 1
+        if left > 0:
+            self._reading[read] = left
+        else:
+            self._reading.pop(read, None)
+
+    def _mark(self, node_id: str, engine_id: str, request_id: str, cause: str) -> int:
+        """Mark the entries of D's ``request_id`` released (a cause replaces
+        ``RELEASING``); one not stored yet is remembered for ``put``. Returns how many."""
+        keys = self._by_request.get((node_id, request_id))
+        if not keys:
+            self._released_early[(node_id, engine_id, request_id)] = cause
+            while len(self._released_early) > MAX_QUEUED_RELEASES:
+                self._released_early.popitem(last=False)
+            return 0
         marked = 0
-        for one in released:
-            keys = self._by_request.get((node_id, one.request_id))
-            if not keys:
-                self._released_early[(node_id, engine_id, one.request_id)] = one.cause
-                while len(self._released_early) > MAX_QUEUED_RELEASES:
-                    self._released_early.popitem(last=False)
-                continue
-            for key in keys:
-                item = self._items[key]
-                if item.entry.decode_engine_id == engine_id and item.entry.released is None:
-                    item.entry = replace(item.entry, released=one.cause)
-                    marked += 1
+        for key in keys:
+            item = self._items[key]
+            if item.entry.decode_engine_id == engine_id \
+                    and item.entry.released in (None, RELEASING):
+                item.entry = replace(item.entry, released=cause)
+                marked += 1
         return marked
 
     async def take_releases(

@@ -20,7 +20,9 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use (a counter, ``{ns}:seq``,
   so order is exact however fast the calls come): the per-tenant and total caps evict the
   least recently used.
-* ``{ns}:q:{node_id}:{request_id}`` – D's request id to its entry's key (``mark_released``).
+* ``{ns}:q:{node_id}:{request_id}`` – D's request id to its entry's key (``mark_released``;
+  ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
+  claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
 * ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
   every entry the index drops but a claim, a released one and ``drop_node``/``drop_engine``
   queues one in the same script, so whichever replica D syncs with delivers it
@@ -68,6 +70,7 @@ from kvrelay.core.retention_sync import MAX_ORDERS, Released
 from kvrelay.router.index import (
     MAX_ENTRIES_PER_REF,
     MAX_QUEUED_RELEASES,
+    READ_TTL_S,
     EntryRef,
     Found,
     IndexUnavailable,
@@ -230,18 +233,25 @@ return {evicted, redis.call('ZCARD', KEYS[6]), overflow}
 """
 
 # claim: KEYS = the entry's key, its ref set; ARGV = id, exp (wall s), tolerance, the entry
-# key prefix of the ref. Removes the entry if it is still the expected one and D holds it,
-# else another entry of the ref D holds; returns {key, json, '1' if it was the expected one
-# else '0'} of what it removed, or {}.
+# key prefix of the ref, how long the read it starts may last (ms; '{request key}:r').
+# Removes the entry if it is still the expected one and D holds it, else another entry of
+# the ref D holds, and marks its read in progress; returns {key, json, '1' if it was the
+# expected one else '0'} of what it removed, or {}.
 _CLAIM = _REMOVE + """
+local function reading(k)
+  local q = redis.call('HGET', k, 'qx')
+  if q then redis.call('SET', q .. ':r', '1', 'PX', ARGV[5]) end
+end
 local cur = redis.call('HMGET', KEYS[1], 'id', 'exp', 'rel', 'json')
 if cur[1] and cur[1] == ARGV[1] and not cur[3]
     and math.abs(tonumber(cur[2]) - tonumber(ARGV[2])) <= tonumber(ARGV[3]) then
+  reading(KEYS[1])
   remove(KEYS[1], 0)
   return {KEYS[1], cur[4], '1'}
 end
 local hit = best(KEYS[2], ARGV[4], true)
 if hit then
+  reading(hit[1])
   remove(hit[1], 0)
   return {hit[1], hit[2], '0'}
 end
@@ -306,17 +316,34 @@ _MARK_RELEASED = """
 local n = 0
 for i = 1, #KEYS do
   local k = redis.call('GET', KEYS[i])
-  if not k then
-    redis.call('SET', KEYS[i], '!' .. ARGV[1] .. '\t' .. ARGV[i + 1], 'PX', @QTTL@)
-  elseif string.sub(k, 1, 1) ~= '!' then
+  if k and string.sub(k, 1, 1) ~= '!' then
     local v = redis.call('HMGET', k, 'engine', 'rel')
-    if v[1] == ARGV[1] and not v[2] then
+    if v[1] == ARGV[1] and (not v[2] or v[2] == 'releasing') then
       redis.call('HSET', k, 'rel', ARGV[i + 1])
       n = n + 1
     end
+  else
+    redis.call('SET', KEYS[i], '!' .. ARGV[1] .. '\t' .. ARGV[i + 1], 'PX', @QTTL@)
   end
 end
 return n
+""".replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
+
+# D asks to free these: KEYS = request keys, ARGV[1] = D's engine id. Marks them released
+# ('releasing', as _MARK_RELEASED) and returns the (1-based) indexes no read is running for.
+_RELEASE_REQUESTED = """
+local out = {}
+for i = 1, #KEYS do
+  local k = redis.call('GET', KEYS[i])
+  if not k or string.sub(k, 1, 1) == '!' then
+    redis.call('SET', KEYS[i], '!' .. ARGV[1] .. '\treleasing', 'PX', @QTTL@)
+  else
+    local v = redis.call('HMGET', k, 'engine', 'rel')
+    if v[1] == ARGV[1] and not v[2] then redis.call('HSET', k, 'rel', 'releasing') end
+  end
+  if redis.call('EXISTS', KEYS[i] .. ':r') == 0 then table.insert(out, i) end
+end
+return out
 """.replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
 # the release orders queued for D: KEYS = D's queue; ARGV = D's engine id, how many at most.
@@ -458,6 +485,7 @@ class RedisIndex:
         self._retained_script = client.register_script(_RETAINED)
         self._mark_released = client.register_script(_MARK_RELEASED)
         self._take_releases = client.register_script(_TAKE_RELEASES)
+        self._release_requested = client.register_script(_RELEASE_REQUESTED)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.05, **kwargs: Any) -> RedisIndex:
@@ -596,7 +624,7 @@ class RedisIndex:
         result = await self._quiet("claim", self._claim(
             keys=[self.entry_key(ref, entry), self.ref_key(ref)],
             args=[entry_identity(entry), repr(expires_wall), repr(self._tolerance),
-                  self._entry_prefix(ref)],
+                  self._entry_prefix(ref), math.ceil(READ_TTL_S * 1000)],
         ), None)
         if not result:
             return None
@@ -643,6 +671,20 @@ class RedisIndex:
             keys=[self._request_key(node_id, r.request_id) for r in items],
             args=[engine_id, *(r.cause for r in items)],
         ), 0))
+
+    async def release_requested(
+        self, node_id: str, engine_id: str, request_ids: Iterable[str]
+    ) -> tuple[str, ...]:
+        ids = list(request_ids)
+        if not ids:
+            return ()
+        result = await self._quiet("release", self._release_requested(
+            keys=[self._request_key(node_id, i) for i in ids], args=[engine_id]), None)
+        return tuple(ids[int(i) - 1] for i in result or ())
+
+    async def read_done(self, node_id: str, request_id: str) -> None:
+        await self._quiet("release", self._client.delete(
+            self._request_key(node_id, request_id) + ":r"), None)
 
     async def take_releases(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS

@@ -34,7 +34,9 @@ Names (all prefixed ``kvrelay_router_``):
   ``expired``); the router's side: ``retention_syncs_total{outcome}`` (``ok``,
   ``invalid``, ``unknown_engine``), ``retention_releases_seen_total{node,cause}`` (releases
   the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
-  released), ``release_orders_total{node}`` (orders delivered to D);
+  released), ``release_orders_total{node}`` (orders delivered to D),
+  ``release_requests_total{node,answer}`` (turns D asked to free: ``dropped``, or
+  ``reading`` while a P leg reads them);
   ``retain_time_decisions_total{reason}`` (``prior``, ``learned``, ``headroom``) and
   ``retain_seconds`` (histogram): the per-turn retention times sent to D.
 * ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out
@@ -151,6 +153,11 @@ class RouterMetrics:
         self.entries_released = Counter(
             _P + "entries_released_total", "Entries marked released by D's syncs",
             ["node"], registry=r,
+        )
+        self.release_requests = Counter(
+            _P + "release_requests_total", "Turns D asked to free itself, by the router's "
+            "answer (dropped: D may free it; reading: a P leg reads it)", ["node", "answer"],
+            registry=r,
         )
         self.release_orders = Counter(
             _P + "release_orders_total", "Release orders delivered to D", ["node"], registry=r,

@@ -121,6 +121,7 @@ class Planner:
         if again.action == "pull":
             return other, again
         await ctx.index.put(found.ref, claimed, tenant=req.tenant)
+        await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
         return found, self._decide(None, prompt, p)
 
     def _decide(self, found: Found | None, prompt: Prompt, p: NodeConfig) -> TurnDecision:

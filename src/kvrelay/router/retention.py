@@ -14,9 +14,14 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 3. keeps D's own numbers (retained requests, blocks, tokens, bytes; free and total blocks;
    releases by cause since D started) for ``/stats`` (``snapshot``) and the metrics, and
    counts the releases the sync told of by cause;
-4. answers ``RetentionOrders``: the release orders the index queued for that D and engine
+4. for the turns D asks to free itself (``releasing``: pressure, headroom), marks their
+   entries released so no claim takes them, and answers in ``dropped`` those no P leg is
+   reading (``ConversationIndex.release_requested``; a claim counts as a read until the P
+   leg ends, ``prefill``); D frees exactly those;
+5. answers ``RetentionOrders``: the release orders the index queued for that D and engine
    (``take_releases``): entries the router dropped while D still held them. With Redis the
-   queue is shared, so whichever replica D syncs with delivers it.
+   queue and the reads in progress are shared, so whichever replica D syncs with answers
+   for all of them.
 
 ``decode_params`` gives a decode request to a D that runs kvrelay's connector
 (``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
@@ -148,10 +153,18 @@ class RetentionDesk:
                     self._metrics.child(self._metrics.releases_seen, node_id, cause).inc(n)
             if marked:
                 self._metrics.child(self._metrics.entries_released, node_id).inc(marked)
+        dropped: tuple[str, ...] = ()
+        if sync.releasing:
+            dropped = await self._index.release_requested(node_id, sync.engine_id,
+                                                          sync.releasing)
+            reading = len(sync.releasing) - len(dropped)
+            for answer, n in (("dropped", len(dropped)), ("reading", reading)):
+                if n:
+                    self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
         orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
-        return RetentionOrders(release=orders)
+        return RetentionOrders(release=orders, dropped=dropped)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """``/stats``' ``retention``: per D, its latest numbers (D's own counts)."""
