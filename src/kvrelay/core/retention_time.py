@@ -36,6 +36,7 @@ from typing import Literal
 import msgspec
 
 from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S
+from kvrelay.core.policy import PolicyConfig
 
 GAP_MIN_S = 0.25
 GAP_MAX_S = 7200.0
@@ -97,11 +98,12 @@ class GapHistogram(msgspec.Struct, frozen=True):
 @dataclass(frozen=True)
 class RetentionTimeConfig:
     """Operator knobs (module docstring). ``router_margin_s`` must be the router's
-    ``ttl_safety_margin_s + near_expiry_s``."""
+    ``ttl_safety_margin_s + near_expiry_s`` (the defaults: ``tune.model``'s
+    ``DEFAULT_ROUTER_MARGIN_S``)."""
 
     quantile: float = 0.95
     min_samples: int = 32
-    router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + 15.0
+    router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + PolicyConfig().near_expiry_s
     min_window_s: float = 5.0
     low_free_fraction: float = 0.2
     min_scale: float = 0.25
