@@ -17,6 +17,7 @@ import pytest
 
 from kvrelay.cluster.config import router_command
 from kvrelay.cluster.launcher import ServiceProcess
+from kvrelay.core.retention_sync import RETENTION_PATH, RetentionSync, encode
 from kvrelay.deploy.dashboard_png import render_png
 from kvrelay.deploy.panels import (
     RETAINED_TOKENS,
@@ -49,9 +50,21 @@ def prometheus_binary() -> str:
 
 
 class Rig:
-    def __init__(self, router: str, prefill: str, decode: str, prometheus: str) -> None:
-        self.router, self.prefill, self.decode = router, prefill, decode
+    def __init__(self, router: str, internal: str, prefill: str, decode: str,
+                 prometheus: str) -> None:
+        self.router, self.internal, self.prefill, self.decode = router, internal, prefill, decode
         self.prometheus = PrometheusClient(prometheus)
+
+    def sync(self, engine_id: str, round_: int) -> None:
+        """A retention sync of D's (written here; an engine with kvrelay's retention sends its
+        own) whose releases grow each round, so the retention panels have data."""
+        body = encode(RetentionSync(
+            engine_id=engine_id, block_size=128, bytes_per_block=1 << 20,
+            num_blocks_total=256, num_blocks_free=200 - round_, retained_requests=round_ + 1,
+            retained_blocks=round_ + 4, retained_tokens=(round_ + 4) * 128,
+            releases_total={"pressure": round_, "router": 2 * round_, "expired": 0}))
+        resp = httpx.post(self.internal + RETENTION_PATH, content=body, timeout=10)
+        assert resp.status_code == 200, resp.text
 
     def turn(self, messages: list[dict[str, str]], conversation_id: str,
              stream: bool) -> tuple[int, str]:
@@ -76,12 +89,12 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
         [f"http://127.0.0.1:{base}/health", f"http://127.0.0.1:{base + 1}/health"],
         tmp_path / "engines.log", ready_timeout_s=120)
     prefill, decode = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
-    router_port, prometheus_port = free_ports(2)
+    router_port, internal_port, prometheus_port = free_ports(3)
     router_url = f"http://127.0.0.1:{router_port}"
     router = ServiceProcess(
         "router",
         router_command([prefill], [decode], host="127.0.0.1", port=router_port, ttl_s=480,
-                       block_size=128,
+                       block_size=128, internal_port=internal_port,
                        extra=["--state", redis_server.url, "--health-interval-s", "1",
                               "--state-timeout-ms", "500", "--fixed-costs", fixed_costs_flag()]),
         [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
@@ -91,7 +104,8 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
                                     prometheus_port, interval_s=SCRAPE_INTERVAL_S)
     with engines, router, prometheus:
         assert prometheus.url is not None
-        yield Rig(router_url, prefill, decode, prometheus.url)
+        yield Rig(router_url, f"http://127.0.0.1:{internal_port}", prefill, decode,
+                  prometheus.url)
     shutil.rmtree(tmp_path / "prometheus", ignore_errors=True)
 
 
@@ -104,6 +118,7 @@ def run_traffic(rig: Rig, redis_server: RedisServer) -> None:
         assert time.monotonic() < deadline, "Prometheus never scraped all three targets"
         time.sleep(0.5)
     conversations: list[list[dict[str, str]]] = []
+    engine_id = httpx.get(f"{rig.decode}/fake/info", timeout=10).json()["engine_id"]
     for round_ in range(ROUNDS):
         # Each round starts a conversation (a recompute) and continues the others (pulls).
         conversations.append([
@@ -114,6 +129,7 @@ def run_traffic(rig: Rig, redis_server: RedisServer) -> None:
             assert status == 200
             messages += [{"role": "assistant", "content": "ok"},
                          {"role": "user", "content": f"Round {round_}."}]
+        rig.sync(engine_id, round_)  # (the router knows D's engine id from its answers now)
         time.sleep(SCRAPE_INTERVAL_S * 1.5)
     httpx.post(f"{rig.decode}/fake/faults", json={"error_status": 500, "error_count": 1},
                timeout=10).raise_for_status()

@@ -208,6 +208,14 @@ def test_no_entry() -> None:
     assert_recompute(decide(next_turn_prompt(), entry=None), "no_entry")
 
 
+def test_a_released_entry_is_never_pulled() -> None:
+    """D freed the blocks (its sync said so): recompute, whatever else holds."""
+    for cause in ("pressure", "router", "expired"):
+        released = replace(ENTRY, released=cause)
+        assert_recompute(decide(next_turn_prompt(), entry=released), "released")
+    assert_pull(decide(next_turn_prompt(), entry=ENTRY), 2056)
+
+
 def test_expiry_boundary() -> None:
     assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S), "expired")
     assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S + 100), "expired")

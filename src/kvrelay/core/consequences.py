@@ -31,7 +31,10 @@ answer that is not what vLLM sends (``protocol``)."""
 
 DecodeRetry = Literal["none", "same_params", "fresh_prefill"]
 
-_INVALIDATING = frozenset({"expired", "near_expiry", "node_down", "engine_restarted"})
+_INVALIDATING = frozenset({"expired", "near_expiry", "node_down", "engine_restarted",
+                           "released"})
+_BLOCKS_GONE = frozenset({"node_down", "engine_restarted", "released"})
+"""Dropping such an entry orders no release: D lost the blocks, or freed them already."""
 
 
 class EntryFate(msgspec.Struct, frozen=True):
@@ -41,18 +44,23 @@ class EntryFate(msgspec.Struct, frozen=True):
     drop: bool
     purge_engine: bool
     reason: str
+    release: bool = False
+    """Whether the drop orders D to release the blocks (it may still hold them)."""
 
 
 def entry_fate(decision: TurnDecision) -> EntryFate:
     """``pull`` claims (single use); ``expired``/``near_expiry``/``node_down``/
-    ``engine_restarted`` drop it (and a restart purges every entry of that engine); other
-    decisions leave it for a later turn (it is superseded when this turn commits)."""
+    ``engine_restarted``/``released`` drop it (and a restart purges every entry of that
+    engine), ordering D to release it unless D's blocks are gone already; other decisions
+    leave it for a later turn (it is superseded, and released, when this turn commits)."""
     reason = decision.reason
+    drop = reason in _INVALIDATING
     return EntryFate(
         claim=decision.action == "pull",
-        drop=reason in _INVALIDATING,
+        drop=drop,
         purge_engine=reason == "engine_restarted",
         reason=reason,
+        release=drop and reason not in _BLOCKS_GONE,
     )
 
 

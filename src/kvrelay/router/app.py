@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrelay.core.retention_time import RetentionTimeConfig
 from kvrelay.router.admin import internal_routes, public_routes
 from kvrelay.router.asgi import Receive, Route, Routes, Scope, Send, send_error
 from kvrelay.router.auth import Authenticator
@@ -32,6 +33,7 @@ from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.request import PATHS
+from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
 from kvrelay.router.turnlog import TurnLogWriter
@@ -166,6 +168,13 @@ def create_app(
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
         auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
+        retention=RetentionDesk(
+            index, nodes, metrics, clock, base_url=config.internal_base_url,
+            learned=RetentionTimeConfig(
+                quantile=config.retain_quantile,
+                router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
+            ) if config.learned_retention else None,
+        ),
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,
@@ -174,6 +183,7 @@ def create_app(
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
     metrics.track_retained_tokens(lambda: ctx.index.retained_tokens(ctx.clock()))
+    metrics.track_d_retention(ctx.retention.gauges)
     generation = GenerationHandler(ctx)
     public = Routes([
         Route("/v1/chat/completions", frozenset({"POST"}), generation.route("chat")),
@@ -198,6 +208,7 @@ def _default_index(
             max_entries=config.max_entries,
             max_per_tenant=config.tenant_entries,
             on_error=lambda op: metrics.state_errors.labels(op).inc(),
+            on_evict=lambda why, count: metrics.dropped.labels(why).inc(count),
         )
 
     def evicted(entry: Any, why: str) -> None:

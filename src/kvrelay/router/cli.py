@@ -71,6 +71,14 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "prefill_s_per_token=1e-4,pull_s_per_token=1e-6")
     parser.add_argument("--direct", action="store_true", default=None,
                         help="enable the direct action (whole turn to the holding D)")
+    parser.add_argument("--no-learned-retention", dest="learned_retention",
+                        action="store_false", default=None,
+                        help="send D no per-turn retention time (kvrelay_retain_s): D keeps "
+                             "every turn its TTL (default: learned from the gaps between "
+                             "turns, docs/router.md \"Retention\")")
+    parser.add_argument("--retain-quantile", type=float, default=None,
+                        help="share of returning follow-ups the learned retention time "
+                             "waits for (default 0.95)")
     parser.add_argument("--report-wait-s", type=float, default=None)
     parser.add_argument("--health-interval-s", type=float, default=None)
     parser.add_argument("--max-entries", type=int, default=None,
@@ -148,6 +156,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "costs": getattr(args, "fixed_costs", None),
         "learn_costs": False if getattr(args, "fixed_costs", None) is not None else None,
         "direct_enabled": args.direct,
+        "learned_retention": getattr(args, "learned_retention", None),
+        "retain_quantile": getattr(args, "retain_quantile", None),
         "report_wait_s": args.report_wait_s,
         "health_interval_s": args.health_interval_s,
         "max_entries": getattr(args, "max_entries", None),

@@ -137,7 +137,10 @@ class RouterConfig:
     kvrelay's connector, else ``tokenize``). ``session_headers`` carry a client's own
     conversation id, which narrows the lookup. D's reports go to the internal listener
     (``internal_host``:``internal_port``, default ``port + 1``; 0: any free port, bound when
-    the server starts), which D reaches as ``internal_url``.
+    the server starts), which D reaches as ``internal_url``. ``learned_retention``: tell a D
+    running kvrelay's connector how long to keep each turn (``kvrelay_retain_s``, the
+    ``retain_quantile`` of the gaps between turns seen, ``core.retention_time``); off, D keeps
+    every turn its TTL.
 
     ``costs`` are the prefill and pull lines each P's cost estimates start from (``None``:
     ``core.costs``' priors); with ``learn_costs=False`` the router never updates them from
@@ -172,6 +175,8 @@ class RouterConfig:
     max_entries_per_tenant: int | None = None
     expired_retention_s: float = 300.0
     recent_decisions: int = 100
+    learned_retention: bool = True
+    retain_quantile: float = 0.95
     log_level: str = "info"
     state: str | None = None
     state_timeout_ms: float = 50.0
@@ -226,6 +231,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.health_failures_to_down < 1 or self.max_connections < 1:
             raise ConfigError("health_failures_to_down and max_connections must be >= 1")
+        if not 0.0 < self.retain_quantile <= 1.0:
+            raise ConfigError("retain_quantile must be in (0, 1]")
         if self.max_entries < 1 or self.recent_decisions < 0:
             raise ConfigError("max_entries must be >= 1 and recent_decisions >= 0")
         for node in self.decode:
@@ -252,15 +259,20 @@ class RouterConfig:
         return self.internal_port if self.internal_port is not None else self.port + 1
 
     @property
-    def report_url(self) -> str:
-        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+    def internal_base_url(self) -> str:
+        """How D reaches the internal listener: ``internal_url``, else its host and port."""
         base = self.internal_url
         if base is None:
             host = self.internal_host
             host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
             host = f"[{host}]" if ":" in host else host
             base = f"http://{host}:{self.listen_internal_port}"
-        return base.rstrip("/") + "/internal/kv-report"
+        return base.rstrip("/")
+
+    @property
+    def report_url(self) -> str:
+        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+        return self.internal_base_url + "/internal/kv-report"
 
     @property
     def tenant_in_flight(self) -> int:
@@ -515,6 +527,8 @@ ENV_KEYS = {
     "STATE_TIMEOUT_MS": "state_timeout_ms",
     "DEPLOYMENT": "deployment",
     "TURN_LOG": "turn_log",
+    "LEARNED_RETENTION": "learned_retention",
+    "RETAIN_QUANTILE": "retain_quantile",
 }
 
 
@@ -526,14 +540,14 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         value = env.get(ENV_PREFIX + suffix)
         if value is None or value == "":
             continue
-        if key == "direct_enabled":
+        if key in ("direct_enabled", "learned_retention"):
             out[key] = value.strip().lower() in ("1", "true", "yes", "on")
         elif suffix == "FIXED_COSTS":  # fixed: given and never learned
             out["costs"] = value
             out.setdefault("learn_costs", "false")
         elif key in ("kv_recompute_threshold", "block_size"):
             out[key] = _number(suffix, value, int)
-        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s"):
+        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s", "retain_quantile"):
             out[key] = _number(suffix, value, float)
         else:
             out[key] = value

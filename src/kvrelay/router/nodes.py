@@ -18,7 +18,9 @@ another replica wrote after this router last saw the node.
 
 Capabilities, learned from the params a node returns: a P whose answers carry
 ``kvrelay_guard`` verifies pulls itself; a D whose retained params (in its answers or in a
-checked report) carry a fingerprint needs no ``return_token_ids``.
+checked report) carry a fingerprint needs no ``return_token_ids``, and one whose retained
+params carry ``kvrelay_guard`` runs kvrelay's connector: it syncs its retention with the
+router (``router.retention``).
 
 Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight.
 ``CostEstimates`` are kept per P node: its prefill line and the line of its pulls from any D,
@@ -55,6 +57,7 @@ class _Node:
     report_identity: tuple[str, str, int] | None = None
     verifies_pulls: bool = False
     fingerprints: bool = False
+    retains: bool = False
     streams_params: bool = False
     block_size: int | None = None
     outstanding_requests: int = 0
@@ -155,6 +158,22 @@ class NodeRegistry:
         mode = self._config.guard
         return mode == "connector" or (mode == "auto" and self._nodes[node_id].fingerprints)
 
+    def manages_retention(self, node_id: str) -> bool:
+        """Whether D runs kvrelay's connector (its retained params carry ``kvrelay_guard``,
+        or ``guard=connector`` says so), so it accounts retention, syncs it with the router
+        and reads ``kvrelay_retain_s``."""
+        mode = self._config.guard
+        return mode == "connector" or (mode == "auto" and self._nodes[node_id].retains)
+
+    def decode_node_for_engine(self, engine_id: str) -> str | None:
+        """The D whose current engine id (``trusted_identity``) is ``engine_id``, if any."""
+        for node_id in self._order:
+            node = self._nodes[node_id]
+            if node.config.role == "decode" and engine_id \
+                    and self.trusted_identity(node_id)[0] == engine_id:
+                return node_id
+        return None
+
     def streams_params(self, node_id: str) -> bool:
         """Whether D's last stream ended with its params on the final chunk (vLLM >= 0.33):
         then its streams need no report. Learned per node, so a D that stops doing it (a
@@ -188,6 +207,7 @@ class NodeRegistry:
         committed)."""
         node = self._nodes[node_id]
         node.fingerprints = blocks.fingerprint is not None
+        node.retains = blocks.guard_version is not None
         if node.engine_id is None and node.report_identity is None:
             node.report_identity = (blocks.engine_id, blocks.host, blocks.port)
 
@@ -210,6 +230,7 @@ class NodeRegistry:
             node.verifies_pulls = blocks.guard_version is not None
         else:
             node.fingerprints = blocks.fingerprint is not None
+            node.retains = blocks.guard_version is not None
             node.side_channel = (blocks.host, blocks.port)
             if blocks.block_size is not None and node.config.block_size is None:
                 node.block_size = blocks.block_size

@@ -10,6 +10,10 @@ and it feeds P's timing, on the router clock (``ctx.clock``, injectable like eve
 to the cost estimates (``core.consequences.learn_prefill``) unless ``learn_costs`` is off
 (fixed costs: no decision then depends on how fast this machine was).
 
+The claimed entry's read ends with the pull (``ConversationIndex.read_done``): when P
+answered, or never received it; a pull P may still be reading (a timeout, a reset, the
+client gone) stays a read in progress, so D is not told it may free those blocks.
+
 A failed P call is retried once on another P (the same one if it is the only P). A pull
 that P never received (connection refused, or a 503) is retried as the same pull, since
 D's blocks are untouched; otherwise the retry recomputes and the entry stays spent (P may
@@ -76,23 +80,33 @@ class Prefiller:
         node = turn.prefill_node
         if node is None or not ctx.nodes.is_up(node.node_id):
             node = ctx.nodes.choose_prefill()
-        if node is None:
-            raise RouterError(503, "no prefill node is up")
-        for attempt in (0, 1):
-            params = self._pull_params(turn) if pull else _RECOMPUTE
-            try:
-                return await self._once(turn, node, params, pull=pull)
-            except UpstreamError as exc:
-                await ctx.nodes.request_failed(exc)
-                if not prefill_retry(exc.kind, exc.status, attempt):
-                    raise exc.to_router_error("prefill") from exc
-                ctx.metrics.retries.labels("prefill").inc()
-                turn.retries += 1
-                node = ctx.nodes.choose_prefill(frozenset({node.node_id})) or node
-                if pull and params_spent(exc.kind, exc.status):
-                    pull = False
-                    turn.refused = "prefill_failed"
-        raise AssertionError("unreachable")
+        claimed = turn.found.entry if pull and turn.found is not None else None
+        spent = False
+        try:
+            if node is None:
+                raise RouterError(503, "no prefill node is up")
+            for attempt in (0, 1):
+                params = self._pull_params(turn) if pull else _RECOMPUTE
+                try:
+                    return await self._once(turn, node, params, pull=pull)
+                except UpstreamError as exc:
+                    spent = spent or (pull and params_spent(exc.kind, exc.status))
+                    await ctx.nodes.request_failed(exc)
+                    if not prefill_retry(exc.kind, exc.status, attempt):
+                        raise exc.to_router_error("prefill") from exc
+                    ctx.metrics.retries.labels("prefill").inc()
+                    turn.retries += 1
+                    node = ctx.nodes.choose_prefill(frozenset({node.node_id})) or node
+                    if pull and params_spent(exc.kind, exc.status):
+                        pull = False
+                        turn.refused = "prefill_failed"
+                except BaseException:
+                    spent = spent or pull  # cancelled mid-pull: P may still be reading
+                    raise
+            raise AssertionError("unreachable")
+        finally:
+            if claimed is not None and not spent:
+                await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
 
     def _pull_params(self, turn: Turn) -> dict[str, object]:
         """D's retained params as the policy sent them, addressed as P reaches D."""

@@ -206,14 +206,19 @@ def decode_body(
     *,
     report: tuple[str, str] | None,
     token_ids: bool,
+    retention: Mapping[str, object] | None = None,
 ) -> bytes:
     """D's request: the client's body plus params, the report target ``(url, turn_id)``
-    inside the params (where kvrelay's connector reads it), and ``return_token_ids`` when
-    the router needs D's ids (``/tokenize`` mode)."""
+    inside the params (where kvrelay's connector reads it), kvrelay's retention keys
+    (``retention``: ``kvrelay_retention_url``, ``kvrelay_retain_s``; D with kvrelay's
+    connector only), and ``return_token_ids`` when the router needs D's ids (``/tokenize``
+    mode)."""
     body = dict(req.body)
     params = dict(kv_transfer_params)
     if report is not None:
         params[REPORT_URL_KEY], params[REPORT_TURN_KEY] = report
+    if retention is not None:
+        params.update(retention)
     if token_ids:
         body["return_token_ids"] = True
     body["kv_transfer_params"] = params
