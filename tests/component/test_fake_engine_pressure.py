@@ -16,12 +16,20 @@ from typing import Any
 import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
-from kvrelay.core.retention_sync import RETAIN_S_KEY, RETAIN_VALUE_KEY
+from kvrelay.core.retention_sync import RETAIN_S_KEY, RETAIN_VALUE_KEY, RETENTION_URL_KEY
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.generation import GenerationInput, admit
 from kvrelay.fakevllm.latency import LatencyModel
 from kvrelay.fakevllm.model import FakeModel
-from tests.component.fake_engine_helpers import BLOCK, cdiv, chat, text_of, until, user
+from tests.component.fake_engine_helpers import (
+    BLOCK,
+    RouterStandIn,
+    cdiv,
+    chat,
+    text_of,
+    until,
+    user,
+)
 
 GEN = 16
 MANAGED = FakeEngineConfig(report_delay_s=0.0, kv_lease_duration=1e6)
@@ -45,9 +53,12 @@ async def prefill(p: FakeEngine, messages: list[dict[str, Any]]) -> dict[str, An
 
 
 async def turn(p: FakeEngine, d: FakeEngine, messages: list[dict[str, Any]],
-               **extra: Any) -> Any:
-    """Turn 1 of a conversation: P prefills, D decodes and retains."""
+               router: RouterStandIn | None = None, **extra: Any) -> Any:
+    """Turn 1 of a conversation: P prefills, D decodes and retains (syncing with
+    ``router``, whom D asks before it frees the turn under pressure)."""
     params = await prefill(p, messages)
+    if router is not None:
+        extra[RETENTION_URL_KEY] = router.url
     return await chat(d, messages, max_tokens=GEN, kv_transfer_params={**params, **extra})
 
 
@@ -196,14 +207,15 @@ async def test_a_request_larger_than_the_whole_cache_is_refused_not_queued(
 # -- kvrelay's retention ------------------------------------------------------------------
 
 
-async def test_managed_retention_releases_the_oldest_turn_before_anyone_waits(
+async def test_managed_retention_frees_the_oldest_turn_for_a_request_that_does_not_fit(
         clock: ManualClock, model: FakeModel, turn_blocks: int) -> None:
-    async with cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
+    async with RouterStandIn() as router, \
+            cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
-        first = [await turn(p, d, conversation(0))]
+        first = [await turn(p, d, conversation(0), router)]
         clock.advance(1)  # turn 0 is the older
-        first.append(await turn(p, d, conversation(1)))
-        await turn(p, d, conversation(2))  # answered at once: no waiting
+        first.append(await turn(p, d, conversation(1), router))
+        await turn(p, d, conversation(2), router)  # served once the router let D free one
         retention = d.state.retention
         assert retention is not None and retention.releases_total["pressure"] == 1
         assert gauge(d, "vllm:num_requests_waiting") == 0.0
@@ -219,12 +231,13 @@ async def test_managed_retention_releases_the_oldest_turn_before_anyone_waits(
 
 async def test_managed_retention_releases_the_least_valuable_turn_first(
         clock: ManualClock, model: FakeModel, turn_blocks: int) -> None:
-    async with cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
+    async with RouterStandIn() as router, \
+            cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
-        valued = await turn(p, d, conversation(0), **{RETAIN_VALUE_KEY: 5.0})
+        valued = await turn(p, d, conversation(0), router, **{RETAIN_VALUE_KEY: 5.0})
         clock.advance(1)
-        cheap = await turn(p, d, conversation(1))
-        await turn(p, d, conversation(2))
+        cheap = await turn(p, d, conversation(1), router)
+        await turn(p, d, conversation(2), router)
         held = {h.request_id for h in d.held()}
         assert valued["kv_transfer_params"]["remote_request_id"] in held
         assert cheap["kv_transfer_params"]["remote_request_id"] not in held
@@ -238,10 +251,13 @@ async def test_managed_turn_is_released_at_its_own_deadline_and_its_read_decline
         asked_too_long = await turn(p, d, conversation(1), **{RETAIN_S_KEY: 1e9})
         default = await turn(p, d, conversation(2))
         deadlines = {h.request_id: h.expires_at - clock() for h in d.held()}
-        ids = [r["kv_transfer_params"]["remote_request_id"]
-               for r in (short, asked_too_long, default)]
+        answers = (short, asked_too_long, default)
+        ids = [r["kv_transfer_params"]["remote_request_id"] for r in answers]
         ttl = MANAGED.decoder_kv_blocks_ttl
         assert [deadlines[i] for i in ids] == [10.0, ttl, ttl]  # clamped to D's TTL
+        stamped = [r["kv_transfer_params"]["remote_blocks_expiry_time"] - clock()
+                   for r in answers]
+        assert stamped == [10.0, ttl, ttl]  # P declines reads near the turn's own deadline
         clock.advance(11)
         assert {h.request_id for h in d.held()} == set(ids[1:])
         retention = d.state.retention
@@ -258,24 +274,25 @@ async def test_a_turn_being_read_is_never_released(
     slow_read = replace(MANAGED, latency=LatencyModel(transfer_overhead_s=TransferGate.SECONDS))
     async with FakeCluster(1, 1, prefill_config=replace(slow_read, enable_prefix_caching=False),
                            decode_config=d_config(MANAGED, 2, turn_blocks), clock=clock,
-                           model=model, sleep=gate) as cluster:
+                           model=model, sleep=gate) as cluster, RouterStandIn() as router:
         p, d = cluster.prefill[0], cluster.decode[0]
         gate.open.set()
-        first = [await turn(p, d, conversation(0))]
+        first = [await turn(p, d, conversation(0), router)]
         clock.advance(1)  # turn 0 is the older: without its read, it would go first
-        first.append(await turn(p, d, conversation(1)))
+        first.append(await turn(p, d, conversation(1), router))
         gate.open.clear()
         reading = asyncio.create_task(follow_up(p, conversation(0), first[0]))
         await until(lambda: gate.waiting == 1, "P is reading turn 0")
-        third = await local_turn(d, conversation(2))
+        third = await local_turn(d, conversation(2), router)
         ids = [r["kv_transfer_params"]["remote_request_id"] for r in (*first, third)]
         assert {h.request_id for h in d.held()} == {ids[0], ids[2]}
         reading_third = asyncio.create_task(follow_up(p, conversation(2), third))
         await until(lambda: gate.waiting == 2, "P is reading turn 2 too")
-        fourth = asyncio.create_task(local_turn(d, conversation(3)))
+        fourth = asyncio.create_task(local_turn(d, conversation(3), router))
         await until(lambda: d.state.waiting == 1, "nothing releasable: the request waits")
         retention = d.state.retention
         assert retention is not None and retention.releases_total["pressure"] == 1
+        assert not retention.has_pending()  # nothing asked: both turns are being read
         gate.open.set()  # the reads complete and free their turns: the waiting request runs
         for task in (reading, reading_third):
             record, same = await asyncio.wait_for(task, 10)
@@ -284,10 +301,12 @@ async def test_a_turn_being_read_is_never_released(
         assert retention.releases_total["pressure"] == 1
 
 
-async def local_turn(d: FakeEngine, messages: list[dict[str, Any]]) -> Any:
+async def local_turn(d: FakeEngine, messages: list[dict[str, Any]],
+                     router: RouterStandIn) -> Any:
     """A D-side request that computes its prompt itself (params without P's blocks): D
     retains it like any decode request, and no transfer is involved."""
-    return await chat(d, messages, max_tokens=GEN, kv_transfer_params={"do_remote_prefill": False})
+    return await chat(d, messages, max_tokens=GEN, kv_transfer_params={
+        "do_remote_prefill": False, RETENTION_URL_KEY: router.url})
 
 
 class TransferGate:
@@ -311,10 +330,12 @@ class TransferGate:
 
 async def test_managed_retention_relieves_a_running_request_before_preempting_it(
         clock: ManualClock, model: FakeModel, turn_blocks: int) -> None:
-    """A retained turn on the engine goes before a running request would be preempted."""
-    async with cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
+    """A retained turn on the engine goes before a running request would be preempted: the
+    request waits for the release its router confirms (``has_pending_block_frees``)."""
+    async with RouterStandIn() as router, \
+            cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
-        await turn(p, d, conversation(0))
+        await turn(p, d, conversation(0), router)
         free = d.state.pool.num_free
         prompt = model.encode_prompt("Waves. " * 100)[: (free - 1) * BLOCK]
         gen = await admit(d, replace(completion(d, prompt, "grow"), max_tokens=2 * BLOCK))

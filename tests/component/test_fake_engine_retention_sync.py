@@ -8,15 +8,10 @@ nothing and keeps the global TTL."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import pytest
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import Response
-from starlette.routing import Route
 
 from kvrelay.core.retention_sync import (
     RETAIN_S_KEY,
@@ -26,14 +21,13 @@ from kvrelay.core.retention_sync import (
     Released,
     RetentionOrders,
     RetentionSync,
-    decode_sync,
-    encode,
 )
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.model import FakeModel
-from kvrelay.fakevllm.server import HttpServer
+from kvrelay.fakevllm.retention import CONFIRM_TIMEOUT_S
 from tests.component.fake_engine_helpers import (
     BLOCK,
+    RouterStandIn,
     cdiv,
     chat,
     client,
@@ -44,38 +38,6 @@ from tests.component.fake_engine_helpers import (
 
 GEN = 16
 CONFIG = FakeEngineConfig(report_delay_s=0.0, kv_lease_duration=1e6)
-
-
-class RouterStandIn:
-    """The router's retention endpoint: records each sync, answers queued orders."""
-
-    def __init__(self) -> None:
-        self.syncs: list[RetentionSync] = []
-        self.orders: list[RetentionOrders] = []
-
-        async def sync(request: Request) -> Response:
-            self.syncs.append(decode_sync(await request.body()))
-            answer = self.orders.pop(0) if self.orders else RetentionOrders()
-            return Response(encode(answer), media_type="application/json")
-
-        self._server = HttpServer(Starlette(routes=[Route(RETENTION_PATH, sync,
-                                                          methods=["POST"])]))
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self._server.port}{RETENTION_PATH}"
-
-    async def __aenter__(self) -> RouterStandIn:
-        await self._server.start()
-        return self
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self._server.stop()
-
-    async def wait_for(self, predicate: Callable[[RetentionSync], bool], what: str
-                       ) -> RetentionSync:
-        await until(lambda: any(predicate(s) for s in self.syncs), what)
-        return next(s for s in self.syncs if predicate(s))
 
 
 def conversation(i: int) -> list[dict[str, Any]]:
@@ -121,7 +83,8 @@ async def test_sync_reports_what_d_retains_from_its_own_pool(model: FakeModel) -
             num_blocks_total=2 * turn_blocks(model),
             num_blocks_free=turn_blocks(model), retained_requests=1,
             retained_blocks=turn_blocks(model), retained_tokens=n + GEN - 1,
-            releases_total={"pressure": 0, "router": 0, "expired": 0}, released=())
+            releases_total={"pressure": 0, "router": 0, "expired": 0, "headroom": 0},
+            released=(), releasing=())
         assert first.retained_bytes == turn_blocks(model) * BLOCK * 1024
         assert [h.request_id for h in d.held()] == [rid(answer)]
         count = len(router.syncs)
@@ -163,7 +126,10 @@ async def test_router_orders_release_the_turn_and_the_next_sync_says_so(
         assert len(router.syncs) == count
 
 
-async def test_a_release_under_pressure_is_synced_at_once(model: FakeModel) -> None:
+async def test_pressure_asks_the_turns_router_first_and_frees_what_it_drops(
+        model: FakeModel) -> None:
+    """D asks (``releasing``) at once, frees only what the router answers ``dropped``, and
+    tells it in the next sync, sent at once."""
     clock = ManualClock()
     async with RouterStandIn() as router, cluster(model, clock) as c:
         p, d = c.prefill[0], c.decode[0]
@@ -171,9 +137,33 @@ async def test_a_release_under_pressure_is_synced_at_once(model: FakeModel) -> N
         clock.advance(1)
         await turn(p, d, conversation(1), **{RETENTION_URL_KEY: router.url})
         await turn(p, d, conversation(2), **{RETENTION_URL_KEY: router.url})
+        asked = await router.wait_for(lambda s: bool(s.releasing), "D asks to free a turn")
+        assert asked.releasing == (rid(old),) and asked.released == ()
         told = await router.wait_for(lambda s: bool(s.released), "the release is told")
         assert told.released == (Released(request_id=rid(old), cause="pressure"),)
-        assert told.retained_requests == 2  # clock never moved past the interval
+        assert told.releasing == () and told.releases_total["pressure"] == 1
+        assert told.retained_requests == 2
+
+
+async def test_an_ask_the_router_leaves_unanswered_keeps_the_turn(model: FakeModel) -> None:
+    """A router that never answers ``dropped`` costs D the release, never a stale read: the
+    request waits as on stock vLLM; after ``CONFIRM_TIMEOUT_S`` the turns are held again."""
+    clock = ManualClock()
+    async with RouterStandIn(confirm=False) as router, cluster(model, clock) as c:
+        p, d = c.prefill[0], c.decode[0]
+        first = [await turn(p, d, conversation(i), **{RETENTION_URL_KEY: router.url})
+                 for i in (0, 1)]
+        third = asyncio.create_task(turn(p, d, conversation(2),
+                                         **{RETENTION_URL_KEY: router.url}))
+        await router.wait_for(lambda s: bool(s.releasing), "D asks to free a turn")
+        assert d.state.waiting == 1 and len(d.held()) == 2
+        retention = d.state.retention
+        assert retention is not None and retention.has_pending()
+        clock.advance(CONFIRM_TIMEOUT_S)
+        await until(lambda: not retention.has_pending(), "the ask is given up")
+        assert {h.request_id for h in d.held()} == {rid(r) for r in first}
+        assert not third.done() and retention.releases_total["pressure"] == 0
+        third.cancel()
 
 
 async def test_headroom_keeps_a_share_of_the_cache_free_of_retention(model: FakeModel) -> None:
@@ -184,9 +174,9 @@ async def test_headroom_keeps_a_share_of_the_cache_free_of_retention(model: Fake
         old = await turn(p, d, conversation(0), **{RETENTION_URL_KEY: router.url})
         clock.advance(1)
         new = await turn(p, d, conversation(1), **{RETENTION_URL_KEY: router.url})
-        assert [h.request_id for h in d.held()] == [rid(new)]
         told = await router.wait_for(lambda s: bool(s.released), "the release is told")
-        assert told.released == (Released(request_id=rid(old), cause="pressure"),)
+        assert told.released == (Released(request_id=rid(old), cause="headroom"),)
+        assert [h.request_id for h in d.held()] == [rid(new)]
 
 
 async def test_a_retain_s_deadline_release_is_synced_as_expired(model: FakeModel) -> None:

@@ -93,13 +93,15 @@ class EngineState:
         self.syncer: Syncer | None = None
         if config.managed_retention:
             self.retention = Retention(
-                self.pool, self.holds, headroom=config.retention_headroom,
+                self.pool, self.holds, clock, headroom=config.retention_headroom,
                 bytes_per_block=config.kv_bytes_per_token * config.block_size)
             self.syncer = Syncer(self.retention, engine_id, clock=clock, tick=self.reap,
                                  allowed_hosts=config.report_hosts)
+        retention = self.retention
         self.scheduler = Scheduler(
             self.pool, tick=self.reap,
-            relieve=self.retention.relieve if self.retention is not None else None)
+            relieve=retention.relieve if retention is not None else None,
+            pending=retention.has_pending if retention is not None else None)
         self.freed_reads: deque[FreedRead] = deque(maxlen=config.records_limit)
         self.reporter = Reporter(config.report_hosts, config.report_delay_s, sleep)
         self.metrics = EngineMetrics()
@@ -120,12 +122,15 @@ class EngineState:
         return self.scheduler.num_waiting + self.prefill_waiting
 
     def reap(self) -> list[Hold]:
-        """Release what expired: retained turns past their deadline (kvrelay's retention),
-        then holds past their lease or TTL. Both count as vLLM's expired send leases: a
-        turn's deadline is its lease's end (the connector shortens the lease)."""
+        """Release what expired: retained turns past their deadline (kvrelay's retention;
+        asks a router left unanswered are given up), then holds past their lease or TTL.
+        Both count as vLLM's expired send leases: a turn's deadline is its lease's end (the
+        connector shortens the lease)."""
         if self.retention is not None:
-            released = self.retention.expire(self._clock())
+            now = self._clock()
+            released = self.retention.expire(now)
             self.metrics.nixl_kv_expired_reqs += len(released.request_ids)
+            self.retention.time_out(now)
         expired = self.holds.reap()
         self.metrics.nixl_kv_expired_reqs += len(expired)
         return expired

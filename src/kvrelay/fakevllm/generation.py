@@ -162,10 +162,11 @@ class Generation:
                 params_in = self.request_params or {}
                 deadline = now + clamp_retain_s(params_in.get(RETAIN_S_KEY), ttl)
                 value = params_in.get(RETAIN_VALUE_KEY)
+                url = params_in.get(RETENTION_URL_KEY)
                 managed.retain(RetainedTurn(
                     request_id=rec.internal_request_id, num_blocks=len(self.blocks),
                     num_tokens=num_computed, retained_at_s=now, deadline_s=deadline,
-                    value=_number(value)))
+                    value=_number(value)), url if isinstance(url, str) and url else None)
             st.holds.add(
                 Hold(
                     rec.internal_request_id,
@@ -192,7 +193,7 @@ class Generation:
                 tp_size=cfg.tp_size,
                 dcp_size=cfg.dcp_size,
                 pp_size=cfg.pp_size,
-                remote_expiry_perf_counter_s=None if on_p else expires_at,
+                remote_expiry_perf_counter_s=None if on_p else deadline,
                 prefill_cached_tokens=(
                     rec.local_cache_hit_tokens + self.external if on_p else None
                 ),
@@ -209,9 +210,6 @@ class Generation:
         else:
             st.pool.free(self.blocks)
         rec.kv_transfer_params = params
-        if managed_released(st, rec.internal_request_id):
-            # Trimmed over headroom at once: nothing is retained, as if D kept nothing.
-            rec.kv_transfer_params = params = None
         return params
 
     def abort(self, reason: str = "abort") -> None:
@@ -247,11 +245,6 @@ def _number(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float):
         return 0.0
     return float(value)
-
-
-def managed_released(st: EngineState, request_id: str) -> bool:
-    """Whether kvrelay's retention released ``request_id``'s retained blocks."""
-    return st.retention is not None and st.holds.released(request_id)
 
 
 async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:

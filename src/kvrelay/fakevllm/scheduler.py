@@ -19,8 +19,10 @@ Read from ``vllm/v1/core/sched/scheduler.py`` and ``kv_cache_manager.py`` (0.32.
   output so far when readmitted (``_preempt_request``: ``num_computed_tokens = 0``).
   ``num_preemptions`` counts them (``vllm:num_preemptions_total``).
 * **kvrelay's retention** (``relieve``, when the engine runs it): before a request waits or
-  anyone is preempted, retained turns are released, least valuable first, enough for the
-  allocation (``Retention.relieve``), and the allocation is retried.
+  anyone is preempted, retained turns are asked for, least valuable first, enough for the
+  allocation (``Retention.relieve``); while they are on their way (``pending``: vLLM's
+  ``has_pending_block_frees``) a running request waits for them instead of preempting, and
+  a waiting one is admitted once they are freed.
 
 Where the fake is simpler: a request's prefill is one step, and a request still in it is not
 preempted (the victim is the last *decoding* request); a recomputed request keeps the output
@@ -75,13 +77,16 @@ class _Waiter:
 class Scheduler:
     """One engine's block scheduler (module docstring). ``tick`` runs before every retry
     while requests wait (the engine reaps expired holds there); ``relieve(num_blocks)``
-    is kvrelay's retention release (``None``: stock vLLM)."""
+    is kvrelay's retention asking for blocks and ``pending()`` whether blocks are on their
+    way (``has_pending_block_frees``); ``None``: stock vLLM."""
 
     def __init__(self, pool: BlockPool, *, tick: Callable[[], object],
-                 relieve: Callable[[int], object] | None = None) -> None:
+                 relieve: Callable[[int], object] | None = None,
+                 pending: Callable[[], bool] | None = None) -> None:
         self._pool = pool
         self._tick = tick
         self._relieve = relieve
+        self._pending = pending
         self._waiting: deque[_Waiter] = deque()
         self._running: list[Seat] = []
         self._serve_soon = False
@@ -114,24 +119,27 @@ class Scheduler:
     async def grow(self, seat: Seat, num_tokens: int) -> bool:
         """Make ``seat``'s blocks cover ``num_tokens`` before its next token. True when it was
         preempted (by another request's growth or by its own) and readmitted: its caller
-        recomputes. Running requests come before waiting ones, as in ``schedule``."""
+        recomputes. Running requests come before waiting ones, as in ``schedule``; while
+        kvrelay's retention has blocks on their way the request waits for them instead of
+        preempting anyone."""
         recomputed = False
-        if seat.preempted:
-            await self._readmit(seat, num_tokens)
-            recomputed = True
-        needed = cdiv(num_tokens, self._pool.block_size) - len(seat.blocks)
-        while needed > 0:
+        while True:
+            if seat.preempted:
+                await self._readmit(seat, num_tokens)
+                recomputed = True
+            needed = cdiv(num_tokens, self._pool.block_size) - len(seat.blocks)
+            if needed <= 0:
+                return recomputed
             if self._pool.num_free < needed and self._relieve is not None:
                 self._relieve(needed)
             if self._pool.num_free >= needed:
                 seat.blocks.extend(self._pool.allocate(needed))
-                break
-            victim = self._victim(seat)
-            self._preempt(victim)
-            if victim is seat:
-                await self._readmit(seat, num_tokens)
-                return True
-        return recomputed
+                return recomputed
+            if self._pending is not None and self._pending():
+                await asyncio.sleep(STEP_S)  # the next engine step
+                self._tick()
+                continue
+            self._preempt(self._victim(seat))
 
     def leave(self, seat: Seat) -> None:
         """``seat`` finished or was aborted; its blocks are its caller's to hold or free."""

@@ -3,8 +3,9 @@
 ``core.retention_sync`` is the contract: D POSTs a ``RetentionSync`` (JSON) to every
 ``kvrelay_retention_url`` its decode requests carried (the ``MAX_SYNC_URLS`` most recent),
 every ``SYNC_INTERVAL_S`` on the engine's clock while it holds retained turns or has releases
-to tell, and at once after a release; the router answers ``RetentionOrders`` and D releases
-what it names (``Retention.obey``). A URL outside ``report_hosts`` is never contacted (as for
+to tell, and at once after a release or an ask (``releasing``); the router answers
+``RetentionOrders`` and D frees what it orders released and what it answers ``dropped``
+(``Retention.obey``). A URL outside ``report_hosts`` is never contacted (as for
 reports); a failed post or an answer that is not the contract's keeps the releases for the
 next sync.
 
@@ -128,4 +129,4 @@ class Syncer:
             return
         outcome.error = None
         outcome.orders = orders
-        self._retention.obey(orders)
+        self._retention.obey(url, orders)
