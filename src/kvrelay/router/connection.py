@@ -1,5 +1,5 @@
 """One client connection under uvicorn's httptools protocol: every request head limited and
-timed, pipelined or not.
+timed, pipelined or not; malformed HTTP answered with an OpenAI error.
 
 **Heads** are checked while they are read, before the parser sees them (no auth, no
 routing): a request line or header line over ``max_line_bytes``, a head over
@@ -98,8 +98,8 @@ class LingeringTransport:
 
 
 class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
-    """uvicorn's httptools protocol plus head limits, pipelining held to one request and a
-    head deadline (module docstring).
+    """uvicorn's httptools protocol plus head limits, pipelining held to one request, a head
+    deadline, and OpenAI error bodies for malformed requests (module docstring).
 
     A connection is in one of three states: reading a head (``_kvrelay_head`` is the head
     so far, the deadline armed), reading a body (``_kvrelay_body_left`` bytes still due,
@@ -288,6 +288,10 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
     def _kvrelay_bad_request(self, message: str) -> None:
         self._kvrelay_answer(b"400 Bad Request", error_json(400, message))
 
+    def send_400_response(self, msg: str) -> None:
+        """uvicorn's answer to what its parser refuses, as an OpenAI error."""
+        self._kvrelay_bad_request(msg)
+
     def _kvrelay_answer(self, status: bytes, body: bytes) -> None:
         """Answer at once and stop reading (closing ``REJECT_LINGER_S`` later); with a
         response in progress, only stop reading and close (``_kvrelay_cut``)."""
@@ -320,6 +324,10 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._kvrelay_head = None
         self._kvrelay_disarm()
         self.transport.close()
+
+    def _unsupported_upgrade_warning(self) -> None:
+        """uvicorn warns on every Upgrade it does not follow: a client could fill the log."""
+        log.debug("an Upgrade request was served as plain HTTP/1.1")
 
     # -- drain and deadline -----------------------------------------------------------------
 

@@ -147,6 +147,7 @@ def make_server(
         "access_log": False,
         "timeout_keep_alive": 30,
         "http": protocol_class(config),
+        "ws": "none",  # HTTP only: an upgrade reaches the app, which refuses it (400)
         "lifespan": "on",
     }
     options.update(uvicorn_options)
