@@ -159,3 +159,29 @@ async def test_a_pipelined_head_over_the_limit_in_one_write_is_refused(held: Hel
         assert got in ([200], [200, 431], []), got
     finally:
         conn.abort()
+
+
+def chunked_chat() -> bytes:
+    raw = json.dumps(body(4, stream=False)).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: router.test\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+            b"%x\r\n%s\r\n0\r\n\r\n" % (len(raw), raw))
+
+
+async def test_a_chunked_request_is_the_connections_last(held: Held) -> None:
+    """Only the parser knows where a chunked body ends, so nothing behind one is parsed
+    under the head limits: the chunked request is answered with ``Connection: close``, and
+    a request sent right behind it is never served."""
+    router = held.router
+    held.sleep.release()
+    for behind in (b"", request_bytes("GET", "/health")):
+        conn = await RawConnection.open(router.host, router.port)
+        try:
+            await conn.send(chunked_chat() + behind)
+            await asyncio.wait_for(conn.closed.wait(), PATIENCE_S)
+            got = responses(bytes(conn.received))
+            assert got in ([200], []) if behind else got == [200], (behind, got)
+            if not behind:
+                assert conn.response().headers.get("connection") == "close"
+        finally:
+            conn.abort()

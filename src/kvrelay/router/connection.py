@@ -170,13 +170,19 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
             self._kvrelay_held = bytearray()
 
     def on_response_complete(self) -> None:
+        if self._kvrelay_done or self._kvrelay_last:
+            # closing: nothing behind this response is served (uvicorn would start a request
+            # it queued, even on a connection that closes later)
+            self.server_state.total_requests += 1
+            self.pipeline.clear()
+            if self._kvrelay_owed and not self.transport.is_closing():
+                self._kvrelay_owed = False  # the cut connection is still open: say why
+                self._kvrelay_write(b"431 Request Header Fields Too Large",
+                                    error_json(431, "Request header fields too large"))
+            self.transport.close()
+            return
         super().on_response_complete()
-        if self._kvrelay_owed and not self.transport.is_closing():
-            self._kvrelay_owed = False  # the cut connection is still open: say why
-            self._kvrelay_write(b"431 Request Header Fields Too Large",
-                                error_json(431, "Request header fields too large"))
-        if (self._kvrelay_done or self._kvrelay_last or self.transport.is_closing()
-                or not self.cycle.keep_alive):
+        if self.transport.is_closing() or not self.cycle.keep_alive:
             return
         if self._kvrelay_held is None:  # answered before its body was read to the end
             if self._kvrelay_body_left is None:  # chunked: what follows cannot be framed
