@@ -13,7 +13,8 @@ clients streaming multi-turn conversations through the router, twice for ``--sec
 With ``--pipelined`` (issue #23) each flooding connection first sends a streamed chat of
 ``--flood-chat-tokens`` tokens and, at once behind it on the same connection, the endless
 header; it keeps sending until the router closes the connection (or the header reaches
-``--flood-header-mib``).
+``--flood-header-mib``). A ``chats`` phase runs the same connections sending the same chats
+with nothing behind them, to tell what the header costs from what the chats cost.
 
 It prints TTFT p50/p99 of both phases side by side, what the flood sent and got back, and the
 acceptance check of issue #12: the flood phase's TTFT p99 within 2x of the quiet phase's.
@@ -44,12 +45,14 @@ PIECE = b"f" * (64 * 1024)
 FLOOD_HEAD = b"GET /health HTTP/1.1\r\nHost: flood\r\nX-Flood: "
 
 
-def chat_request(max_tokens: int) -> bytes:
-    """A streamed chat request, head and body, for the pipelined flood."""
+def chat_request(max_tokens: int, close: bool = False) -> bytes:
+    """A streamed chat request, head and body, for the pipelined flood (``close``: the
+    control's, which the router closes once answered)."""
     body = json.dumps({"model": "tiny", "max_tokens": max_tokens, "stream": True,
                        "messages": [{"role": "user", "content": "[flood] " + USER}]}).encode()
     return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: flood\r\n"
-            b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + (b"Connection: close\r\n" if close else b"")
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
             + body)
 
 
@@ -125,14 +128,16 @@ async def pipelined_connection(port: int, stop_at: float, header_bytes: int, cha
         answers = asyncio.ensure_future(read_all(reader))
         sent = 0
         try:
-            writer.write(chat_request(chat_tokens) + FLOOD_HEAD)
+            writer.write(chat_request(chat_tokens, close=not header_bytes)
+                         + (FLOOD_HEAD if header_bytes else b""))
             while loop.time() < stop_at and not answers.done() and sent < header_bytes:
                 writer.write(PIECE)
                 await writer.drain()
                 sent += len(PIECE)
             if not answers.done():
-                count("open_at_the_end" if sent < header_bytes else "header_ended")
-                if sent >= header_bytes:
+                if header_bytes:
+                    count("open_at_the_end" if sent < header_bytes else "header_ended")
+                if header_bytes and sent >= header_bytes:
                     writer.write(b"\r\n\r\n")
                 await asyncio.wait_for(asyncio.shield(answers), max(0.1, stop_at - loop.time()))
         except TimeoutError:
@@ -210,10 +215,11 @@ def flood(port: int, seconds: float, connections: int, header_bytes: int, chat_t
     out.put(asyncio.run(run()))
 
 
-def report(quiet: Phase, flooded: Phase, args: argparse.Namespace) -> str:
+def report(quiet: Phase, flooded: Phase, args: argparse.Namespace,
+           control: Phase | None = None) -> str:
     ms = 1000.0
     lines = ["| phase | turns | errors | TTFT p50 ms | TTFT p99 ms |", "|---|---|---|---|---|"]
-    for p in (quiet, flooded):
+    for p in (quiet, *([control] if control else []), flooded):
         lines.append(f"| {p.name} | {len(p.samples)} | {len(p.errors)} | "
                      f"{p.pct(0.5) * ms:.1f} | {p.pct(0.99) * ms:.1f} |")
     ratio = flooded.pct(0.99) / quiet.pct(0.99)
@@ -227,7 +233,27 @@ def report(quiet: Phase, flooded: Phase, args: argparse.Namespace) -> str:
         f"{sent:.0f} MiB of header; {answers}",
         f"TTFT p99 flood / quiet = {ratio:.2f} (issue #12 acceptance: <= 2.0) -> {verdict}",
     ]
+    if control is not None:
+        lines.append(f"TTFT p99 flood / chats = {flooded.pct(0.99) / control.pct(0.99):.2f} "
+                     f"(the same chats without the header: what the header itself costs); "
+                     f"chats: {dict(sorted(control.flood.items()))}")
     return "\n".join(lines)
+
+
+def run_phase(port: int, args: argparse.Namespace, phase: Phase, header_bytes: int,
+              chat_tokens: int) -> None:
+    """The clients while the flood (from a process of its own) runs; ``header_bytes`` 0
+    with ``chat_tokens``: the pipelined flood's chats alone, the control."""
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    flooder = ctx.Process(target=flood, args=(port, args.seconds, args.flood_connections,
+                                              header_bytes, chat_tokens, out))
+    flooder.start()
+    started = time.monotonic()
+    asyncio.run(clients(port, args, phase))
+    phase.flood = out.get(timeout=args.seconds + 120)
+    flooder.join(timeout=30)
+    print(f"({phase.name} phase took {time.monotonic() - started:.1f} s)")
 
 
 def main() -> int:
@@ -278,21 +304,15 @@ def main() -> int:
                 **{**vars(args), "seconds": min(2.0, args.seconds)}), warm))
             quiet = Phase("quiet")
             asyncio.run(clients(router_port, args, quiet))
-            flooded = Phase("flood")
-            ctx = multiprocessing.get_context("spawn")
-            out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
             header_bytes = int(args.flood_header_mib * 1024 * 1024)
             chat_tokens = args.flood_chat_tokens if args.pipelined else 0
-            flooder = ctx.Process(target=flood, args=(router_port, args.seconds,
-                                                      args.flood_connections, header_bytes,
-                                                      chat_tokens, out))
-            flooder.start()
-            started = time.monotonic()
-            asyncio.run(clients(router_port, args, flooded))
-            flooded.flood = out.get(timeout=args.seconds + 120)
-            flooder.join(timeout=30)
-            print(f"(flood phase took {time.monotonic() - started:.1f} s)")
-            print(report(quiet, flooded, args))
+            control = None
+            if args.pipelined:
+                control = Phase("chats")
+                run_phase(router_port, args, control, 0, chat_tokens)
+            flooded = Phase("flood")
+            run_phase(router_port, args, flooded, header_bytes, chat_tokens)
+            print(report(quiet, flooded, args, control))
             alive = router.alive()
             if not alive:
                 print("the router died during the flood", file=sys.stderr)
