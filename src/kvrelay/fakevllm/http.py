@@ -82,6 +82,7 @@ def build_app(engine: FakeEngine) -> Starlette:
 
     async def health(request: Request) -> Response:
         engine.num_health_requests += 1
+        await engine.faults.wait_while_health_hung()
         return Response(status_code=503 if engine.faults.unhealthy else 200)
 
     async def models(request: Request) -> Response:

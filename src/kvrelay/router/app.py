@@ -23,7 +23,16 @@ from typing import Any
 
 from kvrelay.core.retention_time import RetentionTimeConfig
 from kvrelay.router.admin import internal_routes, public_routes
-from kvrelay.router.asgi import Receive, Route, Routes, Scope, Send, send_error
+from kvrelay.router.asgi import (
+    Receive,
+    Route,
+    Routes,
+    Scope,
+    Send,
+    refuse_websocket,
+    send_error,
+    wants_websocket,
+)
 from kvrelay.router.auth import Authenticator
 from kvrelay.router.commit import ReportDesk
 from kvrelay.router.config import RouterConfig
@@ -56,7 +65,9 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http":
+        if kind == "websocket" or (kind == "http" and wants_websocket(scope)):
+            await refuse_websocket(scope, receive, send)
+        elif kind == "http":
             server = scope.get("server")
             port = server[1] if server else None
             if port == self.ctx.config.listen_internal_port:

@@ -28,6 +28,7 @@ from kvrelay.core.costs import CostLine, CostLines
 from kvrelay.core.policy import PolicyConfig
 from kvrelay.core.selection import AffinityConfig
 from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
+from kvrelay.router.request_limits import RequestLimits
 
 Role = Literal["prefill", "decode"]
 GuardMode = Literal["auto", "connector", "tokenize"]
@@ -189,6 +190,12 @@ class RouterConfig:
     max_header_bytes: int = 64 * 1024
     max_header_line_bytes: int = 8 * 1024
     max_headers: int = 100
+    max_messages: int = 10_000
+    max_content_parts: int = 1_000
+    max_content_parts_total: int = 20_000
+    max_tools: int = 1_000
+    max_tool_calls: int = 10_000
+    max_stop_sequences: int = 64
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0
@@ -220,6 +227,10 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if min(self.max_header_bytes, self.max_header_line_bytes, self.max_headers) < 1:
             raise ConfigError("header limits must be >= 1")
+        try:
+            self.request_limits  # noqa: B018 (validates the per-request count limits)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.turn_log_max_mb < 1 or self.turn_log_backups < 0:
             raise ConfigError("turn_log_max_mb must be >= 1 and turn_log_backups >= 0")
         for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
@@ -273,6 +284,19 @@ class RouterConfig:
     def report_url(self) -> str:
         """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
         return self.internal_base_url + "/internal/kv-report"
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """How many messages, content parts, tools, tool calls and stop sequences one
+        request may carry (``router.request_limits``)."""
+        return RequestLimits(
+            max_messages=self.max_messages,
+            max_content_parts=self.max_content_parts,
+            max_content_parts_total=self.max_content_parts_total,
+            max_tools=self.max_tools,
+            max_tool_calls=self.max_tool_calls,
+            max_stop_sequences=self.max_stop_sequences,
+        )
 
     @property
     def tenant_in_flight(self) -> int:

@@ -1,7 +1,11 @@
 """The router's live view of its nodes: up/down, engine ids, capabilities, load, costs, health.
 
 A node starts *up* (routable) and goes down after ``health_failures_to_down`` failed health
-checks in a row (the background loop), or at once when a request cannot connect to it.
+checks in a row (the background loop), or at once when a request cannot connect to it. A
+check that times out does not count against a node that completed a request for this router
+since the check before it began: the node is busy (one client's huge prompt), not down, and
+marking it down would drop every entry it holds. Refused connections and non-200 answers
+always count.
 Going down drops every entry the node holds (``index.drop_node``): a node that was down may
 have lost its blocks. A passing check brings it back. ``/health`` reads the last known state;
 only the loop and real request failures change it. A node's 4xx answers are the client's
@@ -63,6 +67,8 @@ class _Node:
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     failures: int = 0
+    answers: int = 0
+    answers_at_check: int = 0
     last_error: str | None = None
     costs: CostEstimates = field(default_factory=CostEstimates)
 
@@ -302,6 +308,8 @@ class NodeRegistry:
     async def check(self, node_id: str) -> bool:
         """One ``GET /health``; updates up/down; returns whether the node answered 200."""
         node = self._nodes[node_id]
+        answered_before, node.answers_at_check = node.answers_at_check, node.answers
+        busy = False
         try:
             answer = await self._upstream.get(
                 node.config, "/health", timeout_s=self._config.health_timeout_s
@@ -309,9 +317,13 @@ class NodeRegistry:
             ok, why = answer.status == 200, f"health answered HTTP {answer.status}"
         except UpstreamError as exc:
             ok, why = False, f"health check failed ({exc.kind})"
+            busy = exc.kind == "timeout" and node.answers > answered_before
         if ok:
             self.mark_up(node_id)
             return True
+        if busy:
+            log.debug("node %s: health check timed out while it answers requests", node_id)
+            return False
         node.failures += 1
         node.last_error = why
         if node.failures >= self._config.health_failures_to_down:
@@ -395,9 +407,11 @@ class _Busy:
         self._node.outstanding_requests += 1
         self._node.outstanding_prefill_tokens += self._tokens
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         self._node.outstanding_requests -= 1
         self._node.outstanding_prefill_tokens -= self._tokens
+        if kind is None:
+            self._node.answers += 1
 
 
 def _describe(error: UpstreamError) -> str:

@@ -36,6 +36,7 @@ from kvrelay.core.identity import (
 )
 from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
 from kvrelay.router.errors import ClientError
+from kvrelay.router.request_limits import RequestLimits, check_counts
 
 Endpoint = Literal["chat", "completions"]
 PATHS: Mapping[Endpoint, str] = {"chat": "/v1/chat/completions", "completions": "/v1/completions"}
@@ -99,9 +100,11 @@ def parse_request(
     headers: Mapping[str, str],
     tenant: str,
     session_headers: Sequence[str],
+    limits: RequestLimits | None = None,
 ) -> TurnRequest:
-    """Validate a client request (module docstring); ``ClientError`` if invalid."""
-    body = load_json(raw)
+    """Validate a client request (module docstring); ``ClientError`` if invalid, or if it
+    carries more than ``limits`` allow (checked before anything is digested)."""
+    body = load_json(raw, limits)
     if not isinstance(body, dict):
         raise ClientError("The request body must be a JSON object")
     if "kv_transfer_params" in body:
@@ -229,8 +232,9 @@ def encode(obj: object) -> bytes:
     return _ENCODER.encode(obj)
 
 
-def load_json(raw: bytes) -> Any:
-    """Strict JSON (module docstring); ``ClientError`` 400 if not."""
+def load_json(raw: bytes, limits: RequestLimits | None = None) -> Any:
+    """Strict JSON (module docstring); ``ClientError`` 400 if not, or if an object body
+    carries more than ``limits`` allow (counted before the depth walk)."""
     try:
         body = _DECODER.decode(raw)
     except RecursionError:
@@ -239,6 +243,8 @@ def load_json(raw: bytes) -> Any:
         raise ClientError(f"Invalid JSON body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ClientError(f"Invalid JSON body: {exc}") from None
+    if limits is not None and isinstance(body, dict):
+        check_counts(body, limits)
     if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and _too_deep(body, MAX_JSON_DEPTH):
         raise ClientError(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
     return body
