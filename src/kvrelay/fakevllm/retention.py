@@ -18,7 +18,7 @@ by the same pure policy (``kvrelay.core.retention``) and the same wire contract
 A turn a P is reading is never released (``HoldTable.drop`` refuses it). A released turn's
 hold is gone and remembered, so a later read is declined like an expired lease. Each release
 is queued for every known sync URL (``pending``) until a sync to it succeeds; ``urgent`` says
-a release happened since the last sync round (the syncer sends at once).
+a release happened, or a new URL came, since the last sync round (the syncer sends at once).
 """
 
 from __future__ import annotations
@@ -146,11 +146,12 @@ class Retention:
 
     def add_url(self, url: str) -> None:
         """A retention URL a decode request carried; the ``MAX_SYNC_URLS`` most recent are
-        synced with. Releases before a URL was known are not told to it."""
+        synced with, a new one at once. Releases before a URL was known are not told to it."""
         if url in self._pending:
             self._pending.move_to_end(url)
             return
         self._pending[url] = []
+        self.urgent = True
         while len(self._pending) > MAX_SYNC_URLS:
             self._pending.popitem(last=False)
 
