@@ -109,8 +109,10 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by running requests or holds (vLLM's kv_cache_usage)."""
-        return len(self._ref) / (self.num_blocks - 1)
+        """Fraction of blocks referenced by running requests or holds, computed as vLLM's
+        ``BlockPool.get_usage`` does (``1 - free / usable``: the same float, to the last bit,
+        ``tests/e2e/test_contract_pressure.py``)."""
+        return 1.0 - len(self._free) / (self.num_blocks - 1)
 
     def match_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Cached blocks for the longest prefix of ``hashes``; empty without prefix caching."""
