@@ -110,20 +110,22 @@ class Generation:
 
     async def _slot(self, num_tokens: int) -> None:
         """Blocks for ``num_tokens`` tokens (the step that samples the next token computes
-        the KV of the previous one); after a preemption, recompute them when readmitted."""
-        if self._done or self.engine.current_state is not self.state:
-            return
-        if not await self.state.scheduler.grow(self.seat, num_tokens):
-            return
-        self.record.num_preemptions = self.seat.num_preemptions
-        st, bs = self.state, self.engine.config.block_size
-        context = list(self.record.context_token_ids) + self.output
-        first = self.seat.num_hit_blocks
-        for i in range(first, num_tokens // bs):
-            st.pool.write(self.seat.blocks[i], tuple(context[i * bs : (i + 1) * bs]))
-        computed = num_tokens - first * bs
-        self.record.computed_tokens += computed
-        await self.engine.pause(self.engine.config.latency.prefill_s(computed, num_tokens))
+        the KV of the previous one); after a preemption, recompute them when readmitted
+        (and again if the request is preempted while it recomputes)."""
+        while not self._done and self.engine.current_state is self.state:
+            if not await self.state.scheduler.grow(self.seat, num_tokens):
+                return
+            self.record.num_preemptions = self.seat.num_preemptions
+            st, bs = self.state, self.engine.config.block_size
+            context = list(self.record.context_token_ids) + self.output
+            first = self.seat.num_hit_blocks
+            for i in range(first, num_tokens // bs):
+                st.pool.write(self.seat.blocks[i], tuple(context[i * bs : (i + 1) * bs]))
+            computed = num_tokens - first * bs
+            self.record.computed_tokens += computed
+            await self.engine.pause(self.engine.config.latency.prefill_s(computed, num_tokens))
+            if not self.seat.preempted:
+                return
 
     def finish(self) -> dict[str, object] | None:
         """Finish with ``length``: cache blocks, hold them as vLLM's ``request_finished``
