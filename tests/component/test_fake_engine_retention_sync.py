@@ -32,7 +32,15 @@ from kvrelay.core.retention_sync import (
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.model import FakeModel
 from kvrelay.fakevllm.server import HttpServer
-from tests.component.fake_engine_helpers import BLOCK, cdiv, chat, text_of, until, user
+from tests.component.fake_engine_helpers import (
+    BLOCK,
+    cdiv,
+    chat,
+    client,
+    text_of,
+    until,
+    user,
+)
 
 GEN = 16
 CONFIG = FakeEngineConfig(report_delay_s=0.0, kv_lease_duration=1e6)
@@ -137,6 +145,11 @@ async def test_router_orders_release_the_turn_and_the_next_sync_says_so(
         assert told.releases_total["router"] == 1 and told.retained_requests == 0
         assert told.num_blocks_free == told.num_blocks_total
         assert d.held() == []
+        async with client() as http:
+            info = (await http.get(d.url + "/fake/info")).json()
+        assert info["retention"]["turns"] == [] and info["waiting"] == []
+        assert info["retention"]["releases_total"]["router"] == 1
+        assert info["retention"]["syncs"][router.url]["status"] == 200
         history = [*messages, {"role": "assistant", "content": text_of(answer)},
                    *user("And then?")]
         pr = await chat(p, history, max_tokens=GEN, kv_transfer_params=answer["kv_transfer_params"])
