@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+from dataclasses import replace
 from typing import Any
 
 import httpx
@@ -25,6 +26,9 @@ from kvrelay.core.retention_sync import (
 from kvrelay.router.request import parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
+SILENT_D = replace(ENGINE_CONFIG, kvrelay_retention=False)
+"""Engines that do not sync their retention themselves: the tests below are D, posting the
+syncs by hand (test_router_fake_retention_sync.py runs the fake's own)."""
 SYSTEM = "You are a careful agent that fixes failing tests. " * 8
 FIRST = "The test test_parse fails on main. Find out why and fix it."
 
@@ -141,7 +145,7 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
     """D released a retained turn (memory pressure): its sync tells the router, the entry
     is never pulled, and the next turn recomputes with reason ``released`` (headers,
     ``/stats``, metrics), its answer equal to a recompute."""
-    async with routed() as r:
+    async with routed(engine_config=SILENT_D) as r:
         d, d_id = r.cluster.decode[0], r.ctx.config.decode[0].node_id
         history, entry = await one_first_turn(r)
         resp = await post_sync(r, sync_body(d.engine_id, released=(
@@ -174,7 +178,7 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
 
 async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_nothing(
 ) -> None:
-    async with routed() as r:
+    async with routed(engine_config=SILENT_D) as r:
         history, entry = await one_first_turn(r)
         forged = await post_sync(r, sync_body("not-an-engine", released=(
             (entry.request_id, "pressure"),)))
@@ -209,7 +213,7 @@ async def orders_for(r: Routed) -> list[str]:
 async def test_an_entry_evicted_for_capacity_is_released_on_d() -> None:
     """``--max-entries 1``: the second conversation's entry evicts the first's, whose D
     request id the router orders released in its answer to D's next sync (once)."""
-    async with routed(max_entries=1) as r:
+    async with routed(engine_config=SILENT_D, max_entries=1) as r:
         async with r.client() as c:
             first = await chat(c, conversation(1))
             await r.settle()
@@ -228,7 +232,7 @@ async def test_a_turn_that_did_not_pull_supersedes_and_releases_the_entry_it_con
 ) -> None:
     """Every follow-up recomputes (threshold above any prompt): once it commits, the entry
     it continued is dead (the conversation moved on) and D is told to release it."""
-    async with routed(kv_recompute_threshold=100_000) as r:
+    async with routed(engine_config=SILENT_D, kv_recompute_threshold=100_000) as r:
         history, entry = await one_first_turn(r)
         async with r.client() as c:
             reply = await chat(c, history)
@@ -243,7 +247,7 @@ async def test_a_turn_that_did_not_pull_supersedes_and_releases_the_entry_it_con
 
 
 async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
-    async with routed(admin_key="root") as r:
+    async with routed(engine_config=SILENT_D, admin_key="root") as r:
         async with r.client() as c:
             resp = await c.post("/v1/chat/completions", json={
                 "model": "tiny", "messages": first_turn(), "max_tokens": 16,
@@ -260,7 +264,7 @@ async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
 
 async def test_a_pulled_entry_is_never_ordered_released() -> None:
     """A pull consumes the entry (P's read frees D's blocks): no order for it."""
-    async with routed() as r:
+    async with routed(engine_config=SILENT_D) as r:
         history, _ = await one_first_turn(r)
         async with r.client() as c:
             assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
@@ -287,7 +291,7 @@ async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_foll
     """Follow-ups come 20 s after their turn: D is asked to keep the next turn about 50 s
     (the gaps' high quantile + the router's margin), not its 480 s TTL, and the router's
     entry expires with it; a D short of free blocks is asked for less."""
-    async with routed() as r:
+    async with routed(engine_config=SILENT_D) as r:
         async with r.client() as c:
             await chat(c, conversation(0))  # D's capabilities are known after its first answer
             await r.settle()
@@ -317,7 +321,7 @@ async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_foll
 
 
 async def test_no_learned_retention_sends_no_retain_s() -> None:
-    async with routed(learned_retention=False) as r:
+    async with routed(engine_config=SILENT_D, learned_retention=False) as r:
         learn_gaps(r, 3.0)
         async with r.client() as c:
             await chat(c, conversation(0))
@@ -332,7 +336,7 @@ async def test_a_turn_d_asks_to_free_is_dropped_and_answered_then_recomputes_rel
     """D wants the blocks (pressure) and asks first (``releasing``): the router marks the
     entry released (no pull can start), answers that D may free it (no P leg reads it), and
     the next turn recomputes, reason ``released``."""
-    async with routed() as r:
+    async with routed(engine_config=SILENT_D) as r:
         d = r.cluster.decode[0]
         history, entry = await one_first_turn(r)
         body = encode(RetentionSync(
