@@ -20,7 +20,8 @@ SYSTEM = "You are a careful agent that fixes failing tests. " * 8
 
 
 def conversation(i: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": SYSTEM},
+    # The number leads, so no two conversations share a cached block on D.
+    return [{"role": "system", "content": f"Agent {i}. {SYSTEM}"},
             {"role": "user", "content": f"Conversation {i}: the test fails. Find out why."}]
 
 

@@ -61,7 +61,9 @@ class _Node:
     report_identity: tuple[str, str, int] | None = None
     verifies_pulls: bool = False
     fingerprints: bool = False
-    retains: bool = False
+    retains: bool | None = None
+    """Whether D runs kvrelay's connector (its params carry ``kvrelay_guard``); ``None``
+    until D's first answer."""
     streams_params: bool = False
     block_size: int | None = None
     outstanding_requests: int = 0
@@ -167,9 +169,12 @@ class NodeRegistry:
     def manages_retention(self, node_id: str) -> bool:
         """Whether D runs kvrelay's connector (its retained params carry ``kvrelay_guard``,
         or ``guard=connector`` says so), so it accounts retention, syncs it with the router
-        and reads ``kvrelay_retain_s``."""
+        and reads ``kvrelay_retain_s``. A D not heard from yet counts as one: its first turn
+        then carries the keys too (a stock D ignores them), so the turn is D's to release
+        under pressure like every later one."""
         mode = self._config.guard
-        return mode == "connector" or (mode == "auto" and self._nodes[node_id].retains)
+        return mode == "connector" or (mode == "auto" and self._nodes[node_id].retains
+                                       is not False)
 
     def decode_node_for_engine(self, engine_id: str) -> str | None:
         """The D whose current engine id (``trusted_identity``) is ``engine_id``, if any."""
