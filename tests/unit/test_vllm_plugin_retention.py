@@ -1,15 +1,12 @@
 """The connector's retention bookkeeping on D (vllm_plugin.retention) and its sync thread
 (vllm_plugin.retention_client), without an engine; clocks are passed in."""
 
-import http.server
-import json
-import threading
-
 import pytest
 
-from kvrelay.core.retention_sync import RetentionOrders, decode_sync, encode
+from kvrelay.core.retention_sync import RetentionOrders
 from kvrelay.vllm_plugin.retention import RetentionLedger, TurnState, blocks_needed
 from kvrelay.vllm_plugin.retention_client import Engine, RetentionSyncClient
+from tests.unit.retention_router import StandInRouter
 
 URL = "http://127.0.0.1:9/internal/kv-retention"
 OTHER = "http://127.0.0.1:10/internal/kv-retention"
@@ -107,40 +104,11 @@ def test_blocks_needed_counts_the_first_decode_token_and_the_watermark():
         RetentionLedger(headroom=2.0)
 
 
-class StandInRouter:
-    """A router's retention endpoint: records syncs, answers what it was told to."""
-
-    def __init__(self) -> None:
-        self.syncs: list[dict[str, object]] = []
-        self.answer = RetentionOrders()
-        self.got = threading.Event()
-        outer = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_POST(self) -> None:
-                body = self.rfile.read(int(self.headers["Content-Length"]))
-                outer.syncs.append(json.loads(body))
-                decode_sync(body)
-                answer = encode(outer.answer)
-                self.send_response(200)
-                self.send_header("Content-Length", str(len(answer)))
-                self.end_headers()
-                self.wfile.write(answer)
-                outer.got.set()
-
-            def log_message(self, *a: object) -> None:
-                pass
-
-        self.server = http.server.HTTPServer(("127.0.0.1", 0), Handler)
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/internal/kv-retention"
-
-
 @pytest.fixture
 def router():
     stand_in = StandInRouter()
     yield stand_in
-    stand_in.server.shutdown()
+    stand_in.close()
 
 
 def test_client_syncs_what_the_ledger_holds_and_hands_back_the_answer(router):
