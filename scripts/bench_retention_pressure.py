@@ -154,7 +154,8 @@ def cluster(mode: str, run_dir: Path, extra: Sequence[str] = (),
                 urls[m.group(1)] = m.group(2)
             if m := re.match(r"model (\S+); Ctrl-C to stop", line):
                 model = m.group(1)
-        yield Cluster(urls["router"], urls["prefill-0"], urls["decode-0"], model, run_dir)
+        yield Cluster(urls.get("router", ""), urls["prefill-0"], urls["decode-0"], model,
+                      run_dir)
     finally:
         proc.send_signal(signal.SIGINT)
         try:

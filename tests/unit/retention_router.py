@@ -21,8 +21,9 @@ class StandInRouter:
             def do_POST(self) -> None:
                 body = self.rfile.read(int(self.headers["Content-Length"]))
                 decode_sync(body)
-                outer.syncs.append(json.loads(body))
-                answer = encode(outer.answer)
+                sync = json.loads(body)
+                outer.syncs.append(sync)
+                answer = encode(outer.answer_for(sync))
                 self.send_response(200)
                 self.send_header("Content-Length", str(len(answer)))
                 self.end_headers()
@@ -35,6 +36,10 @@ class StandInRouter:
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         threading.Thread(target=self.server.serve_forever, daemon=True).start()
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}/internal/kv-retention"
+
+    def answer_for(self, sync: dict[str, object]) -> RetentionOrders:
+        """The answer to one sync (``answer`` unless a subclass decides per sync)."""
+        return self.answer
 
     def close(self) -> None:
         self.server.shutdown()
