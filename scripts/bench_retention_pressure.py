@@ -49,7 +49,13 @@ MODES = ("managed", "stock", "no-bidirectional")
 MODE_FLAGS = {"managed": ["--retention", "managed"], "stock": ["--retention", "stock"],
               "no-bidirectional": ["--no-bidirectional"]}
 CLUSTER_FLAGS = ["--max-model-len", "2048", "--ttl-s", "120",
-                 "--decode-engine-arg=--num-gpu-blocks-override=24"]
+                 "--decode-engine-arg=--num-gpu-blocks-override=24",
+                 # The router learns that D runs kvrelay's connector from D's first answer
+                 # (guard auto); until then its decode requests carry no retention URL, and a
+                 # turn without one is never released early: the first conversation would
+                 # pin half of D until the TTL. kvrelay up runs kvrelay's connector on every
+                 # node, so the router is told.
+                 "--router-arg=--guard=connector"]
 WORDS = ("open read edit run test fail pass fix log trace diff merge lint type build "
          "search answer result plan tool call file write").split()
 

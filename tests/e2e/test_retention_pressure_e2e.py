@@ -22,7 +22,7 @@ from scripts.bench_retention_pressure import Cluster, cluster, prompt
 from kvrelay.client.pd import PDClient
 from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.core.retention_sync import RETAIN_S_KEY, RETENTION_URL_KEY, RetentionOrders
-from tests.unit.retention_router import StandInRouter
+from tests.retention_router import StandInRouter
 
 pytestmark = pytest.mark.e2e
 

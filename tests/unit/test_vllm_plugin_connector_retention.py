@@ -21,7 +21,7 @@ from vllm.v1.request import RequestStatus
 from kvrelay.core.retention_sync import RetentionOrders
 from kvrelay.vllm_plugin.connector import NixlConnector
 from kvrelay.vllm_plugin.retention import TurnState
-from tests.unit.retention_router import StandInRouter
+from tests.retention_router import StandInRouter
 
 ns = types.SimpleNamespace
 TTL_S = 120
@@ -143,6 +143,8 @@ def test_pressure_waits_for_the_routers_answer_then_vllms_sweep_frees_the_turn(r
     assert router.got.wait(10)
     assert router.syncs[-1]["releasing"] == ["old"]
     assert router.syncs[-1]["engine_id"] == "d-engine"
+    assert (router.syncs[-1]["num_blocks_total"], router.syncs[-1]["bytes_per_block"]) == (
+        NUM_BLOCKS, 4096), "D's numbers come from its own KV cache config"
 
     done: set[str] = set()
     deadline = time.monotonic() + 10

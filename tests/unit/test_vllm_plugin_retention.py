@@ -6,7 +6,7 @@ import pytest
 from kvrelay.core.retention_sync import RetentionOrders
 from kvrelay.vllm_plugin.retention import RetentionLedger, TurnState, blocks_needed
 from kvrelay.vllm_plugin.retention_client import Engine, RetentionSyncClient
-from tests.unit.retention_router import StandInRouter
+from tests.retention_router import StandInRouter
 
 URL = "http://127.0.0.1:9/internal/kv-retention"
 OTHER = "http://127.0.0.1:10/internal/kv-retention"
