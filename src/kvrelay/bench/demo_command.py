@@ -4,7 +4,8 @@ one that never does, one agent conversation through both in alternated pairs
 
 The default ``bench`` model with ~1.5-2.5k-token follow-ups is where P's prefill costs what
 a pull saves on this kind of machine (docs/perf.md, "What reuse saves: the demo"); ``--model
-tiny`` prefills so fast that the router's learned costs pick recompute for short turns.
+tiny`` prefills ~10x faster, so the gap is smaller there (the router's learned costs decide
+per turn whether a pull still pays).
 Everything it starts is stopped when it ends, also on Ctrl-C or an error.
 """
 
