@@ -7,14 +7,14 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.core.retention_sync import Released, RetentionSync, encode
-from kvrelay.fakevllm import FakeCluster, ManualClock
+from kvrelay.fakevllm import FakeCluster, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.server import HttpServer
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
@@ -66,9 +66,10 @@ class Replicas:
 
 
 @contextlib.asynccontextmanager
-async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIterator[Replicas]:
+async def replicas(redis: RedisServer, n: int = 2, engine_config: FakeEngineConfig = ENGINE_CONFIG,
+                   **settings: Any) -> AsyncIterator[Replicas]:
     clock = ManualClock()
-    async with FakeCluster(1, 1, ENGINE_CONFIG, clock=clock) as cluster:
+    async with FakeCluster(1, 1, engine_config, clock=clock) as cluster:
         servers, ctxs, urls = [], [], []
         try:
             for _ in range(n):
@@ -199,8 +200,10 @@ async def test_a_release_order_queued_on_one_replica_is_delivered_by_the_other(
 ) -> None:
     """Replica 0 evicts replica 1's entry (``max_entries`` 1 in Redis); D syncs with
     replica 1, which hands it the order: the queue lives in Redis. A release D tells
-    replica 1 of makes replica 0's next turn of that conversation recompute (``released``)."""
-    async with replicas(redis_server, max_entries=1) as r:
+    replica 1 of makes replica 0's next turn of that conversation recompute (``released``).
+    The test is D (its syncs written by hand): the fake D does not sync itself."""
+    async with replicas(redis_server, engine_config=replace(ENGINE_CONFIG, kvrelay_retention=False),
+                        max_entries=1) as r:
         d = r.cluster.decode[0]
         a = [{"role": "user", "content": "conversation A " + FIRST}]
         _, _, a_text = await r.turn(1, a, None)

@@ -209,10 +209,15 @@ def test_no_entry() -> None:
 
 
 def test_a_released_entry_is_never_pulled() -> None:
-    """D freed the blocks (its sync said so): recompute, whatever else holds."""
-    for cause in ("pressure", "router", "expired"):
+    """D freed the blocks (its sync said so): recompute, whatever else holds; a turn whose
+    own retention time ran out on D reads ``expired``, as when the router's clock says so."""
+    for cause in ("pressure", "headroom", "router"):
         released = replace(ENTRY, released=cause)
         assert_recompute(decide(next_turn_prompt(), entry=released), "released")
+    assert_recompute(decide(next_turn_prompt(), entry=replace(ENTRY, released="expired")),
+                     "expired")
+    assert_recompute(decide(next_turn_prompt(), entry=replace(ENTRY, released="pressure"),
+                            now_s=EXPIRES_S), "expired")
     assert_pull(decide(next_turn_prompt(), entry=ENTRY), 2056)
 
 

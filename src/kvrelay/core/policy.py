@@ -5,9 +5,11 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
 
 1. ``no_entry`` – the request continues no retained entry (first turn, nothing retained,
    lost a concurrent claim): recompute.
-2. ``released`` – D said it freed the blocks before any P read them (its retention sync:
-   memory pressure, the router's order, the turn's own retention time): recompute.
-3. ``expired`` – ``now_s >= entry.expires_at_s``: D has freed (or is about to free) the blocks.
+2. ``expired`` – ``now_s >= entry.expires_at_s``, or D's retention sync said the turn's own
+   retention time ran out (cause ``expired``): D has freed (or is about to free) the blocks.
+   Time first: a turn that came back after its retention time is told so, whoever noticed.
+3. ``released`` – D said it freed the blocks early, before any P read them (its retention
+   sync: memory pressure, headroom, the router's order): recompute.
 4. ``near_expiry`` – fewer than ``near_expiry_s`` seconds left: P would pull after queueing
    and could race D's TTL.
 5. ``node_down`` – the D that holds the blocks is down or unknown to the router.
@@ -151,10 +153,10 @@ def decide_turn(
     """
     if entry is None:
         return TurnDecision("recompute", "no_entry")
+    if entry.is_expired(now_s) or entry.released == "expired":
+        return TurnDecision("recompute", "expired")
     if entry.released is not None:
         return TurnDecision("recompute", "released")
-    if entry.is_expired(now_s):
-        return TurnDecision("recompute", "expired")
     if entry.seconds_left(now_s) < config.near_expiry_s:
         return TurnDecision("recompute", "near_expiry")
     if decode_node is not None and decode_node.node_id != entry.decode_node_id:
