@@ -13,7 +13,9 @@ Who sees what (docs/security.md):
 * ``GET /admin/nodes`` – admin key: URLs, engine ids, side channels, capabilities and the
   kind of each node's last error. ``POST /admin/nodes/{id}/drain``/``undrain``: stop or
   resume routing new turns to a node. ``POST /admin/conversations/drop`` with
-  ``{"tenant"?, "conversation_id"}``: forget the entries of one explicit conversation id.
+  ``{"tenant"?, "conversation_id", "user"?, "safety_identifier"?, "cache_salt"?}``: forget
+  the entries of one explicit conversation id (of that end user and salt, as its requests
+  sent them).
   Without an admin key these routes do not exist (404); no/wrong key 401, a tenant's 403.
 * ``POST /internal/kv-report`` – only on the internal listener: D's reports, at most
   ``core.report.MAX_REPORT_BYTES``, each checked against its turn (``commit``).
@@ -144,7 +146,12 @@ def _admin_routes(ctx: RouterContext) -> list[Route]:
             raise ClientError("conversation_id must be a non-empty string", "conversation_id")
         if not isinstance(tenant, str) or not tenant:
             raise ClientError("tenant must be a non-empty string", "tenant")
-        dropped = await ctx.index.drop_scope(scope_of(tenant, conversation_id))
+        for name in ("user", "safety_identifier", "cache_salt"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise ClientError(f"{name} must be a string", name)
+        dropped = await ctx.index.drop_scope(scope_of(
+            tenant, conversation_id, user=body.get("user"),
+            safety_identifier=body.get("safety_identifier"), cache_salt=body.get("cache_salt")))
         if dropped:
             ctx.metrics.dropped.labels("admin").inc(dropped)
         return dumps({"dropped": dropped > 0, "entries": dropped})

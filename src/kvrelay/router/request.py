@@ -8,9 +8,12 @@ most ``MAX_JSON_DEPTH``) and what the router itself relies on (``messages``/``pr
 vLLM to judge.
 
 Conversation identity (``core.identity``): every request is identified by digests of its
-messages (or prompt text) within a scope; an explicit id narrows the scope: the body's
-``conversation_id`` (removed before forwarding), else the first configured session header
-present, else OpenAI's ``prompt_cache_key`` (kept in the body). ``kv_transfer_params`` from
+messages (or prompt text) within a scope. The end user (OpenAI's ``user`` and
+``safety_identifier``) and vLLM's ``cache_salt`` narrow the scope and are forwarded to P and
+D unchanged (vLLM hashes ``cache_salt`` into its own prefix-cache keys); an explicit id
+narrows it further: the body's ``conversation_id`` (removed before forwarding), else the
+first configured session header present, else OpenAI's ``prompt_cache_key`` (kept in the
+body). ``kv_transfer_params`` from
 a client is refused: it would let a client make P read
 arbitrary blocks.
 """
@@ -136,7 +139,10 @@ def parse_request(
     n = _optional(body, "n", int)
     if n is not None and n != 1:
         raise ClientError("n > 1 is not supported by the P/D router", "n")
-    scope = scope_of(tenant, conversation_id)
+    user, safety_identifier, cache_salt = (
+        _optional(body, name, str) for name in ("user", "safety_identifier", "cache_salt"))
+    scope = scope_of(tenant, conversation_id, user=user, safety_identifier=safety_identifier,
+                     cache_salt=cache_salt)
     explicit = conversation_id is not None
     prompt_ids: tuple[int, ...] | None = None
     if endpoint == "chat":
