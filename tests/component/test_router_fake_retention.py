@@ -23,7 +23,7 @@ from kvrelay.core.retention_sync import (
     RetentionSync,
     encode,
 )
-from kvrelay.router.request import parse_request
+from kvrelay.router.request import IdRules, parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
 SILENT_D = replace(ENGINE_CONFIG, kvrelay_retention=False)
@@ -276,7 +276,7 @@ def learn_gaps(r: Routed, gap_s: float, n: int = 40) -> None:
     """Tell the router ``n`` follow-ups came ``gap_s`` after their turn (as ``plan`` does
     when it finds an entry), in the default tenant."""
     req = parse_request("chat", json.dumps({"model": "tiny", "messages": first_turn()}).encode(),
-                        {}, "default", ())
+                        {}, "default", IdRules(()))
     for _ in range(n):
         r.ctx.retention.observe_gap(req, gap_s)
 

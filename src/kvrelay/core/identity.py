@@ -29,11 +29,14 @@ The **scope** narrows the lookup (``scope_of``): the tenant, the conversation id
 client sent one (body ``conversation_id`` or a session header), the end user (``user``,
 ``safety_identifier``) and vLLM's ``cache_salt``: the same history under another user or
 salt is another scope, so no entry, and no guard-proven length, ever crosses them. Within an
-explicit id's scope every entry belongs to that one conversation, so when no probe matches
-(an edited history: a changed answer or earlier message) the request may continue the
-scope's latest entry (``RequestIdentity.explicit``): the guard then proves how much of it is
-still equal. Never without an id: the tenant's scope holds every conversation, and that
-would be stealing.
+id's scope every entry belongs to that one conversation; when the id is also *bound* to one
+caller (only that caller can send it: a gateway sets it, or the tenant is one caller) and no
+probe matches (an edited history: a changed answer or earlier message), the request may
+continue the scope's latest entry (``RequestIdentity.explicit``): the guard then proves how
+much of it is still equal, and that length is only ever about the caller's own turns. Never
+for an id anyone can send (it would tell a guesser how much of another's conversation
+matches, and take the entry) and never without an id: the tenant's scope holds every
+conversation, and that would be stealing.
 """
 
 from __future__ import annotations
@@ -120,7 +123,8 @@ class RequestIdentity(msgspec.Struct, frozen=True):
     ``anchor`` is where this request's own entry will be stored; ``probes`` are tried longest
     first; ``prompt_bytes`` is the size of everything hashed (messages or prompt text);
     ``text`` is the completions prompt's bytes (kept until the turn commits), else ``None``.
-    ``explicit``: the scope is one client-given conversation id (see the module docstring).
+    ``explicit``: the scope is one conversation id bound to one caller, so the request may
+    continue the scope's latest entry (see the module docstring).
     """
 
     scope: bytes

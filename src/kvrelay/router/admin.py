@@ -149,9 +149,12 @@ def _admin_routes(ctx: RouterContext) -> list[Route]:
         for name in ("user", "safety_identifier", "cache_salt"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise ClientError(f"{name} must be a string", name)
-        dropped = await ctx.index.drop_scope(scope_of(
-            tenant, conversation_id, user=body.get("user"),
-            safety_identifier=body.get("safety_identifier"), cache_salt=body.get("cache_salt")))
+        dropped = 0
+        for bound in (False, True):  # the id as a client sent it, and as a gateway set it
+            dropped += await ctx.index.drop_scope(scope_of(
+                tenant, conversation_id, bound=bound, user=body.get("user"),
+                safety_identifier=body.get("safety_identifier"),
+                cache_salt=body.get("cache_salt")))
         if dropped:
             ctx.metrics.dropped.labels("admin").inc(dropped)
         return dumps({"dropped": dropped > 0, "entries": dropped})

@@ -60,6 +60,16 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-header", action="append", default=None, metavar="NAME",
                         help="request header carrying a client's conversation id "
                              "(repeatable; replaces the default list, see docs/router.md)")
+    parser.add_argument("--gateway-id-header", action="append", default=None, metavar="NAME",
+                        help="request header a gateway in front of the router sets (and strips "
+                             "from clients) with the caller's conversation or user id; its id "
+                             "is bound to one caller (repeatable, docs/security.md)")
+    parser.add_argument("--id-precedence", choices=["gateway", "client"], default=None,
+                        help="which id wins when a request has a gateway id header and a "
+                             "client id (conversation_id, session header): gateway (default)")
+    parser.add_argument("--tenant-is-one-caller", action="store_true", default=None,
+                        help="each tenant key is held by one caller: its ids are bound "
+                             "(an edited history continues the id's latest entry)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
     parser.add_argument("--kv-recompute-threshold", type=int, default=None)
     parser.add_argument("--near-expiry-s", type=float, default=None)
@@ -147,6 +157,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "internal_url": args.internal_url,
         "guard": args.guard,
         "session_headers": args.session_header,
+        "gateway_id_headers": args.gateway_id_header,
+        "id_precedence": args.id_precedence,
+        "tenant_is_one_caller": args.tenant_is_one_caller,
         "turn_log": args.turn_log,
         "turn_log_max_mb": args.turn_log_max_mb,
         "turn_log_backups": args.turn_log_backups,
