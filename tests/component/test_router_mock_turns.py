@@ -476,7 +476,7 @@ async def test_stats_hash_keys_and_show_nodes(rig: Rig) -> None:
     text = str(stats)
     assert "secret-conversation" not in text
     assert stats["decisions"]["recent"][-1]["key"] == ConversationKey(
-        "default", "secret-conversation").hashed()
+        "default", "secret-conversation").hashed(rig.ctx.tag_key)
     assert {n["id"] for n in stats["nodes"]} == {"prefill-0", "decode-0"}
     for node in stats["nodes"]:  # details are the admin's (/admin/nodes)
         assert not {"url", "engine_id", "last_error", "side_channel"} & set(node)

@@ -186,6 +186,7 @@ def create_app(
                 router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
             ) if config.learned_retention else None,
         ),
+        tag_key=config.conversation_tag_key(),
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,

@@ -116,6 +116,10 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help="enables /admin/* and unfiltered /stats for this bearer key "
                              "(env KVRELAY_ADMIN_KEY)")
+    parser.add_argument("--tag-key", default=None, metavar="SECRET",
+                        help="key of the conversation tags in /stats and the turn log, shared "
+                             "by replicas that must agree (default: random per process; prefer "
+                             "env KVRELAY_TAG_KEY)")
     parser.add_argument("--max-body-bytes", type=int, default=None,
                         help="largest request body, else 413 (default 8 MiB)")
     parser.add_argument("--max-in-flight", type=int, default=None,
@@ -177,6 +181,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level,
         "api_keys": getattr(args, "api_key", None),
         "admin_key": getattr(args, "admin_key", None),
+        "tag_key": getattr(args, "tag_key", None),
         "max_body_bytes": getattr(args, "max_body_bytes", None),
         "max_in_flight": getattr(args, "max_in_flight", None),
         "max_in_flight_per_tenant": getattr(args, "max_in_flight_per_tenant", None),

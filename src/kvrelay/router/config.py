@@ -12,7 +12,9 @@ role reaches this node's NIXL side channel; when set, the router rewrites ``remo
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -23,6 +25,7 @@ from urllib.parse import urlsplit
 from kvrelay.core.conversation import (
     DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     DEFAULT_EXPIRY_SAFETY_MARGIN_S,
+    TAG_KEY_BYTES,
 )
 from kvrelay.core.costs import CostLine, CostLines
 from kvrelay.core.policy import PolicyConfig
@@ -190,6 +193,7 @@ class RouterConfig:
     deployment: str = "default"
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
     admin_key: str | None = field(default=None, repr=False)
+    tag_key: str | None = field(default=None, repr=False)
     max_body_bytes: int = 8 * 1024 * 1024
     max_in_flight: int = 1024
     max_in_flight_per_tenant: int | None = None
@@ -274,6 +278,8 @@ class RouterConfig:
             raise ConfigError(f"state must be redis://host:port/db, got {self.state!r}")
         if self.state_timeout_ms <= 0:
             raise ConfigError("state_timeout_ms must be positive")
+        if self.tag_key is not None and len(self.tag_key.encode("utf-8")) < 16:
+            raise ConfigError("tag_key must be at least 16 bytes (a random secret)")
         if not self.deployment or any(c.isspace() for c in self.deployment):
             raise ConfigError("deployment must be non-empty, without whitespace")
 
@@ -313,6 +319,14 @@ class RouterConfig:
             max_tool_calls=self.max_tool_calls,
             max_stop_sequences=self.max_stop_sequences,
         )
+
+    def conversation_tag_key(self) -> bytes:
+        """The key conversation tags are made with: derived from ``tag_key`` (replicas and
+        restarts that share it agree on tags), else random for this process."""
+        if self.tag_key is None:
+            return secrets.token_bytes(TAG_KEY_BYTES)
+        return hashlib.blake2b(self.tag_key.encode("utf-8"), digest_size=TAG_KEY_BYTES,
+                               person=b"kvrelay-tagkey").digest()
 
     @property
     def id_rules(self) -> IdRules:
@@ -570,6 +584,7 @@ ENV_KEYS = {
     "LOG_LEVEL": "log_level",
     "API_KEYS": "api_keys",
     "ADMIN_KEY": "admin_key",
+    "TAG_KEY": "tag_key",
     "MAX_BODY_BYTES": "max_body_bytes",
     "MAX_IN_FLIGHT": "max_in_flight",
     "MAX_IN_FLIGHT_PER_TENANT": "max_in_flight_per_tenant",

@@ -31,7 +31,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvrelay.core.conversation import conversation_tag
 from kvrelay.core.identity import (
     ChatMessage,
     RequestIdentity,
@@ -77,8 +76,9 @@ class TurnRequest(msgspec.Struct, frozen=True):
     """A validated client turn.
 
     ``body`` is what gets forwarded (no ``conversation_id``); ``prompt_token_ids`` is set
-    when a completions prompt was given as ids. ``conversation`` is the explicit id's tag,
-    ``None`` when the client sent none (the tag then comes from the entry continued).
+    when a completions prompt was given as ids. ``has_id``: the request named its
+    conversation (its tag is then its scope's, ``core.conversation.id_tag``; without one it
+    comes from the entry continued).
     ``num_bytes`` is the size of what the identity hashed (for token estimates).
     """
 
@@ -86,7 +86,7 @@ class TurnRequest(msgspec.Struct, frozen=True):
     body: JsonObject
     tenant: str
     identity: RequestIdentity
-    conversation: str | None
+    has_id: bool
     stream: bool
     include_usage: bool
     wants_token_ids: bool
@@ -191,10 +191,7 @@ def parse_request(
         body=body,
         tenant=tenant,
         identity=identity,
-        conversation=(
-            conversation_tag(tenant.encode("utf-8"), conversation_id.encode("utf-8"))
-            if conversation_id is not None else None
-        ),
+        has_id=conversation_id is not None,
         stream=stream,
         include_usage=stream and bool(options and options.get("include_usage")),
         wants_token_ids=bool(body.get("return_token_ids")),
