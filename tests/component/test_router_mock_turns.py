@@ -513,7 +513,10 @@ async def test_metrics_exposition(rig: Rig) -> None:
     assert "kvrelay_router_live_entries 1.0" in text
     assert "kvrelay_router_pending_reports 0.0" in text
     assert 'kvrelay_router_turn_entries_total{outcome="committed"} 2.0' in text
-    assert 'kvrelay_router_retained_tokens{node="decode-0"}' in text
+    assert "kvrelay_router_retained_tokens" not in text  # sizes: not for an open scrape
+    assert "kvrelay_router_prompt_tokens_total" not in text
+    full = rig.ctx.metrics.render().decode()  # what the internal listener serves
+    assert 'kvrelay_router_retained_tokens{node="decode-0"}' in full
     reused = rig.ctx.metrics.prompt_tokens.labels("reused")._value.get()
     assert reused == (await rig.last_decision())["reused_tokens"] > 0
 

@@ -4,6 +4,11 @@
   id or first message offline. Two routers without a shared key tag one conversation
   differently (a public hash would agree, and match the guess); routers sharing
   ``--tag-key`` agree, as replicas must.
+* 8: a tenant's ``/stats`` counts only its own turns (decisions, pending reports; not the
+  index's size); the admin key sees every tenant's. An unauthenticated ``/metrics`` has no
+  request-size series (``prompt_tokens_total``, ``retained_tokens``); ``--metrics-key``
+  locks it (the key gets everything), ``--metrics-listener internal`` moves it to the
+  internal listener.
 """
 
 from __future__ import annotations
@@ -14,7 +19,15 @@ from typing import Any
 
 import pytest
 
-from tests.component.router_process import RouterProcess, eventually, fake_rig
+from kvrelay.fakevllm import FakeCluster
+from tests.component.fake_vllm_version import engine_config
+from tests.component.router_process import (
+    RouterProcess,
+    eventually,
+    fake_rig,
+    openai_error_of,
+    run_router,
+)
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -74,3 +87,78 @@ async def test_a_short_tag_key_is_refused(tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="exited with 2"):
         async with fake_rig(tmp_path, "--tag-key", "short"):
             pass
+
+
+KEYS = ("--api-key", "alice:KA", "--api-key", "bob:KB", "--admin-key", "ADM")
+ALICE, BOB = {"authorization": "Bearer KA"}, {"authorization": "Bearer KB"}
+ADMIN = {"authorization": "Bearer ADM"}
+SIZES = ("kvrelay_router_prompt_tokens_total", "kvrelay_router_retained_tokens")
+
+
+async def test_a_tenant_sees_only_its_own_counts(tmp_path: Path) -> None:
+    async with fake_rig(tmp_path, *KEYS) as rig, rig.router.client() as c:
+        for i in range(2):
+            resp = await c.post(CHAT, headers=ALICE, json={
+                "model": "tiny", "max_tokens": 2,
+                "messages": [{"role": "user", "content": f"Alice's question {i}."}]})
+            assert resp.status_code == 200, resp.text
+
+        async def stats(headers: dict[str, str]) -> dict[str, Any]:
+            resp = await c.get("/stats", headers=headers)
+            assert resp.status_code == 200, resp.text
+            body: dict[str, Any] = resp.json()
+            return body
+
+        admin = await eventually(lambda: stats(ADMIN),
+                                 lambda s: sum(s["decisions"]["by_action"].values()) == 2,
+                                 "alice's two turns counted")
+        bob, alice = await stats(BOB), await stats(ALICE)
+    assert sum(bob["decisions"]["by_action"].values()) == 0, (
+        f"bob's /stats counts alice's turns: {bob['decisions']['by_action']}")
+    assert not any(bob["decisions"][a] for a in ("pull", "recompute", "direct")), bob
+    assert "conversations" not in bob, f"bob sees the index's size: {bob['conversations']}"
+    assert bob["pending_reports"] == 0
+    assert bob["decisions"]["recent"] == []
+    assert sum(alice["decisions"]["by_action"].values()) == 2
+    assert admin["conversations"]["live"] >= 1
+
+
+async def test_metrics_without_a_key_show_no_request_sizes(tmp_path: Path) -> None:
+    async with fake_rig(tmp_path, *KEYS) as rig:
+        async with rig.router.client() as c:
+            resp = await c.post(CHAT, headers=ALICE, json={
+                "model": "tiny", "max_tokens": 2,
+                "messages": [{"role": "user", "content": "How long is my prompt?"}]})
+            assert resp.status_code == 200, resp.text
+        open_view = await rig.router.metrics()
+        admin_view = await rig.router.metrics("ADM")
+    shown = [name for name in SIZES if open_view.find(name)]
+    assert not shown, f"an unauthenticated /metrics shows request sizes: {shown}"
+    assert open_view.value("kvrelay_router_node_up", node="decode-0") == 1.0
+    assert admin_view.find("kvrelay_router_prompt_tokens_total"), "the admin key gets them"
+
+
+async def test_a_metrics_key_locks_metrics(tmp_path: Path) -> None:
+    async with fake_rig(tmp_path, "--metrics-key", "MK") as rig, rig.router.client() as c:
+        resp = await c.post(CHAT, json={"model": "tiny", "max_tokens": 2,
+                                        "messages": [{"role": "user", "content": "hi"}]})
+        assert resp.status_code == 200, resp.text
+        answers = {who: await c.get("/metrics", headers=headers) for who, headers in (
+            ("no key", {}), ("wrong key", {"authorization": "Bearer no"}),
+            ("metrics key", {"authorization": "Bearer MK"}))}
+    got = {who: resp.status_code for who, resp in answers.items()}
+    assert got == {"no key": 401, "wrong key": 401, "metrics key": 200}, got
+    openai_error_of(answers["no key"])
+    assert "kvrelay_router_prompt_tokens_total" in answers["metrics key"].text
+
+
+async def test_metrics_on_the_internal_listener_only(tmp_path: Path) -> None:
+    async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
+            run_router(cluster, tmp_path, "--metrics-listener", "internal",
+                       internal=True) as router, router.client() as c:
+        public = await c.get("/metrics")
+        internal = await c.get(f"{router.internal_url}/metrics")
+    assert public.status_code == 404, public.text
+    openai_error_of(public)
+    assert internal.status_code == 200, internal.text
+    assert "kvrelay_router_node_up" in internal.text

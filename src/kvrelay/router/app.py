@@ -178,7 +178,8 @@ def create_app(
         metrics=metrics,
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
-        auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
+        auth=Authenticator(config.api_keys, config.admin_key, config.tenant,
+                           config.metrics_key),
         retention=RetentionDesk(
             index, nodes, metrics, clock, base_url=config.internal_base_url,
             learned=RetentionTimeConfig(

@@ -116,6 +116,13 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help="enables /admin/* and unfiltered /stats for this bearer key "
                              "(env KVRELAY_ADMIN_KEY)")
+    parser.add_argument("--metrics-key", default=None, metavar="KEY",
+                        help="the public /metrics needs 'Authorization: Bearer KEY' (or the "
+                             "admin key); without it, it serves no request-size series (env "
+                             "KVRELAY_METRICS_KEY)")
+    parser.add_argument("--metrics-listener", choices=["public", "internal"], default=None,
+                        help="serve /metrics on the public listener too (public, default) or "
+                             "only on the internal one (internal)")
     parser.add_argument("--tag-key", default=None, metavar="SECRET",
                         help="key of the conversation tags in /stats and the turn log, shared "
                              "by replicas that must agree (default: random per process; prefer "
@@ -182,6 +189,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "api_keys": getattr(args, "api_key", None),
         "admin_key": getattr(args, "admin_key", None),
         "tag_key": getattr(args, "tag_key", None),
+        "metrics_key": getattr(args, "metrics_key", None),
+        "metrics_listener": getattr(args, "metrics_listener", None),
         "max_body_bytes": getattr(args, "max_body_bytes", None),
         "max_in_flight": getattr(args, "max_in_flight", None),
         "max_in_flight_per_tenant": getattr(args, "max_in_flight_per_tenant", None),

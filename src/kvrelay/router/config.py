@@ -36,6 +36,7 @@ from kvrelay.router.request_limits import RequestLimits
 
 Role = Literal["prefill", "decode"]
 GuardMode = Literal["auto", "connector", "tokenize"]
+MetricsListener = Literal["public", "internal"]
 
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
     "x-conversation-id",
@@ -194,6 +195,8 @@ class RouterConfig:
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
     admin_key: str | None = field(default=None, repr=False)
     tag_key: str | None = field(default=None, repr=False)
+    metrics_key: str | None = field(default=None, repr=False)
+    metrics_listener: MetricsListener = "public"
     max_body_bytes: int = 8 * 1024 * 1024
     max_in_flight: int = 1024
     max_in_flight_per_tenant: int | None = None
@@ -278,6 +281,9 @@ class RouterConfig:
             raise ConfigError(f"state must be redis://host:port/db, got {self.state!r}")
         if self.state_timeout_ms <= 0:
             raise ConfigError("state_timeout_ms must be positive")
+        if self.metrics_listener not in ("public", "internal"):
+            raise ConfigError(f"metrics_listener must be public or internal, got "
+                              f"{self.metrics_listener!r}")
         if self.tag_key is not None and len(self.tag_key.encode("utf-8")) < 16:
             raise ConfigError("tag_key must be at least 16 bytes (a random secret)")
         if not self.deployment or any(c.isspace() for c in self.deployment):
@@ -487,7 +493,7 @@ def _coerce(key: str, value: Any) -> Any:
     if key == "tenant_is_one_caller":
         return _flag(key, value)
     if not isinstance(value, str) or kind in ("str", "str | None", "GuardMode",
-                                              "IdPrecedence"):
+                                              "IdPrecedence", "MetricsListener"):
         return value
     if kind in ("int", "int | None"):
         return int(value)
@@ -585,6 +591,8 @@ ENV_KEYS = {
     "API_KEYS": "api_keys",
     "ADMIN_KEY": "admin_key",
     "TAG_KEY": "tag_key",
+    "METRICS_KEY": "metrics_key",
+    "METRICS_LISTENER": "metrics_listener",
     "MAX_BODY_BYTES": "max_body_bytes",
     "MAX_IN_FLIGHT": "max_in_flight",
     "MAX_IN_FLIGHT_PER_TENANT": "max_in_flight_per_tenant",
