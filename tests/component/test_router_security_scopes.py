@@ -32,6 +32,9 @@ from tests.component.router_process import (
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+#: A new connection per request: a kept-alive one the router closes while idle (uvicorn's
+#: keep-alive timeout) could be reused at that moment and read a reset.
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 CHAT = "/v1/chat/completions"
 #: Pulls are never priced out by the learned costs (which the machine's load moves).
@@ -101,7 +104,7 @@ async def test_another_salt_or_user_never_reaches_the_entry(
     ids = {} if conversation_id is None else {"conversation_id": f"{conversation_id}-{field}"}
     owner = {field: "A-secret-tenant-user", **ids}
     other = {field: "B-other-user", **ids}
-    async with rig.router.client() as c:
+    async with rig.router.client(limits=NO_KEEPALIVE) as c:
         history = await first_turn(c, f"{STORY}[{field} {conversation_id}]", owner)
         await settled(rig.router)
         crossed = await follow_up(c, history, other)
@@ -118,7 +121,7 @@ async def test_another_salt_or_user_never_reaches_the_entry(
 
 async def test_cache_salt_reaches_p_and_d_unchanged(rig: Rig) -> None:
     salt = "salt-\u00e9-42"
-    async with rig.router.client() as c:
+    async with rig.router.client(limits=NO_KEEPALIVE) as c:
         history = await first_turn(c, f"{STORY}[forwarded salt]", {"cache_salt": salt})
         await settled(rig.router)
         await follow_up(c, history, {"cache_salt": salt})
@@ -133,7 +136,7 @@ async def test_cache_salt_reaches_p_and_d_unchanged(rig: Rig) -> None:
 @pytest.mark.parametrize("field", ["cache_salt", "user", "safety_identifier"])
 async def test_a_salt_or_user_that_is_not_a_string_is_a_400(rig: Rig, field: str) -> None:
     before = rig.generation_requests()
-    async with rig.router.client() as c:
+    async with rig.router.client(limits=NO_KEEPALIVE) as c:
         resp = await c.post(CHAT, json={"model": "tiny", "max_tokens": 2, field: ["A"],
                                         "messages": [{"role": "user", "content": "hi"}]})
     assert resp.status_code == 400, resp.text
@@ -157,7 +160,7 @@ async def test_a_shared_id_neither_measures_nor_takes_another_callers_entry(
 ) -> None:
     fields, headers = CARRIERS[carrier]
     tag = f"[{carrier}]"
-    async with rig.router.client(headers=headers) as c:
+    async with rig.router.client(headers=headers, limits=NO_KEEPALIVE) as c:
         victim = await first_turn(c, f"{STORY}{tag} {SECRET}", fields)
         await settled(rig.router)
         guess = [{"role": "user", "content": f"{STORY}{tag} {GUESS}"},
@@ -179,7 +182,7 @@ async def test_a_gateway_bound_id_continues_its_latest_entry_and_wins_over_clien
     tmp_path: Path,
 ) -> None:
     async with fake_rig(tmp_path, *PULL_ALWAYS_PAYS, "--gateway-id-header", GATEWAY) as gw, \
-            gw.router.client() as c:
+            gw.router.client(limits=NO_KEEPALIVE) as c:
         owner = {GATEWAY: "user-1"}
         history = await first_turn_with(c, f"{STORY}[gateway] {SECRET}", owner)
         await settled(gw.router)
@@ -211,7 +214,8 @@ async def test_a_gateway_bound_id_continues_its_latest_entry_and_wins_over_clien
 
 async def test_with_client_precedence_a_client_id_wins_but_is_not_bound(tmp_path: Path) -> None:
     async with fake_rig(tmp_path, *PULL_ALWAYS_PAYS, "--gateway-id-header", GATEWAY,
-                        "--id-precedence", "client") as gw, gw.router.client() as c:
+                        "--id-precedence", "client") as gw, \
+            gw.router.client(limits=NO_KEEPALIVE) as c:
         ids = {GATEWAY: "user-1", "x-conversation-id": "chosen-by-client"}
         history = await first_turn_with(c, f"{STORY}[precedence] {SECRET}", ids)
         await settled(gw.router)

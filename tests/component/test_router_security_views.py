@@ -17,6 +17,7 @@ import hashlib
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 
 from kvrelay.fakevllm import FakeCluster
@@ -30,6 +31,9 @@ from tests.component.router_process import (
 )
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
+#: A new connection per request: a kept-alive one the router closes while idle (uvicorn's
+#: keep-alive timeout) could be reused at that moment and read a reset.
+NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 
 CHAT = "/v1/chat/completions"
 SESSION = "session-0042"  # the kind of id an attacker guesses
@@ -47,7 +51,7 @@ def unkeyed_guess(*parts: bytes) -> str:
 
 async def tags_of_one_conversation(router: RouterProcess) -> tuple[str, str]:
     """The ``/stats`` keys of one turn under ``SESSION`` and one id-free turn."""
-    async with router.client() as c:
+    async with router.client(limits=NO_KEEPALIVE) as c:
         for headers in ({"x-conversation-id": SESSION}, {}):
             resp = await c.post(CHAT, headers=headers, json={
                 "model": "tiny", "max_tokens": 2,
@@ -96,7 +100,7 @@ SIZES = ("kvrelay_router_prompt_tokens_total", "kvrelay_router_retained_tokens")
 
 
 async def test_a_tenant_sees_only_its_own_counts(tmp_path: Path) -> None:
-    async with fake_rig(tmp_path, *KEYS) as rig, rig.router.client() as c:
+    async with fake_rig(tmp_path, *KEYS) as rig, rig.router.client(limits=NO_KEEPALIVE) as c:
         for i in range(2):
             resp = await c.post(CHAT, headers=ALICE, json={
                 "model": "tiny", "max_tokens": 2,
@@ -125,7 +129,7 @@ async def test_a_tenant_sees_only_its_own_counts(tmp_path: Path) -> None:
 
 async def test_metrics_without_a_key_show_no_request_sizes(tmp_path: Path) -> None:
     async with fake_rig(tmp_path, *KEYS) as rig:
-        async with rig.router.client() as c:
+        async with rig.router.client(limits=NO_KEEPALIVE) as c:
             resp = await c.post(CHAT, headers=ALICE, json={
                 "model": "tiny", "max_tokens": 2,
                 "messages": [{"role": "user", "content": "How long is my prompt?"}]})
@@ -139,7 +143,8 @@ async def test_metrics_without_a_key_show_no_request_sizes(tmp_path: Path) -> No
 
 
 async def test_a_metrics_key_locks_metrics(tmp_path: Path) -> None:
-    async with fake_rig(tmp_path, "--metrics-key", "MK") as rig, rig.router.client() as c:
+    async with fake_rig(tmp_path, "--metrics-key", "MK") as rig, \
+            rig.router.client(limits=NO_KEEPALIVE) as c:
         resp = await c.post(CHAT, json={"model": "tiny", "max_tokens": 2,
                                         "messages": [{"role": "user", "content": "hi"}]})
         assert resp.status_code == 200, resp.text
@@ -155,7 +160,7 @@ async def test_a_metrics_key_locks_metrics(tmp_path: Path) -> None:
 async def test_metrics_on_the_internal_listener_only(tmp_path: Path) -> None:
     async with FakeCluster(1, 1, engine_config(report_delay_s=0.0)) as cluster, \
             run_router(cluster, tmp_path, "--metrics-listener", "internal",
-                       internal=True) as router, router.client() as c:
+                       internal=True) as router, router.client(limits=NO_KEEPALIVE) as c:
         public = await c.get("/metrics")
         internal = await c.get(f"{router.internal_url}/metrics")
     assert public.status_code == 404, public.text
