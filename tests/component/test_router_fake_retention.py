@@ -254,8 +254,10 @@ async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
                 "conversation_id": "flush-me"})
             assert resp.status_code == 200
         await r.settle()
+        answer = {"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]}
         (entry,) = [f.entry for f in [await r.find({
-            "model": "tiny", "messages": first_turn(), "conversation_id": "flush-me"})] if f]
+            "model": "tiny", "messages": [*first_turn(), answer, {"role": "user", "content": "?"}],
+            "conversation_id": "flush-me"})] if f]
         dropped = await r.post("/admin/conversations/drop", {"conversation_id": "flush-me"},
                                headers={"Authorization": "Bearer root"})
         assert dropped.json() == {"dropped": True, "entries": 1}
