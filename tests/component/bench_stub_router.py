@@ -29,6 +29,9 @@ from starlette.routing import Route
 
 from kvrelay.core.conversation import ConversationKey
 
+TAG_KEY = bytes(range(32))
+"""The stub's conversation tag key (``StatsDecisions`` needs the same)."""
+
 
 def answer_for(messages: list[dict[str, str]], max_tokens: int) -> str:
     """The deterministic answer: printable characters derived from the prompt."""
@@ -88,7 +91,7 @@ class StubRouter:
         if conv:
             self.recent.append({"at_s": time.monotonic(), "action": action, "reason": reason,
                                 "reused_tokens": reused,
-                                "key": ConversationKey("default", conv).hashed()})
+                                "key": ConversationKey("default", conv).hashed(TAG_KEY)})
         headers = {}
         if self.headers:
             headers = {"X-KVRelay-Action": action, "X-KVRelay-Reason": reason,

@@ -185,9 +185,11 @@ class RouterProcess:
     def returncode(self) -> int | None:
         return self.process.poll()
 
-    async def metrics(self) -> Metrics:
+    async def metrics(self, key: str | None = None) -> Metrics:
+        """One scrape of the public ``/metrics`` (with ``key`` as its bearer token)."""
+        headers = {} if key is None else {"authorization": f"Bearer {key}"}
         async with self.client() as c:
-            resp = await c.get("/metrics")
+            resp = await c.get("/metrics", headers=headers)
         assert resp.status_code == 200, f"GET /metrics answered {resp.status_code}"
         return Metrics(resp.text)
 

@@ -91,7 +91,7 @@ async def lookup(
     """The entry ``ctx``'s router would find for the request ``body`` (see ``Rig.lookup``)."""
     lower = {k.lower(): v for k, v in (headers or {}).items()}
     req = parse_request(endpoint, json.dumps(body).encode(), lower, tenant,
-                        ctx.config.session_headers)
+                        ctx.config.id_rules)
     return await ctx.index.lookup(req.identity)
 
 
@@ -182,6 +182,8 @@ class Chat:
     messages: list[dict[str, Any]] = field(default_factory=list)
     last_response: httpx.Response | None = None
     model: str = "mock"
+    headers: dict[str, str] | None = None
+    """Sent with every turn (e.g. a gateway's id header)."""
 
     def body(self, **extra: Any) -> dict[str, Any]:
         """The request for the messages so far (the last one is the new user message)."""
@@ -208,7 +210,7 @@ class Chat:
     async def turn(self, user: str, **extra: Any) -> tuple[httpx.Response, str]:
         self.messages.append({"role": "user", "content": user})
         body = self.body(**extra)
-        resp = await self.rig.post("/v1/chat/completions", body)
+        resp = await self.rig.post("/v1/chat/completions", body, headers=self.headers)
         self.last_response = resp
         text = ""
         if resp.status_code == 200:

@@ -10,7 +10,7 @@ import pytest
 
 from kvrelay.bench.client import ChatClient, StatsDecisions
 from kvrelay.cli import main
-from tests.component.bench_stub_router import StubRouter, answer_for, serve_in_thread
+from tests.component.bench_stub_router import TAG_KEY, StubRouter, answer_for, serve_in_thread
 from tests.ports import free_port_block
 
 MESSAGES = [{"role": "system", "content": "s"}, {"role": "user", "content": "hello there"}]
@@ -59,7 +59,7 @@ async def test_headers_report_later_turns(stub, url):
 
 async def test_stats_fallback_attributes_each_turn_once(stub, url):
     stub.headers = False
-    stats = StatsDecisions()
+    stats = StatsDecisions(tag_key=TAG_KEY)
     async with ChatClient(url, "tiny", stats=stats) as client:
         first = await client.chat(MESSAGES, max_tokens=3, conversation_id="c")
         other = await client.chat(MESSAGES, max_tokens=3, conversation_id="other")
@@ -76,7 +76,7 @@ async def test_stats_fallback_attributes_each_turn_once(stub, url):
 async def test_no_headers_and_no_stats_means_unknown_decision(stub, url):
     stub.headers = False
     stub.stats = False
-    stats = StatsDecisions()
+    stats = StatsDecisions(tag_key=TAG_KEY)
     async with ChatClient(url, "tiny", stats=stats) as client:
         r = await client.chat(MESSAGES, max_tokens=2, conversation_id="c")
     assert r.ok and r.decision is None and not stats.available

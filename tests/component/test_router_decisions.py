@@ -199,19 +199,24 @@ async def test_engine_restarted() -> None:
         await rig.close()
 
 
-@pytest.mark.parametrize(("conversation_id", "reason"), [
-    ("c", "prefix_mismatch"), (None, "no_entry")])
-async def test_an_edited_earlier_message(conversation_id: str | None, reason: str) -> None:
-    """The request no longer contains the entry's request. With an explicit id the scope's
-    latest entry is still this conversation's: the guard proves too little of it matches
-    (``prefix_mismatch``). Without an id it is a new conversation (``no_entry``): any other
-    conversation's entry could be taken for it. Nothing of the entry is read either way."""
-    rig = await make()
+@pytest.mark.parametrize(("conversation_id", "gateway", "reason"), [
+    ("c", True, "prefix_mismatch"), ("c", False, "no_entry"), (None, False, "no_entry")])
+async def test_an_edited_earlier_message(
+    conversation_id: str | None, gateway: bool, reason: str,
+) -> None:
+    """The request no longer contains the entry's request. With an id bound to its caller
+    (a gateway's header) the scope's latest entry is still this caller's: the guard proves
+    too little of it matches (``prefix_mismatch``). With an id anyone may send, or without
+    one, it is a new conversation (``no_entry``): any other caller's entry could be taken
+    for it. Nothing of the entry is read either way."""
+    rig = await make(gateway_id_headers=("x-gw-session",))
     try:
         async def edit(chat: Chat) -> None:
             chat.messages[0]["content"] = "PLEASE" + chat.messages[0]["content"][6:]
 
-        last = await two_turns(rig, edit, chat=Chat(rig, conversation_id))
+        chat = (Chat(rig, None, headers={"x-gw-session": "c"}) if gateway
+                else Chat(rig, conversation_id))
+        last = await two_turns(rig, edit, chat=chat)
         assert last["reason"] == reason
         assert (reason == "prefix_mismatch") is (last["exact"] and last["verified_tokens"] < 16)
         assert rig.cluster.node("prefill-0").generation_requests()[-1]["kv_transfer_params"] \

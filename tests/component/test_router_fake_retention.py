@@ -23,7 +23,7 @@ from kvrelay.core.retention_sync import (
     RetentionSync,
     encode,
 )
-from kvrelay.router.request import parse_request
+from kvrelay.router.request import IdRules, parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
 SILENT_D = replace(ENGINE_CONFIG, kvrelay_retention=False)
@@ -254,8 +254,10 @@ async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
                 "conversation_id": "flush-me"})
             assert resp.status_code == 200
         await r.settle()
+        answer = {"role": "assistant", "content": resp.json()["choices"][0]["message"]["content"]}
         (entry,) = [f.entry for f in [await r.find({
-            "model": "tiny", "messages": first_turn(), "conversation_id": "flush-me"})] if f]
+            "model": "tiny", "messages": [*first_turn(), answer, {"role": "user", "content": "?"}],
+            "conversation_id": "flush-me"})] if f]
         dropped = await r.post("/admin/conversations/drop", {"conversation_id": "flush-me"},
                                headers={"Authorization": "Bearer root"})
         assert dropped.json() == {"dropped": True, "entries": 1}
@@ -276,7 +278,7 @@ def learn_gaps(r: Routed, gap_s: float, n: int = 40) -> None:
     """Tell the router ``n`` follow-ups came ``gap_s`` after their turn (as ``plan`` does
     when it finds an entry), in the default tenant."""
     req = parse_request("chat", json.dumps({"model": "tiny", "messages": first_turn()}).encode(),
-                        {}, "default", ())
+                        {}, "default", IdRules(()))
     for _ in range(n):
         r.ctx.retention.observe_gap(req, gap_s)
 

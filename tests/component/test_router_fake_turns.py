@@ -270,13 +270,15 @@ async def test_concurrent_turns_pull_d_blocks_at_most_once(conversation_id: str 
         assert not any(d.freed_reads for d in r.cluster.decode)
 
 
-async def long_first_turn(r: Routed) -> tuple[list[Any], RequestRecord]:
-    """A 1,200-token question and a 200-token answer (conversation ``edit``); returns the
-    history after it and D's record of the turn."""
+async def long_first_turn(
+    r: Routed, headers: dict[str, str] | None = None,
+) -> tuple[list[Any], RequestRecord]:
+    """A 1,200-token question and a 200-token answer (conversation ``edit``, or the id in
+    ``headers``); returns the history after it and D's record of the turn."""
     messages: list[Any] = [{"role": "user", "content": FIRST * 3}]
     body: dict[str, Any] = {"messages": messages, "max_tokens": 200, "conversation_id": "edit"}
     async with r.client() as c:
-        reply = (await c.post("/v1/chat/completions", json=body)).json()
+        reply = (await c.post("/v1/chat/completions", json=body, headers=headers)).json()
     await r.settle()
     answer = reply["choices"][0]["message"]["content"]
     return [*messages, {"role": "assistant", "content": answer}], r.cluster.decode[0].records[-1]
@@ -351,18 +353,19 @@ async def test_edited_reply_without_an_id_is_no_entry_and_takes_nothing() -> Non
 
 @pytest.mark.parametrize("guard", GUARDS)
 async def test_edited_reply_with_its_id_pulls_only_the_unedited_prefix(guard: str) -> None:
-    """Under its own conversation id an edited history continues the id's latest entry; the
-    guard proves the prefix before the edit, only that is pulled, the answer equals a
-    recompute."""
-    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
+    """Under its own bound conversation id (a gateway's header) an edited history continues
+    the id's latest entry; the guard proves the prefix before the edit, only that is pulled,
+    the answer equals a recompute."""
+    bound = {"x-gw-session": "edit"}
+    async with routed(engine_config=GUARD_CONFIGS[guard],
+                      gateway_id_headers=("x-gw-session",)) as r:
         p = r.cluster.prefill[0]
-        history, held = await long_first_turn(r)
+        history, held = await long_first_turn(r, bound)
         edited = [*history[:-1], {"role": "assistant",
                                   "content": history[-1]["content"][:150] + "[edited]"}]
-        body = {"messages": [*edited, {"role": "user", "content": "go on"}], "max_tokens": 200,
-                "conversation_id": "edit"}
+        body = {"messages": [*edited, {"role": "user", "content": "go on"}], "max_tokens": 200}
         async with r.client() as c:
-            resp = await c.post("/v1/chat/completions", json=body)
+            resp = await c.post("/v1/chat/completions", json=body, headers=bound)
         decision = await r.last_decision()
         rec = last_prefill_record(p)
         assert decision["reason"] == "pull" and rec.plan == "pull"

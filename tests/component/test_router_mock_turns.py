@@ -302,7 +302,8 @@ async def test_client_token_ids_are_kept_when_asked(rig: Rig) -> None:
 
 async def test_identity_from_headers_body_and_prompt_cache_key(rig: Rig) -> None:
     """An explicit id scopes the entry: only a follow-up with the same id finds it. The
-    body's ``conversation_id`` beats a session header, which beats ``prompt_cache_key``."""
+    body's ``conversation_id`` beats a session header; ``prompt_cache_key`` is no id
+    (clients share one across conversations with a common prefix): it scopes nothing."""
     chats: dict[str, tuple[Chat, dict[str, str]]] = {}
     for name, headers, extra in [
         ("h1", {"X-Conversation-ID": "h1"}, {}),
@@ -329,10 +330,10 @@ async def test_identity_from_headers_body_and_prompt_cache_key(rig: Rig) -> None
     assert await chat.entry(headers={"X-Session-ID": "h2"}) is not None
     assert await chat.entry(headers=ids("body")) is not None
     assert await chat.entry(headers=ids("h3")) is None  # the body's id won over the header
-    assert await chat.entry(headers=ids("h4")) is not None  # the header over the cache key
+    assert await chat.entry(headers=ids("h4")) is not None  # the header, not the cache key
     assert await chat.entry(headers=ids("pck")) is None
-    assert await chat.entry(headers=ids("pck2")) is not None
-    assert await chat.entry() is None  # no id: the tenant's id-less scope holds nothing
+    assert await chat.entry(headers=ids("pck2")) is None
+    assert await chat.entry() is not None  # the cache key's turn is in the id-less scope
     # the follow-up itself, with its id, pulls
     chat, headers = chats["h2"]
     chat.messages.append({"role": "user", "content": "and then?"})
@@ -475,7 +476,7 @@ async def test_stats_hash_keys_and_show_nodes(rig: Rig) -> None:
     text = str(stats)
     assert "secret-conversation" not in text
     assert stats["decisions"]["recent"][-1]["key"] == ConversationKey(
-        "default", "secret-conversation").hashed()
+        "default", "secret-conversation").hashed(rig.ctx.tag_key)
     assert {n["id"] for n in stats["nodes"]} == {"prefill-0", "decode-0"}
     for node in stats["nodes"]:  # details are the admin's (/admin/nodes)
         assert not {"url", "engine_id", "last_error", "side_channel"} & set(node)
@@ -512,7 +513,10 @@ async def test_metrics_exposition(rig: Rig) -> None:
     assert "kvrelay_router_live_entries 1.0" in text
     assert "kvrelay_router_pending_reports 0.0" in text
     assert 'kvrelay_router_turn_entries_total{outcome="committed"} 2.0' in text
-    assert 'kvrelay_router_retained_tokens{node="decode-0"}' in text
+    assert "kvrelay_router_retained_tokens" not in text  # sizes: not for an open scrape
+    assert "kvrelay_router_prompt_tokens_total" not in text
+    full = rig.ctx.metrics.render().decode()  # what the internal listener serves
+    assert 'kvrelay_router_retained_tokens{node="decode-0"}' in full
     reused = rig.ctx.metrics.prompt_tokens.labels("reused")._value.get()
     assert reused == (await rig.last_decision())["reused_tokens"] > 0
 

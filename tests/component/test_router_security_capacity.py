@@ -26,18 +26,21 @@ from tests.component.router_process import (
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 CHAT = "/v1/chat/completions"
+METRICS_KEY = "MK-capacity"
+"""The retention gauge is a request-size series: only an authenticated scrape gets it."""
 FIRST = "Tell me how sand becomes sandstone, and how long that takes. " * 4
 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    async with fake_rig(tmp_path_factory.mktemp("router-capacity")) as started:
+    async with fake_rig(tmp_path_factory.mktemp("router-capacity"),
+                        "--metrics-key", METRICS_KEY) as started:
         yield started
 
 
 async def test_d_answering_503_is_a_503_with_retry_after(rig: Rig) -> None:
     d = rig.cluster.decode[0]
-    before = await rig.router.metrics()
+    before = await rig.router.metrics(METRICS_KEY)
     d.faults.error_status = 503
     try:
         async with rig.router.client() as c:
@@ -46,7 +49,7 @@ async def test_d_answering_503_is_a_503_with_retry_after(rig: Rig) -> None:
                 "messages": [{"role": "user", "content": "Is there room?"}]})
     finally:
         d.faults.clear()
-    after = await rig.router.metrics()
+    after = await rig.router.metrics(METRICS_KEY)
     assert resp.status_code == 503, (
         f"D's 503 reached the client as HTTP {resp.status_code}: {resp.text}")
     assert resp.headers.get("retry-after"), f"no Retry-After: {dict(resp.headers)}"
@@ -76,7 +79,8 @@ async def test_retained_tokens_gauge_equals_what_d_holds_for_live_entries(rig: R
         return (m.value("kvrelay_router_pending_reports") in (None, 0.0)
                 and m.value("kvrelay_router_live_entries") == 2.0)
 
-    metrics = await eventually(rig.router.metrics, settled, "both conversations' entries live")
+    metrics = await eventually(lambda: rig.router.metrics(METRICS_KEY), settled,
+                               "both conversations' entries live")
     held = sum(h.num_tokens for h in d.held())
     assert len(d.held()) == 2 and held > 0, d.held()
     gauge = metrics.value("kvrelay_router_retained_tokens", node="decode-0")

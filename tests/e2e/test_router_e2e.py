@@ -41,7 +41,11 @@ def send(cluster: RealCluster, messages: Sequence[Message], conversation_id: str
 
 
 def router_reused_tokens(cluster: RealCluster) -> float:
-    metrics = parse_prometheus(httpx.get(f"{cluster.router_url}/metrics", timeout=30).text)
+    """``prompt_tokens_total{source="reused"}``: a request-size series, which the router
+    serves on its internal listener (``kvrelay up``: port + 1), not to an open scrape."""
+    base, _, port = cluster.router_url.rpartition(":")
+    internal = f"{base}:{int(port) + 1}"
+    metrics = parse_prometheus(httpx.get(f"{internal}/metrics", timeout=30).text)
     return sum(v for k, v in metrics.items()
                if k.startswith("kvrelay_router_prompt_tokens_total") and 'source="reused"' in k)
 

@@ -12,6 +12,7 @@ from kvrelay.core.conversation import (
     ConversationEntry,
     ConversationKey,
     conversation_tag,
+    id_tag,
     new_entry,
     with_fingerprint,
 )
@@ -20,6 +21,7 @@ from kvrelay.core.fingerprint import (
     held_fingerprint,
     verified_prefix_tokens,
 )
+from kvrelay.core.identity import scope_of
 from kvrelay.core.params import RemoteBlocks, parse_remote_blocks
 
 DATA = Path(__file__).parents[1] / "data" / "vllm-0.32.0"
@@ -53,14 +55,21 @@ def test_key_requires_a_conversation_id() -> None:
         ConversationKey("tenant", "")
 
 
-def test_key_hash_is_stable_short_and_scoped() -> None:
+TAG_KEY = bytes(range(32))
+
+
+def test_key_hash_is_stable_short_scoped_and_keyed() -> None:
     key = ConversationKey("acme", "conv-1")
-    assert key.hashed() == ConversationKey("acme", "conv-1").hashed()
-    assert len(key.hashed()) == 16
-    assert "conv-1" not in key.hashed()
-    assert key.hashed() != ConversationKey("other", "conv-1").hashed()
-    assert ConversationKey("ab", "c").hashed() != ConversationKey("a", "bc").hashed()
-    assert key.hashed() == conversation_tag(b"acme", b"conv-1")
+    tag = key.hashed(TAG_KEY)
+    assert tag == ConversationKey("acme", "conv-1").hashed(TAG_KEY)
+    assert len(tag) == 16
+    assert "conv-1" not in tag
+    assert tag != ConversationKey("other", "conv-1").hashed(TAG_KEY)
+    assert ConversationKey("ab", "c").hashed(TAG_KEY) != ConversationKey("a", "bc").hashed(TAG_KEY)
+    assert tag == id_tag(TAG_KEY, scope_of("acme", "conv-1"))
+    assert tag != key.hashed(bytes(32))  # without the key, a guess cannot be confirmed
+    with pytest.raises(ValueError):
+        conversation_tag(b"short", b"conv-1")
 
 
 def test_entry_from_real_decode_response_with_ds_fingerprint() -> None:

@@ -63,6 +63,10 @@ def test_scopes_differ_by_tenant_and_id() -> None:
     assert scope_of("t", None) != scope_of("t", "")
     assert scope_of("t", "a") != scope_of("u", "a")
     assert scope_of("ab", "c") != scope_of("a", "bc")
+    narrowed = [scope_of("t", "a", user="u"), scope_of("t", "a", safety_identifier="u"),
+                scope_of("t", "a", cache_salt="u"), scope_of("t", "a", bound=True),
+                scope_of("t", "a", cache_salt=""), scope_of("t", "a")]
+    assert len(set(narrowed)) == len(narrowed)  # every part narrows, none aliases another
 
 
 def test_text_anchors_every_block_and_continues_with_prompt_tail_and_answer() -> None:

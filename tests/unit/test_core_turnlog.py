@@ -10,10 +10,13 @@ import pytest
 from kvrelay.core.conversation import ConversationKey
 from kvrelay.core.turnlog import TurnLogFormatError, TurnLogRecord
 
+TAG_KEY = bytes(range(32))
+
 
 def record(**overrides: object) -> TurnLogRecord:
     values: dict[str, object] = dict(
-        key=ConversationKey("tenant-a", "session-42"), at_s=1_700_000_000.25, gap_s=12.5,
+        key=ConversationKey("tenant-a", "session-42"), tag_key=TAG_KEY, at_s=1_700_000_000.25,
+        gap_s=12.5,
         prompt_tokens=2048, reused_tokens=1900, output_tokens=300, action="pull",
         reason="pull", decode_node="decode-0", retained_tokens=2347, duration_s=1.5,
         ttft_s=0.12,
@@ -24,7 +27,7 @@ def record(**overrides: object) -> TurnLogRecord:
 
 def test_for_turn_hashes_the_key_and_derives_new_tokens():
     rec = record()
-    assert rec.key == ConversationKey("tenant-a", "session-42").hashed()
+    assert rec.key == ConversationKey("tenant-a", "session-42").hashed(TAG_KEY)
     assert rec.new_tokens == 2048 - 1900
     line = rec.to_json_line()
     assert "session-42" not in line and "tenant-a" not in line

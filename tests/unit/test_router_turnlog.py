@@ -21,9 +21,9 @@ class Clock:
 
 def rec(i: int) -> TurnLogRecord:
     return TurnLogRecord.for_turn(
-        key=None, at_s=1000.0 + i, gap_s=None, prompt_tokens=100 + i, reused_tokens=0,
-        output_tokens=10, action="recompute", reason="no_entry", decode_node="decode-0",
-        retained_tokens=109 + i,
+        key=None, tag_key=bytes(32), at_s=1000.0 + i, gap_s=None, prompt_tokens=100 + i,
+        reused_tokens=0, output_tokens=10, action="recompute", reason="no_entry",
+        decode_node="decode-0", retained_tokens=109 + i,
     )
 
 

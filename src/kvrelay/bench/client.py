@@ -172,16 +172,19 @@ def decision_counters(stats: object) -> dict[str, Any]:
 class StatsDecisions:
     """Fallback decision source: the router's ``GET /stats`` ring of recent decisions.
 
-    The router records a turn when it decides it, keyed by ``ConversationKey.hashed()``; each
+    The router records a turn when it decides it, keyed by the conversation's keyed tag
+    (``ConversationKey.hashed``), which only a client given the router's tag key can compute
+    (``tag_key``: the bytes ``RouterConfig.conversation_tag_key`` derives); each
     conversation has at most one turn in flight, so after a turn ends the newest record of its
     key is that turn's, unless that record was already returned (``at_s`` not newer than the
-    last one seen) or pushed out of the ring: then ``None``. Disables itself when ``/stats``
-    answers 404.
+    last one seen) or pushed out of the ring: then ``None``. Disables itself without a tag key
+    or when ``/stats`` answers 404.
     """
 
-    def __init__(self, tenant: str = "default") -> None:
+    def __init__(self, tenant: str = "default", tag_key: bytes | None = None) -> None:
         self.tenant = tenant
-        self.available = True
+        self.tag_key = tag_key
+        self.available = tag_key is not None
         self._seen: dict[str, float] = {}
 
     async def lookup(self, http: httpx.AsyncClient, conversation_id: str) -> Decision | None:
@@ -200,7 +203,8 @@ class StatsDecisions:
             recent = decision_counters(resp.json()).get("recent") or []
         except ValueError:
             return None
-        key = ConversationKey(self.tenant, conversation_id).hashed()
+        assert self.tag_key is not None  # else not available
+        key = ConversationKey(self.tenant, conversation_id).hashed(self.tag_key)
         records = [r for r in recent if isinstance(r, dict) and r.get("key") == key]
         if not records:
             return None

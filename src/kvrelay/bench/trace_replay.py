@@ -45,6 +45,7 @@ import asyncio
 import contextlib
 import math
 import random
+import secrets
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -240,10 +241,11 @@ def time_weighted_mean(samples: Sequence[tuple[float, float]], start: float, end
 async def sample_pinned(
     router_url: str, decode_urls: Sequence[str], num_blocks: int, started: float,
     samples: PinnedSamples, stop: asyncio.Event, interval_s: float,
-    transport: Any = None,
+    transport: Any = None, metrics_key: str | None = None,
 ) -> None:
     """Sample the gauges every ``interval_s`` until ``stop`` is set (``transport``: an
-    ``httpx`` transport, for tests)."""
+    ``httpx`` transport, for tests; ``metrics_key``: the router's, which its retention gauge
+    needs)."""
     import httpx
 
     async with httpx.AsyncClient(timeout=5.0, transport=transport) as http:
@@ -251,7 +253,8 @@ async def sample_pinned(
             now = time.perf_counter() - started
             router: float | None = None
             with contextlib.suppress(httpx.HTTPError, ValueError):
-                resp = await http.get(f"{router_url}/metrics")
+                auth = {} if metrics_key is None else {"authorization": f"Bearer {metrics_key}"}
+                resp = await http.get(f"{router_url}/metrics", headers=auth)
                 if resp.status_code == 200:
                     router = gauge_sum(resp.text, RETAINED_GAUGE)
             samples.router.append((now, router))
@@ -311,7 +314,9 @@ def run_ttl(
     urls = engines.urls
     run_dir.mkdir(parents=True, exist_ok=True)
     router_toml = run_dir / "router.toml"
-    router_toml.write_text(f"ttl_safety_margin_s = {settings.ttl_safety_margin_s!r}\n")
+    metrics_key = secrets.token_urlsafe(16)  # the retention gauge is only for a keyed scrape
+    router_toml.write_text(f"ttl_safety_margin_s = {settings.ttl_safety_margin_s!r}\n"
+                           f"metrics_key = {metrics_key!r}\n")
     port = free_port(config.host)
     router_url = f"http://{config.host}:{port}"
     prefill, decode = urls[: config.num_prefill], urls[config.num_prefill :]
@@ -334,13 +339,14 @@ def run_ttl(
          ServiceProcess("router", router_cmd, [f"{router_url}/stats"],
                         run_dir / "router.log", 60.0):
         run, samples = asyncio.run(_bench(workload, mode, router_url, decode,
-                                          engines.served_model_name, options, info))
+                                          engines.served_model_name, options, info,
+                                          metrics_key))
     return TtlRun(settings, run, samples)
 
 
 async def _bench(
     workload: Workload, mode: str, router_url: str, decode_urls: Sequence[str], model: str,
-    options: ReplayOptions, info: dict[str, Any],
+    options: ReplayOptions, info: dict[str, Any], metrics_key: str,
 ) -> tuple[ModeRun, PinnedSamples]:
     from kvrelay.bench.execute import run_workload
 
@@ -349,7 +355,7 @@ async def _bench(
     started = time.perf_counter()
     sampler = asyncio.create_task(sample_pinned(
         router_url, decode_urls, options.num_gpu_blocks, started, samples, stop,
-        options.sample_interval_s))
+        options.sample_interval_s, metrics_key=metrics_key))
     progress = Progress(mode, workload.num_turns, options.progress)
     try:
         async with ChatClient(router_url, model, timeout_s=options.timeout_s,

@@ -19,6 +19,7 @@ import msgspec
 from msgspec.structs import replace
 
 from kvrelay.core.fingerprint import TokenFingerprint
+from kvrelay.core.identity import scope_of
 from kvrelay.core.params import RemoteBlocks
 
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
@@ -26,6 +27,9 @@ DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 
 DEFAULT_EXPIRY_SAFETY_MARGIN_S = 10.0
 """Covers the gap between D starting its TTL and the router seeing the response."""
+
+TAG_KEY_BYTES = 32
+"""Size of the key conversation tags are made with (``conversation_tag``)."""
 
 
 class ConversationKey(msgspec.Struct, frozen=True):
@@ -39,15 +43,27 @@ class ConversationKey(msgspec.Struct, frozen=True):
         if not self.conversation_id:
             raise ValueError("conversation_id must be non-empty")
 
-    def hashed(self) -> str:
-        """A short stable hex id for logs and ``/stats`` (not a secret: ids that are
-        guessable stay guessable)."""
-        return conversation_tag(self.tenant.encode("utf-8"), self.conversation_id.encode())
+    def hashed(self, tag_key: bytes) -> str:
+        """The tag the router shows for this id (sent by the client, no end user or salt)
+        in logs, ``/stats`` and the turn log: ``id_tag`` of its scope."""
+        return id_tag(tag_key, scope_of(self.tenant, self.conversation_id))
 
 
-def conversation_tag(*parts: bytes) -> str:
-    """A 16-hex-digit tag naming a conversation in logs, ``/stats`` and the turn log."""
-    h = hashlib.blake2b(digest_size=8, person=b"kvrelay-convkey")
+def id_tag(tag_key: bytes, scope: bytes) -> str:
+    """The tag of an explicit id's conversation, from its lookup scope."""
+    return conversation_tag(tag_key, b"id", scope)
+
+
+def conversation_tag(tag_key: bytes, *parts: bytes) -> str:
+    """A 16-hex-digit tag naming a conversation in logs, ``/stats`` and the turn log.
+
+    Keyed (a BLAKE2b MAC under ``tag_key``, ``TAG_KEY_BYTES``): the parts are often
+    guessable (a session id, a first message), and an unkeyed hash would let anyone who
+    reads a tag confirm a guess offline. The router's key is random per process unless the
+    deployment sets one (``tag_key``) so that replicas and restarts agree."""
+    if len(tag_key) != TAG_KEY_BYTES:
+        raise ValueError(f"a tag key has {TAG_KEY_BYTES} bytes, got {len(tag_key)}")
+    h = hashlib.blake2b(digest_size=8, key=tag_key, person=b"kvrelay-convkey")
     for raw in parts:
         h.update(len(raw).to_bytes(4, "little"))
         h.update(raw)

@@ -25,12 +25,18 @@ message) are told apart by their answers. A wrong match can only cost efficiency
 correctness: P's connector proves every token with D's fingerprint before loading
 (``core.guard``). Only digests are kept, never content.
 
-The **scope** narrows the lookup: the tenant, plus the conversation id when the client sent
-one (body ``conversation_id`` or a session header). Within an explicit id's scope every entry
-belongs to that one conversation, so when no probe matches (an edited history: a changed
-answer or earlier message) the request may continue the scope's latest entry
-(``RequestIdentity.explicit``): the guard then proves how much of it is still equal. Never
-without an id: the tenant's scope holds every conversation, and that would be stealing.
+The **scope** narrows the lookup (``scope_of``): the tenant, the conversation id when the
+client sent one (body ``conversation_id`` or a session header), the end user (``user``,
+``safety_identifier``) and vLLM's ``cache_salt``: the same history under another user or
+salt is another scope, so no entry, and no guard-proven length, ever crosses them. Within an
+id's scope every entry belongs to that one conversation; when the id is also *bound* to one
+caller (only that caller can send it: a gateway sets it, or the tenant is one caller) and no
+probe matches (an edited history: a changed answer or earlier message), the request may
+continue the scope's latest entry (``RequestIdentity.explicit``): the guard then proves how
+much of it is still equal, and that length is only ever about the caller's own turns. Never
+for an id anyone can send (it would tell a guesser how much of another's conversation
+matches, and take the entry) and never without an id: the tenant's scope holds every
+conversation, and that would be stealing.
 """
 
 from __future__ import annotations
@@ -62,10 +68,26 @@ def digest(*parts: bytes) -> bytes:
     return h.digest()
 
 
-def scope_of(tenant: str, conversation_id: str | None) -> bytes:
-    """The lookup scope: a tenant's id-less traffic, or one conversation id of a tenant."""
-    cid = b"" if conversation_id is None else b"\x01" + conversation_id.encode("utf-8")
-    return digest(b"scope", tenant.encode("utf-8"), cid)
+def scope_of(
+    tenant: str,
+    conversation_id: str | None = None,
+    *,
+    bound: bool = False,
+    user: str | None = None,
+    safety_identifier: str | None = None,
+    cache_salt: str | None = None,
+) -> bytes:
+    """The lookup scope: who may reach an entry. Every part narrows it: the tenant, the
+    conversation id (``bound``: one that only its caller can send, see ``RequestIdentity``),
+    the end user (OpenAI's ``user`` and ``safety_identifier``) and vLLM's ``cache_salt``, so
+    the same history under another user or salt never finds this one's entries."""
+
+    def part(value: str | None) -> bytes:
+        return b"" if value is None else b"\x01" + value.encode("utf-8", "surrogatepass")
+
+    return digest(b"scope", tenant.encode("utf-8"), part(conversation_id),
+                  b"bound" if bound else b"", part(user), part(safety_identifier),
+                  part(cache_salt))
 
 
 class Continuation(msgspec.Struct, frozen=True):
@@ -101,7 +123,8 @@ class RequestIdentity(msgspec.Struct, frozen=True):
     ``anchor`` is where this request's own entry will be stored; ``probes`` are tried longest
     first; ``prompt_bytes`` is the size of everything hashed (messages or prompt text);
     ``text`` is the completions prompt's bytes (kept until the turn commits), else ``None``.
-    ``explicit``: the scope is one client-given conversation id (see the module docstring).
+    ``explicit``: the scope is one conversation id bound to one caller, so the request may
+    continue the scope's latest entry (see the module docstring).
     """
 
     scope: bytes

@@ -6,7 +6,8 @@ reads the log back to answer what TTL, threshold and D memory the deployment nee
 
 What a record holds, and why:
 
-* ``key``: ``ConversationKey.hashed()`` (never the client's id), ``None`` for a turn without a
+* ``key``: the conversation's keyed tag (``core.conversation.conversation_tag``, never the
+  client's id), ``None`` for a turn without a
   conversation id. It groups a conversation's turns; it is not a secret (see ``hashed``).
 * ``at_s``: the router's wall clock (Unix seconds) when the turn arrived; wall clock so logs
   of several replicas and restarts line up.
@@ -88,6 +89,7 @@ class TurnLogRecord:
         cls,
         *,
         key: ConversationKey | None,
+        tag_key: bytes,
         at_s: float,
         gap_s: float | None,
         prompt_tokens: int,
@@ -100,10 +102,10 @@ class TurnLogRecord:
         duration_s: float | None = None,
         ttft_s: float | None = None,
     ) -> TurnLogRecord:
-        """The record of a turn of conversation ``key`` (hashed here, so no raw id is ever
-        stored); ``new_tokens`` is derived."""
+        """The record of a turn of conversation ``key`` (tagged here under ``tag_key``, so
+        no raw id is ever stored); ``new_tokens`` is derived."""
         return cls(
-            key=key.hashed() if key is not None else None,
+            key=key.hashed(tag_key) if key is not None else None,
             at_s=at_s,
             gap_s=gap_s,
             prompt_tokens=prompt_tokens,

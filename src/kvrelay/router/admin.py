@@ -5,15 +5,21 @@ Who sees what (docs/security.md):
 * ``GET /health`` – anyone: liveness only, ``{"status": "ok" | "degraded" | "unavailable"}``
   from the last known node states (200 while at least one P and one D are up, else 503).
   It never calls a node: only the health loop and real request failures change states.
-* ``GET /metrics`` – anyone (Prometheus; node ids, no request content).
+* ``GET /metrics`` – Prometheus (node ids, no request content). With ``metrics_key`` set it
+  needs that key or the admin key (401 otherwise); without one it is open but leaves out
+  the request-size series (``metrics.SIZE_SERIES``), which only the admin key gets. Not on
+  the public listener at all with ``metrics_listener = "internal"``; always, complete, on
+  the internal listener.
 * ``GET /v1/models`` – client key; answered by the first up P.
-* ``GET /stats`` – client key: decision counts, node load and learned costs, the guard
-  mode per node, and the caller's own tenant's recent turns (keys hashed). The admin key
-  sees every tenant's turns.
+* ``GET /stats`` – client key: node load and learned costs, the guard mode per node, and
+  the caller's own tenant's decision counts, pending reports and recent turns (keys
+  hashed). The admin key (or an open router) sees every tenant's, and the index's size.
 * ``GET /admin/nodes`` – admin key: URLs, engine ids, side channels, capabilities and the
   kind of each node's last error. ``POST /admin/nodes/{id}/drain``/``undrain``: stop or
   resume routing new turns to a node. ``POST /admin/conversations/drop`` with
-  ``{"tenant"?, "conversation_id"}``: forget the entries of one explicit conversation id.
+  ``{"tenant"?, "conversation_id", "user"?, "safety_identifier"?, "cache_salt"?}``: forget
+  the entries of one explicit conversation id (of that end user and salt, as its requests
+  sent them).
   Without an admin key these routes do not exist (404); no/wrong key 401, a tenant's 403.
 * ``POST /internal/kv-report`` – only on the internal listener: D's reports, at most
   ``core.report.MAX_REPORT_BYTES``, each checked against its turn (``commit``).
@@ -89,25 +95,35 @@ def public_routes(ctx: RouterContext) -> list[Route]:
 
     async def stats(request: Request) -> bytes:
         viewer = auth.viewer(request.headers)
-        return dumps({
+        out: dict[str, object] = {
             "guard": {"mode": config.guard, "nodes": {
                 n.node_id: ctx.nodes.guard_mode(n.node_id) for n in config.nodes}},
             "nodes": ctx.nodes.describe(admin=viewer is None and auth.is_admin(request.headers)),
-            "conversations": {"live": len(ctx.index)},
-            "pending_reports": len(ctx.desk),
-            "retention": ctx.retention.snapshot(),
-            "decisions": ctx.stats.snapshot(viewer),
-        })
+        }
+        if viewer is None:  # every tenant's: not a tenant's to see
+            out["conversations"] = {"live": len(ctx.index)}
+            out["retention"] = ctx.retention.snapshot()
+        out["pending_reports"] = ctx.desk.pending_of(viewer)
+        out["decisions"] = ctx.stats.snapshot(viewer)
+        return dumps(out)
 
     async def metrics(request: Request) -> None:
-        await send_response(request.send, 200, ctx.metrics.render(), CONTENT_TYPE.encode())
+        allowed = auth.reads_metrics(request.headers)
+        if auth.metrics_locked and not allowed:
+            exc = ClientError("Missing or invalid metrics key: send 'Authorization: Bearer "
+                              "<metrics key>'", status=401, headers={"WWW-Authenticate": "Bearer"})
+            await send_response(request.send, exc.status, exc.body(), headers=exc.headers)
+            return
+        await send_response(request.send, 200, ctx.metrics.render(sizes=allowed),
+                            CONTENT_TYPE.encode())
 
     routes = [
         Route("/health", frozenset({"GET"}), _counted(ctx, "/health", health)),
-        Route("/metrics", frozenset({"GET"}), metrics),
         Route("/v1/models", frozenset({"GET"}), _counted(ctx, "/v1/models", models)),
         Route("/stats", frozenset({"GET"}), _counted(ctx, "/stats", stats)),
     ]
+    if config.metrics_listener == "public":
+        routes.append(Route("/metrics", frozenset({"GET"}), metrics))
     if auth.admin_enabled:
         routes.extend(_admin_routes(ctx))
     return routes
@@ -144,7 +160,15 @@ def _admin_routes(ctx: RouterContext) -> list[Route]:
             raise ClientError("conversation_id must be a non-empty string", "conversation_id")
         if not isinstance(tenant, str) or not tenant:
             raise ClientError("tenant must be a non-empty string", "tenant")
-        dropped = await ctx.index.drop_scope(scope_of(tenant, conversation_id))
+        for name in ("user", "safety_identifier", "cache_salt"):
+            if body.get(name) is not None and not isinstance(body[name], str):
+                raise ClientError(f"{name} must be a string", name)
+        dropped = 0
+        for bound in (False, True):  # the id as a client sent it, and as a gateway set it
+            dropped += await ctx.index.drop_scope(scope_of(
+                tenant, conversation_id, bound=bound, user=body.get("user"),
+                safety_identifier=body.get("safety_identifier"),
+                cache_salt=body.get("cache_salt")))
         if dropped:
             ctx.metrics.dropped.labels("admin").inc(dropped)
         return dumps({"dropped": dropped > 0, "entries": dropped})
@@ -172,7 +196,11 @@ def internal_routes(ctx: RouterContext) -> list[Route]:
     async def health(request: Request) -> bytes:
         return dumps({"status": "ok"})
 
+    async def metrics(request: Request) -> None:
+        await send_response(request.send, 200, ctx.metrics.render(), CONTENT_TYPE.encode())
+
     return [
+        Route("/metrics", frozenset({"GET"}), metrics),
         Route("/internal/kv-report", frozenset({"POST"}),
               _counted(ctx, "/internal/kv-report", kv_report)),
         Route(RETENTION_PATH, frozenset({"POST"}), _counted(ctx, RETENTION_PATH, retention)),

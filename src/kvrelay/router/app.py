@@ -178,7 +178,8 @@ def create_app(
         metrics=metrics,
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
-        auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
+        auth=Authenticator(config.api_keys, config.admin_key, config.tenant,
+                           config.metrics_key),
         retention=RetentionDesk(
             index, nodes, metrics, clock, base_url=config.internal_base_url,
             learned=RetentionTimeConfig(
@@ -186,6 +187,7 @@ def create_app(
                 router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
             ) if config.learned_retention else None,
         ),
+        tag_key=config.conversation_tag_key(),
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,

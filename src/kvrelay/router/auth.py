@@ -12,7 +12,9 @@ belongs to ``config.tenant``; in TOML also as a ``[tenants]`` table (``name = "s
 SHA-256 digests, every configured key checked), never logged and hidden from ``repr``.
 
 The admin key (``admin_key``) unlocks the ``/admin/*`` endpoints and an unfiltered ``/stats``;
-without one the admin endpoints do not exist (404).
+without one the admin endpoints do not exist (404). The metrics key (``metrics_key``), or the
+admin key, is what a Prometheus scrape of the public listener's ``/metrics`` needs once one is
+configured (and what its size series need at all, docs/security.md).
 """
 
 from __future__ import annotations
@@ -87,6 +89,8 @@ class SecuritySettings(Protocol):
     @property
     def admin_key(self) -> str | None: ...
     @property
+    def metrics_key(self) -> str | None: ...
+    @property
     def max_body_bytes(self) -> int: ...
     @property
     def max_in_flight(self) -> int: ...
@@ -118,6 +122,12 @@ def check_security(config: SecuritySettings) -> None:
             raise ValueError("admin_key must be non-empty, without spaces or control chars")
         if admin_key in secrets:
             raise ValueError("admin_key must differ from every API key")
+    metrics_key = config.metrics_key
+    if metrics_key is not None:
+        if not metrics_key or any(ord(c) < 0x21 or ord(c) == 0x7F for c in metrics_key):
+            raise ValueError("metrics_key must be non-empty, without spaces or control chars")
+        if metrics_key in secrets:
+            raise ValueError("metrics_key must differ from every API key")
 
 
 def _digest(secret: str) -> bytes:
@@ -139,11 +149,27 @@ class Authenticator:
     """Maps a request's bearer token to its tenant (see the module docstring)."""
 
     def __init__(
-        self, keys: tuple[ApiKey, ...], admin_key: str | None, default_tenant: str
+        self, keys: tuple[ApiKey, ...], admin_key: str | None, default_tenant: str,
+        metrics_key: str | None = None,
     ) -> None:
         self._keys = [(_digest(k.secret), k.tenant or default_tenant) for k in keys]
         self._admin = _digest(admin_key) if admin_key is not None else None
+        self._metrics = _digest(metrics_key) if metrics_key is not None else None
         self.default_tenant = default_tenant
+
+    @property
+    def metrics_locked(self) -> bool:
+        """Whether the public ``/metrics`` needs a key (``metrics_key`` is configured)."""
+        return self._metrics is not None
+
+    def reads_metrics(self, headers: Mapping[str, str]) -> bool:
+        """Whether the request carries the metrics key or the admin key."""
+        token = bearer(headers)
+        if token is None:
+            return False
+        given = _digest(token)
+        metrics = self._metrics is not None and hmac.compare_digest(given, self._metrics)
+        return metrics or self.is_admin(headers)
 
     @property
     def admin_enabled(self) -> bool:

@@ -60,6 +60,16 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--session-header", action="append", default=None, metavar="NAME",
                         help="request header carrying a client's conversation id "
                              "(repeatable; replaces the default list, see docs/router.md)")
+    parser.add_argument("--gateway-id-header", action="append", default=None, metavar="NAME",
+                        help="request header a gateway in front of the router sets (and strips "
+                             "from clients) with the caller's conversation or user id; its id "
+                             "is bound to one caller (repeatable, docs/security.md)")
+    parser.add_argument("--id-precedence", choices=["gateway", "client"], default=None,
+                        help="which id wins when a request has a gateway id header and a "
+                             "client id (conversation_id, session header): gateway (default)")
+    parser.add_argument("--tenant-is-one-caller", action="store_true", default=None,
+                        help="each tenant key is held by one caller: its ids are bound "
+                             "(an edited history continues the id's latest entry)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
     parser.add_argument("--kv-recompute-threshold", type=int, default=None)
     parser.add_argument("--near-expiry-s", type=float, default=None)
@@ -106,6 +116,17 @@ def add_security_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--admin-key", default=None, metavar="KEY",
                         help="enables /admin/* and unfiltered /stats for this bearer key "
                              "(env KVRELAY_ADMIN_KEY)")
+    parser.add_argument("--metrics-key", default=None, metavar="KEY",
+                        help="the public /metrics needs 'Authorization: Bearer KEY' (or the "
+                             "admin key); without it, it serves no request-size series (env "
+                             "KVRELAY_METRICS_KEY)")
+    parser.add_argument("--metrics-listener", choices=["public", "internal"], default=None,
+                        help="serve /metrics on the public listener too (public, default) or "
+                             "only on the internal one (internal)")
+    parser.add_argument("--tag-key", default=None, metavar="SECRET",
+                        help="key of the conversation tags in /stats and the turn log, shared "
+                             "by replicas that must agree (default: random per process; prefer "
+                             "env KVRELAY_TAG_KEY)")
     parser.add_argument("--max-body-bytes", type=int, default=None,
                         help="largest request body, else 413 (default 8 MiB)")
     parser.add_argument("--max-in-flight", type=int, default=None,
@@ -147,6 +168,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "internal_url": args.internal_url,
         "guard": args.guard,
         "session_headers": args.session_header,
+        "gateway_id_headers": args.gateway_id_header,
+        "id_precedence": args.id_precedence,
+        "tenant_is_one_caller": args.tenant_is_one_caller,
         "turn_log": args.turn_log,
         "turn_log_max_mb": args.turn_log_max_mb,
         "turn_log_backups": args.turn_log_backups,
@@ -164,6 +188,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "log_level": args.log_level,
         "api_keys": getattr(args, "api_key", None),
         "admin_key": getattr(args, "admin_key", None),
+        "tag_key": getattr(args, "tag_key", None),
+        "metrics_key": getattr(args, "metrics_key", None),
+        "metrics_listener": getattr(args, "metrics_listener", None),
         "max_body_bytes": getattr(args, "max_body_bytes", None),
         "max_in_flight": getattr(args, "max_in_flight", None),
         "max_in_flight_per_tenant": getattr(args, "max_in_flight_per_tenant", None),

@@ -132,6 +132,12 @@ class ReportDesk:
     def __len__(self) -> int:
         return len(self._by_turn)
 
+    def pending_of(self, tenant: str | None) -> int:
+        """Turns of ``tenant`` (every tenant's with ``None``) still waiting for D's report."""
+        if tenant is None:
+            return len(self._by_turn)
+        return sum(1 for p in self._by_turn.values() if p.tenant == tenant)
+
     def open(
         self,
         *,

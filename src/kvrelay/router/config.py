@@ -12,7 +12,9 @@ role reaches this node's NIXL side channel; when set, the router rewrites ``remo
 
 from __future__ import annotations
 
+import hashlib
 import os
+import secrets
 import tomllib
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, fields, replace
@@ -23,15 +25,18 @@ from urllib.parse import urlsplit
 from kvrelay.core.conversation import (
     DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     DEFAULT_EXPIRY_SAFETY_MARGIN_S,
+    TAG_KEY_BYTES,
 )
 from kvrelay.core.costs import CostLine, CostLines
 from kvrelay.core.policy import PolicyConfig
 from kvrelay.core.selection import AffinityConfig
 from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
+from kvrelay.router.request import IdPrecedence, IdRules
 from kvrelay.router.request_limits import RequestLimits
 
 Role = Literal["prefill", "decode"]
 GuardMode = Literal["auto", "connector", "tokenize"]
+MetricsListener = Literal["public", "internal"]
 
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
     "x-conversation-id",
@@ -136,7 +141,9 @@ class RouterConfig:
     router gets the prompt's ids from P's ``/tokenize`` and D's ids with
     ``return_token_ids``), ``auto`` (per node, ``connector`` once the node's answers show
     kvrelay's connector, else ``tokenize``). ``session_headers`` carry a client's own
-    conversation id, which narrows the lookup. D's reports go to the internal listener
+    conversation id, which narrows the lookup; ``gateway_id_headers``, ``id_precedence`` and
+    ``tenant_is_one_caller`` say which id wins and which ids are bound to one caller
+    (``id_rules``, docs/security.md). D's reports go to the internal listener
     (``internal_host``:``internal_port``, default ``port + 1``; 0: any free port, bound when
     the server starts), which D reaches as ``internal_url``. ``learned_retention``: tell a D
     running kvrelay's connector how long to keep each turn (``kvrelay_retain_s``, the
@@ -158,6 +165,9 @@ class RouterConfig:
     internal_url: str | None = None
     guard: GuardMode = "auto"
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
+    gateway_id_headers: tuple[str, ...] = ()
+    id_precedence: IdPrecedence = "gateway"
+    tenant_is_one_caller: bool = False
     tenant: str = "default"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     costs: CostLines | None = None
@@ -184,6 +194,9 @@ class RouterConfig:
     deployment: str = "default"
     api_keys: tuple[ApiKey, ...] = field(default=(), repr=False)
     admin_key: str | None = field(default=None, repr=False)
+    tag_key: str | None = field(default=None, repr=False)
+    metrics_key: str | None = field(default=None, repr=False)
+    metrics_listener: MetricsListener = "public"
     max_body_bytes: int = 8 * 1024 * 1024
     max_in_flight: int = 1024
     max_in_flight_per_tenant: int | None = None
@@ -219,8 +232,18 @@ class RouterConfig:
             raise ConfigError("internal_port must be another port than port (0: any free one)")
         if self.guard not in ("auto", "connector", "tokenize"):
             raise ConfigError(f"guard must be auto, connector or tokenize, got {self.guard!r}")
-        if any(not h or h != h.strip().lower() for h in self.session_headers):
-            raise ConfigError("session_headers must be non-empty lower-case header names")
+        for name in ("session_headers", "gateway_id_headers"):
+            if any(not h or h != h.strip().lower() for h in getattr(self, name)):
+                raise ConfigError(f"{name} must be non-empty lower-case header names")
+        if set(self.session_headers) & set(self.gateway_id_headers):
+            raise ConfigError("a header cannot be both a session header (client-sent) and a "
+                              "gateway id header (set by the gateway)")
+        if self.id_precedence not in ("gateway", "client"):
+            raise ConfigError(f"id_precedence must be gateway or client, got "
+                              f"{self.id_precedence!r}")
+        if self.tenant_is_one_caller and not self.api_keys:
+            raise ConfigError("tenant_is_one_caller needs API keys: without them every "
+                              "request is one open tenant")
         for name in ("max_entries_per_tenant", "max_in_flight_per_tenant"):
             value = getattr(self, name)
             if value is not None and value < 1:
@@ -258,6 +281,11 @@ class RouterConfig:
             raise ConfigError(f"state must be redis://host:port/db, got {self.state!r}")
         if self.state_timeout_ms <= 0:
             raise ConfigError("state_timeout_ms must be positive")
+        if self.metrics_listener not in ("public", "internal"):
+            raise ConfigError(f"metrics_listener must be public or internal, got "
+                              f"{self.metrics_listener!r}")
+        if self.tag_key is not None and len(self.tag_key.encode("utf-8")) < 16:
+            raise ConfigError("tag_key must be at least 16 bytes (a random secret)")
         if not self.deployment or any(c.isspace() for c in self.deployment):
             raise ConfigError("deployment must be non-empty, without whitespace")
 
@@ -297,6 +325,20 @@ class RouterConfig:
             max_tool_calls=self.max_tool_calls,
             max_stop_sequences=self.max_stop_sequences,
         )
+
+    def conversation_tag_key(self) -> bytes:
+        """The key conversation tags are made with: derived from ``tag_key`` (replicas and
+        restarts that share it agree on tags), else random for this process."""
+        if self.tag_key is None:
+            return secrets.token_bytes(TAG_KEY_BYTES)
+        return hashlib.blake2b(self.tag_key.encode("utf-8"), digest_size=TAG_KEY_BYTES,
+                               person=b"kvrelay-tagkey").digest()
+
+    @property
+    def id_rules(self) -> IdRules:
+        """Where a request's conversation id comes from and whether it binds (``request``)."""
+        return IdRules(self.session_headers, self.gateway_id_headers, self.id_precedence,
+                       self.tenant_is_one_caller)
 
     @property
     def tenant_in_flight(self) -> int:
@@ -443,12 +485,15 @@ def _coerce(key: str, value: Any) -> Any:
         return parse_cost_lines(value)
     if key == "learn_costs":
         return _flag(key, value)
-    if key == "session_headers":
+    if key in ("session_headers", "gateway_id_headers"):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(h, str) for h in items):
-            raise ConfigError("session_headers must be a list of header names")
+            raise ConfigError(f"{key} must be a list of header names")
         return tuple(h.strip().lower() for h in items if h.strip())
-    if not isinstance(value, str) or kind in ("str", "str | None", "GuardMode"):
+    if key == "tenant_is_one_caller":
+        return _flag(key, value)
+    if not isinstance(value, str) or kind in ("str", "str | None", "GuardMode",
+                                              "IdPrecedence", "MetricsListener"):
         return value
     if kind in ("int", "int | None"):
         return int(value)
@@ -527,6 +572,9 @@ ENV_KEYS = {
     "INTERNAL_URL": "internal_url",
     "GUARD": "guard",
     "SESSION_HEADERS": "session_headers",
+    "GATEWAY_ID_HEADERS": "gateway_id_headers",
+    "ID_PRECEDENCE": "id_precedence",
+    "TENANT_IS_ONE_CALLER": "tenant_is_one_caller",
     "TTL_S": "ttl_s",
     "BLOCK_SIZE": "block_size",
     "REPORT_WAIT_S": "report_wait_s",
@@ -542,6 +590,9 @@ ENV_KEYS = {
     "LOG_LEVEL": "log_level",
     "API_KEYS": "api_keys",
     "ADMIN_KEY": "admin_key",
+    "TAG_KEY": "tag_key",
+    "METRICS_KEY": "metrics_key",
+    "METRICS_LISTENER": "metrics_listener",
     "MAX_BODY_BYTES": "max_body_bytes",
     "MAX_IN_FLIGHT": "max_in_flight",
     "MAX_IN_FLIGHT_PER_TENANT": "max_in_flight_per_tenant",

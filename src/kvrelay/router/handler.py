@@ -46,6 +46,7 @@ class GenerationHandler:
     def __init__(self, ctx: RouterContext) -> None:
         self._ctx = ctx
         self._limits = ctx.config.request_limits
+        self._id_rules = ctx.config.id_rules
         self._planner = Planner(ctx)
         self._prefiller = Prefiller(ctx)
         self._decoder = Decoder(ctx)
@@ -76,8 +77,7 @@ class GenerationHandler:
         turn: Turn | None = None
         try:
             raw = await read_body(request, ctx.config.max_body_bytes, ctx.config.body_timeout_s)
-            args = (endpoint, raw, request.headers, tenant, ctx.config.session_headers,
-                    self._limits)
+            args = (endpoint, raw, request.headers, tenant, self._id_rules, self._limits)
             req = (parse_request(*args) if len(raw) <= PARSE_INLINE_BYTES
                    else await asyncio.to_thread(parse_request, *args))
         except ClientError as exc:

@@ -215,8 +215,31 @@ class RouterMetrics:
     def track_pending_reports(self, count: Callable[[], int]) -> None:
         self.pending_reports.set_function(lambda: float(count()))
 
-    def render(self) -> bytes:
-        return generate_latest(self.registry)
+    def render(self, *, sizes: bool = True) -> bytes:
+        """The exposition text; without ``sizes``, none of ``SIZE_SERIES`` (what an
+        unauthenticated scrape gets, docs/security.md)."""
+        if sizes:
+            return generate_latest(self.registry)
+        return generate_latest(_Without(self.registry, SIZE_SERIES))
+
+
+SIZE_SERIES = frozenset({
+    _P + "prompt_tokens", _P + "retained_tokens", _P + "expired_unused_token_seconds",
+})
+"""Families (names without ``_total``) that add up the sizes of requests: at low traffic they
+tell whoever reads them how long another caller's prompts are, so only an authenticated
+scrape (``metrics_key``, the admin key, or the internal listener) gets them."""
+
+
+class _Without(Collector):
+    """A registry's families but those named in ``names``."""
+
+    def __init__(self, registry: CollectorRegistry, names: frozenset[str]) -> None:
+        self._registry = registry
+        self._names = names
+
+    def collect(self) -> Iterator[Metric]:
+        return (f for f in self._registry.collect() if f.name not in self._names)
 
 
 class _Retained(Collector):

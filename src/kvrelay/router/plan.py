@@ -21,7 +21,7 @@ import logging
 import msgspec
 
 from kvrelay.core.consequences import entry_fate, prefill_retry
-from kvrelay.core.conversation import conversation_tag
+from kvrelay.core.conversation import conversation_tag, id_tag
 from kvrelay.core.policy import Prompt, TurnDecision, decide_turn
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
@@ -92,7 +92,7 @@ class Planner:
             request=req,
             decision=decision,
             found=found,
-            conversation=_conversation(req, found),
+            conversation=_conversation(req, found, ctx.tag_key),
             number=found.entry.turn + 1 if found is not None else 1,
             prompt_tokens=prompt.est_tokens,
             prefill_node=p,
@@ -179,11 +179,11 @@ class Planner:
         raise AssertionError("unreachable")
 
 
-def _conversation(req: TurnRequest, found: Found | None) -> str:
-    """The conversation's tag: the client's id, else the one the continued entry carries,
-    else a new one (from the first request's anchor)."""
-    if req.conversation is not None:
-        return req.conversation
+def _conversation(req: TurnRequest, found: Found | None, tag_key: bytes) -> str:
+    """The conversation's tag (keyed with ``tag_key``): its id's scope, else the one the
+    continued entry carries, else a new one (from the first request's anchor)."""
+    if req.has_id:
+        return id_tag(tag_key, req.identity.scope)
     if found is not None:
         return found.entry.conversation
-    return conversation_tag(req.identity.scope, req.identity.anchor)
+    return conversation_tag(tag_key, req.identity.scope, req.identity.anchor)

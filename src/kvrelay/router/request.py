@@ -8,9 +8,17 @@ most ``MAX_JSON_DEPTH``) and what the router itself relies on (``messages``/``pr
 vLLM to judge.
 
 Conversation identity (``core.identity``): every request is identified by digests of its
-messages (or prompt text) within a scope; an explicit id narrows the scope: the body's
-``conversation_id`` (removed before forwarding), else the first configured session header
-present, else OpenAI's ``prompt_cache_key`` (kept in the body). ``kv_transfer_params`` from
+messages (or prompt text) within a scope. The end user (OpenAI's ``user`` and
+``safety_identifier``) and vLLM's ``cache_salt`` narrow the scope and are forwarded to P and
+D unchanged (vLLM hashes ``cache_salt`` into its own prefix-cache keys); an explicit id
+narrows it further (``IdRules``): the body's ``conversation_id`` (removed before
+forwarding), else the first configured session header present; a gateway header wins over
+both unless ``precedence`` is ``client``. Only an id *bound* to one caller (from a gateway
+header, or of a tenant configured as one caller) may continue its scope's latest entry when
+no digest matches (``RequestIdentity.explicit``): any other id can be sent by anyone, and
+the guard's proven length would tell them how much of another's conversation matches a
+guess. OpenAI's ``prompt_cache_key`` is no conversation id (clients share one across
+requests with a common prefix): it is forwarded and otherwise ignored. ``kv_transfer_params`` from
 a client is refused: it would let a client make P read
 arbitrary blocks.
 """
@@ -23,7 +31,6 @@ from typing import Any, Literal
 
 import msgspec
 
-from kvrelay.core.conversation import conversation_tag
 from kvrelay.core.identity import (
     ChatMessage,
     RequestIdentity,
@@ -69,8 +76,9 @@ class TurnRequest(msgspec.Struct, frozen=True):
     """A validated client turn.
 
     ``body`` is what gets forwarded (no ``conversation_id``); ``prompt_token_ids`` is set
-    when a completions prompt was given as ids. ``conversation`` is the explicit id's tag,
-    ``None`` when the client sent none (the tag then comes from the entry continued).
+    when a completions prompt was given as ids. ``has_id``: the request named its
+    conversation (its tag is then its scope's, ``core.conversation.id_tag``; without one it
+    comes from the entry continued).
     ``num_bytes`` is the size of what the identity hashed (for token estimates).
     """
 
@@ -78,7 +86,7 @@ class TurnRequest(msgspec.Struct, frozen=True):
     body: JsonObject
     tenant: str
     identity: RequestIdentity
-    conversation: str | None
+    has_id: bool
     stream: bool
     include_usage: bool
     wants_token_ids: bool
@@ -94,12 +102,33 @@ class TurnRequest(msgspec.Struct, frozen=True):
         return self.identity.prompt_bytes
 
 
+IdPrecedence = Literal["gateway", "client"]
+
+
+class IdRules(msgspec.Struct, frozen=True):
+    """Where a request's conversation id comes from and whether it is bound to one caller
+    (module docstring; ``RouterConfig.id_rules``).
+
+    ``session_headers`` are client-sent ids; ``gateway_headers`` are set by a gateway in
+    front of the router for every request (it drops the client's own copies), so an id from
+    one of them is bound. ``precedence`` says which id wins when a request carries both a
+    gateway header and a client id (body ``conversation_id`` or a session header);
+    ``tenant_is_one_caller``: every tenant key is held by one caller, so any id of a keyed
+    tenant is bound.
+    """
+
+    session_headers: tuple[str, ...]
+    gateway_headers: tuple[str, ...] = ()
+    precedence: IdPrecedence = "gateway"
+    tenant_is_one_caller: bool = False
+
+
 def parse_request(
     endpoint: Endpoint,
     raw: bytes,
     headers: Mapping[str, str],
     tenant: str,
-    session_headers: Sequence[str],
+    rules: IdRules,
     limits: RequestLimits | None = None,
 ) -> TurnRequest:
     """Validate a client request (module docstring); ``ClientError`` if invalid, or if it
@@ -117,9 +146,12 @@ def parse_request(
     ):
         raise ClientError("conversation_id must be a non-empty string", "conversation_id")
     if conversation_id is None:
-        conversation_id = next((headers[h] for h in session_headers if headers.get(h)), None)
-    if conversation_id is None and isinstance(body.get("prompt_cache_key"), str):
-        conversation_id = body["prompt_cache_key"] or None
+        conversation_id = next((headers[h] for h in rules.session_headers if headers.get(h)),
+                               None)
+    gateway_id = next((headers[h] for h in rules.gateway_headers if headers.get(h)), None)
+    bound = conversation_id is not None and rules.tenant_is_one_caller
+    if gateway_id is not None and (conversation_id is None or rules.precedence == "gateway"):
+        conversation_id, bound = gateway_id, True
     if conversation_id is not None:
         _check_id(conversation_id)
     _optional(body, "model", str)
@@ -136,8 +168,11 @@ def parse_request(
     n = _optional(body, "n", int)
     if n is not None and n != 1:
         raise ClientError("n > 1 is not supported by the P/D router", "n")
-    scope = scope_of(tenant, conversation_id)
-    explicit = conversation_id is not None
+    user, safety_identifier, cache_salt = (
+        _optional(body, name, str) for name in ("user", "safety_identifier", "cache_salt"))
+    scope = scope_of(tenant, conversation_id, bound=bound, user=user,
+                     safety_identifier=safety_identifier, cache_salt=cache_salt)
+    explicit = bound
     prompt_ids: tuple[int, ...] | None = None
     if endpoint == "chat":
         identity = chat_identity(scope, _context(body, _CHAT_CONTEXT_FIELDS), _messages(body),
@@ -156,10 +191,7 @@ def parse_request(
         body=body,
         tenant=tenant,
         identity=identity,
-        conversation=(
-            conversation_tag(tenant.encode("utf-8"), conversation_id.encode("utf-8"))
-            if conversation_id is not None else None
-        ),
+        has_id=conversation_id is not None,
         stream=stream,
         include_usage=stream and bool(options and options.get("include_usage")),
         wants_token_ids=bool(body.get("return_token_ids")),

@@ -34,4 +34,5 @@ class RouterContext:
     admission: Admission
     auth: Authenticator
     retention: RetentionDesk
+    tag_key: bytes
     turn_log: TurnLogWriter | None = None

@@ -1,0 +1,57 @@
+"""Which conversation id a request has, and whether it is bound to one caller
+(``router.request.IdRules``, issue #23 finding 2)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from kvrelay.core.identity import scope_of
+from kvrelay.router.config import ConfigError, RouterConfig, build_config
+from kvrelay.router.request import IdRules, TurnRequest, parse_request
+
+MESSAGES = [{"role": "user", "content": "hi"}]
+RULES = IdRules(("x-session-id",), ("x-gw",))
+
+
+def parse(rules: IdRules, headers: dict[str, str], **body: object) -> TurnRequest:
+    raw = json.dumps({"model": "m", "messages": MESSAGES, **body}).encode()
+    return parse_request("chat", raw, headers, "t", rules)
+
+
+@pytest.mark.parametrize(("rules", "headers", "body", "scope"), [
+    (RULES, {}, {"prompt_cache_key": "k"}, scope_of("t")),  # no id at all
+    (RULES, {"x-session-id": "s"}, {}, scope_of("t", "s")),
+    (RULES, {"x-session-id": "s"}, {"conversation_id": "b"}, scope_of("t", "b")),
+    (RULES, {"x-gw": "g", "x-session-id": "s"}, {"conversation_id": "b"},
+     scope_of("t", "g", bound=True)),
+    (IdRules(("x-session-id",), ("x-gw",), "client"), {"x-gw": "g"},
+     {"conversation_id": "b"}, scope_of("t", "b")),
+    (IdRules(("x-session-id",), ("x-gw",), "client"), {"x-gw": "g"}, {},
+     scope_of("t", "g", bound=True)),
+    (IdRules(("x-session-id",), tenant_is_one_caller=True), {}, {"conversation_id": "b"},
+     scope_of("t", "b", bound=True)),
+])
+def test_the_id_and_its_binding(
+    rules: IdRules, headers: dict[str, str], body: dict[str, object], scope: bytes,
+) -> None:
+    req = parse(rules, headers, **body)
+    assert req.identity.scope == scope
+    bound = scope in (scope_of("t", "g", bound=True), scope_of("t", "b", bound=True))
+    assert req.identity.explicit is bound  # only a bound id may continue its latest entry
+    assert req.body.get("prompt_cache_key") == body.get("prompt_cache_key")  # forwarded
+
+
+def test_id_settings_are_checked() -> None:
+    base = {"prefill": ["http://p:1"], "decode": ["http://d:2"]}
+    with pytest.raises(ConfigError, match="both"):
+        build_config({**base, "gateway_id_headers": ["x-session-id"]})
+    with pytest.raises(ConfigError, match="API keys"):
+        build_config({**base, "tenant_is_one_caller": True})
+    with pytest.raises(ConfigError, match="id_precedence"):
+        build_config({**base, "id_precedence": "whoever"})
+    cfg = build_config({**base, "gateway_id_headers": "X-Gw, x-user", "id_precedence": "client",
+                        "tenant_is_one_caller": "yes", "api_keys": "a:K"})
+    assert isinstance(cfg, RouterConfig)
+    assert cfg.id_rules == IdRules(cfg.session_headers, ("x-gw", "x-user"), "client", True)
