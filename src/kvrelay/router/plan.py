@@ -23,10 +23,11 @@ import msgspec
 from kvrelay.core.consequences import entry_fate, prefill_retry
 from kvrelay.core.conversation import conversation_tag
 from kvrelay.core.policy import Prompt, TurnDecision, decide_turn
+from kvrelay.router.apis.fields import encode
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
 from kvrelay.router.index import Found, IndexUnavailable
-from kvrelay.router.request import TurnRequest, encode, tokenize_body
+from kvrelay.router.request import TurnRequest, tokenize_body
 from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn
 from kvrelay.router.upstream import UpstreamError
@@ -68,6 +69,9 @@ class Planner:
                                     entry.created_at_s)
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
+        if found is not None and not req.adapter.tokenizable \
+                and not ctx.nodes.verifies_pulls(p.node_id):
+            found = None  # a stock P, and no /tokenize for this API: no pull can be proven
         prompt, p = await self._prompt(req, found, p)
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")
