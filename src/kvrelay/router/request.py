@@ -28,7 +28,7 @@ from kvrelay.router.apis.base import ApiAdapter, ApiRequest
 from kvrelay.router.apis.fields import JsonObject, check_id, encode, load_json
 from kvrelay.router.errors import ClientError
 
-Endpoint = Literal["chat", "completions"]
+Endpoint = Literal["chat", "completions", "responses", "messages"]
 PATHS: Mapping[str, str] = {name: a.path for name, a in ADAPTERS.items()}
 
 __all__ = ["PATHS", "Endpoint", "TurnRequest", "encode", "parse_request", "tokenize_body"]
