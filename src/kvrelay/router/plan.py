@@ -8,7 +8,9 @@
    (``observe_entry``): with replicas it may be news of a D restart.
 3. Pick the P (least outstanding prefill work). When that P cannot prove a pull itself
    (stock vLLM), get the prompt's exact ids from its ``/tokenize`` and let the policy run
-   the guard; otherwise decide from estimates (``core.policy.Prompt``).
+   the guard; otherwise decide from estimates (``core.policy.Prompt``). An API whose prompt
+   ``/tokenize`` cannot render (Responses, Messages: ``ApiAdapter.tokenizable``) finds no
+   entry for such a P: no pull the router could prove.
 4. ``core.policy.decide_turn``, then ``core.consequences.entry_fate``: a pull claims the
    entry before P is ever called (losing the claim to a concurrent turn makes it
    ``no_entry``); entries the decision proves useless are dropped.

@@ -192,8 +192,9 @@ def _items(messages: object) -> list[ChatMessage]:
         answer = None
         if message["role"] == "assistant":
             answer = answer_digest(*content_answer(content))
-        raw = encode(strip_markers(message)) if b'"cache_control"' in encode(content) \
-            else encode(message)
+        raw = encode(message)
+        if b'"cache_control"' in raw:
+            raw = encode(strip_markers(message))
         out.append(ChatMessage(raw, answer))
     return out
 
