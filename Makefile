@@ -61,7 +61,7 @@ check-vllm: setup
 	$(PY) -m kvrelay.vllm_plugin.contract --version $(VERSION)
 
 demo: setup
-	$(VENV)/bin/kvrelay demo
+	$(VENV)/bin/kvrelay demo $(DEMO_ARGS)
 
 up: setup
 	$(VENV)/bin/kvrelay up --prefill 1 --decode 1

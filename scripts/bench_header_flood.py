@@ -10,17 +10,25 @@ clients streaming multi-turn conversations through the router, twice for ``--sec
   connection whenever the router answers or closes one (a router without a header limit
   gets the header ended after ``--flood-header-mib``).
 
+With ``--pipelined`` (issue #23) each flooding connection first sends a streamed chat of
+``--flood-chat-tokens`` tokens and, at once behind it on the same connection, the endless
+header; it keeps sending until the router closes the connection (or the header reaches
+``--flood-header-mib``). A ``chats`` phase runs the same connections sending the same chats
+with nothing behind them, to tell what the header costs from what the chats cost.
+
 It prints TTFT p50/p99 of both phases side by side, what the flood sent and got back, and the
 acceptance check of issue #12: the flood phase's TTFT p99 within 2x of the quiet phase's.
 Run it holding the heavy lock; numbers depend on the machine:
 
     flock /tmp/kvrelay-heavy.lock .venv/bin/python scripts/bench_header_flood.py
+    flock /tmp/kvrelay-heavy.lock .venv/bin/python scripts/bench_header_flood.py --pipelined
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import multiprocessing
 import os
 import sys
@@ -34,6 +42,18 @@ from kvrelay.bench.soak import FOLLOW_UPS, USER, Sample, stream_turn
 from kvrelay.cluster.launcher import ServiceProcess, free_port_block
 
 PIECE = b"f" * (64 * 1024)
+FLOOD_HEAD = b"GET /health HTTP/1.1\r\nHost: flood\r\nX-Flood: "
+
+
+def chat_request(max_tokens: int, close: bool = False) -> bytes:
+    """A streamed chat request, head and body, for the pipelined flood (``close``: the
+    control's, which the router closes once answered)."""
+    body = json.dumps({"model": "tiny", "max_tokens": max_tokens, "stream": True,
+                       "messages": [{"role": "user", "content": "[flood] " + USER}]}).encode()
+    return (b"POST /v1/chat/completions HTTP/1.1\r\nHost: flood\r\n"
+            + (b"Connection: close\r\n" if close else b"")
+            + b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n" % len(body)
+            + body)
 
 
 @dataclass
@@ -82,6 +102,58 @@ async def clients(port: int, args: argparse.Namespace, phase: Phase) -> None:
                            for i in range(args.clients)))
 
 
+async def pipelined_connection(port: int, stop_at: float, header_bytes: int, chat_tokens: int,
+                               stats: dict[str, int]) -> None:
+    """One flooding client of ``--pipelined``: a streamed chat and, behind it at once, an
+    endless header, until the router closes the connection; again on new connections."""
+    loop = asyncio.get_running_loop()
+
+    def count(key: str, n: int = 1) -> None:
+        stats[key] = stats.get(key, 0) + n
+
+    async def read_all(reader: asyncio.StreamReader) -> bytes:
+        out = bytearray()
+        while chunk := await reader.read(65536):
+            out += chunk
+        return bytes(out)
+
+    while loop.time() < stop_at:
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            count("connect_errors")
+            await asyncio.sleep(0.01)
+            continue
+        count("connections")
+        answers = asyncio.ensure_future(read_all(reader))
+        sent = 0
+        try:
+            writer.write(chat_request(chat_tokens, close=not header_bytes)
+                         + (FLOOD_HEAD if header_bytes else b""))
+            while loop.time() < stop_at and not answers.done() and sent < header_bytes:
+                writer.write(PIECE)
+                await writer.drain()
+                sent += len(PIECE)
+            if not answers.done():
+                if header_bytes:
+                    count("open_at_the_end" if sent < header_bytes else "header_ended")
+                if header_bytes and sent >= header_bytes:
+                    writer.write(b"\r\n\r\n")
+                await asyncio.wait_for(asyncio.shield(answers), max(0.1, stop_at - loop.time()))
+        except TimeoutError:
+            count("unanswered_at_the_end")
+        except OSError:
+            count("closed_by_router")
+        finally:
+            count("bytes", sent)
+            if answers.done() and not answers.cancelled() and answers.exception() is None:
+                got = answers.result()
+                count("chat_streams_ended" if b"data: [DONE]" in got else "chat_streams_cut")
+                count("HTTP 431", got.count(b"HTTP/1.1 431"))
+            answers.cancel()
+            writer.close()
+
+
 async def flood_connection(port: int, stop_at: float, header_bytes: int,
                            stats: dict[str, int]) -> None:
     """One flooding client: a header of up to ``header_bytes`` (then ended, to see what the
@@ -123,24 +195,31 @@ async def flood_connection(port: int, stop_at: float, header_bytes: int,
             writer.close()
 
 
-def flood(port: int, seconds: float, connections: int, header_bytes: int,
+def flood(port: int, seconds: float, connections: int, header_bytes: int, chat_tokens: int,
           out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
-    """The flood, in a process of its own; puts its stats on ``out``."""
+    """The flood, in a process of its own; puts its stats on ``out``. ``chat_tokens`` > 0:
+    the pipelined flood."""
 
     async def run() -> dict[str, int]:
         stats: dict[str, int] = {}
         stop_at = asyncio.get_running_loop().time() + seconds
-        await asyncio.gather(*(flood_connection(port, stop_at, header_bytes, stats)
-                               for _ in range(connections)))
+        if chat_tokens > 0:
+            await asyncio.gather(*(
+                pipelined_connection(port, stop_at, header_bytes, chat_tokens, stats)
+                for _ in range(connections)))
+        else:
+            await asyncio.gather(*(flood_connection(port, stop_at, header_bytes, stats)
+                                   for _ in range(connections)))
         return stats
 
     out.put(asyncio.run(run()))
 
 
-def report(quiet: Phase, flooded: Phase, args: argparse.Namespace) -> str:
+def report(quiet: Phase, flooded: Phase, args: argparse.Namespace,
+           control: Phase | None = None) -> str:
     ms = 1000.0
     lines = ["| phase | turns | errors | TTFT p50 ms | TTFT p99 ms |", "|---|---|---|---|---|"]
-    for p in (quiet, flooded):
+    for p in (quiet, *([control] if control else []), flooded):
         lines.append(f"| {p.name} | {len(p.samples)} | {len(p.errors)} | "
                      f"{p.pct(0.5) * ms:.1f} | {p.pct(0.99) * ms:.1f} |")
     ratio = flooded.pct(0.99) / quiet.pct(0.99)
@@ -149,11 +228,32 @@ def report(quiet: Phase, flooded: Phase, args: argparse.Namespace) -> str:
     verdict = "PASS" if ratio <= 2.0 and not flooded.errors else "FAIL"
     lines += [
         "",
-        f"flood: {args.flood_connections} connections for {args.seconds:g} s sent "
+        f"flood{' (pipelined behind a stream)' if args.pipelined else ''}: "
+        f"{args.flood_connections} connections for {args.seconds:g} s sent "
         f"{sent:.0f} MiB of header; {answers}",
         f"TTFT p99 flood / quiet = {ratio:.2f} (issue #12 acceptance: <= 2.0) -> {verdict}",
     ]
+    if control is not None:
+        lines.append(f"TTFT p99 flood / chats = {flooded.pct(0.99) / control.pct(0.99):.2f} "
+                     f"(the same chats without the header: what the header itself costs); "
+                     f"chats: {dict(sorted(control.flood.items()))}")
     return "\n".join(lines)
+
+
+def run_phase(port: int, args: argparse.Namespace, phase: Phase, header_bytes: int,
+              chat_tokens: int) -> None:
+    """The clients while the flood (from a process of its own) runs; ``header_bytes`` 0
+    with ``chat_tokens``: the pipelined flood's chats alone, the control."""
+    ctx = multiprocessing.get_context("spawn")
+    out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
+    flooder = ctx.Process(target=flood, args=(port, args.seconds, args.flood_connections,
+                                              header_bytes, chat_tokens, out))
+    flooder.start()
+    started = time.monotonic()
+    asyncio.run(clients(port, args, phase))
+    phase.flood = out.get(timeout=args.seconds + 120)
+    flooder.join(timeout=30)
+    print(f"({phase.name} phase took {time.monotonic() - started:.1f} s)")
 
 
 def main() -> int:
@@ -166,6 +266,11 @@ def main() -> int:
     ap.add_argument("--flood-header-mib", type=float, default=64.0,
                     help="a flooding connection that got no answer ends its header after "
                          "this much (default 64 MiB), then starts again")
+    ap.add_argument("--pipelined", action="store_true",
+                    help="each flooding connection sends a streamed chat first and the "
+                         "endless header behind it, at once (issue #23)")
+    ap.add_argument("--flood-chat-tokens", type=int, default=256,
+                    help="tokens of each pipelined flood's chat (default 256)")
     ap.add_argument("--latency-preset", default="cpu", choices=["fast", "cpu"],
                     help="the fake engines' simulated latency (default cpu)")
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
@@ -199,19 +304,15 @@ def main() -> int:
                 **{**vars(args), "seconds": min(2.0, args.seconds)}), warm))
             quiet = Phase("quiet")
             asyncio.run(clients(router_port, args, quiet))
-            flooded = Phase("flood")
-            ctx = multiprocessing.get_context("spawn")
-            out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
             header_bytes = int(args.flood_header_mib * 1024 * 1024)
-            flooder = ctx.Process(target=flood, args=(router_port, args.seconds,
-                                                      args.flood_connections, header_bytes, out))
-            flooder.start()
-            started = time.monotonic()
-            asyncio.run(clients(router_port, args, flooded))
-            flooded.flood = out.get(timeout=args.seconds + 120)
-            flooder.join(timeout=30)
-            print(f"(flood phase took {time.monotonic() - started:.1f} s)")
-            print(report(quiet, flooded, args))
+            chat_tokens = args.flood_chat_tokens if args.pipelined else 0
+            control = None
+            if args.pipelined:
+                control = Phase("chats")
+                run_phase(router_port, args, control, 0, chat_tokens)
+            flooded = Phase("flood")
+            run_phase(router_port, args, flooded, header_bytes, chat_tokens)
+            print(report(quiet, flooded, args, control))
             alive = router.alive()
             if not alive:
                 print("the router died during the flood", file=sys.stderr)

@@ -14,6 +14,13 @@ from starlette.responses import Response
 from starlette.routing import Route
 
 from kvrelay.client.sse import line_chunks
+from kvrelay.core.retention_sync import (
+    RETENTION_PATH,
+    RetentionOrders,
+    RetentionSync,
+    decode_sync,
+    encode,
+)
 from kvrelay.fakevllm.engine import FakeEngine
 from kvrelay.fakevllm.server import HttpServer
 
@@ -131,3 +138,42 @@ async def until(predicate: Callable[[], bool], what: str, spins: int = 2000) -> 
 
 async def gather_all(*aws: Awaitable[Any]) -> list[Any]:
     return list(await asyncio.gather(*aws))
+
+
+class RouterStandIn:
+    """The router's retention endpoint (``core.retention_sync``): records each sync and
+    answers the queued ``orders``; with ``confirm``, every id D asks for (``releasing``) is
+    answered ``dropped``, as a router that holds no entry for them would."""
+
+    def __init__(self, confirm: bool = True) -> None:
+        self.syncs: list[RetentionSync] = []
+        self.orders: list[RetentionOrders] = []
+        self.confirm = confirm
+
+        async def sync(request: Request) -> Response:
+            body = decode_sync(await request.body())
+            self.syncs.append(body)
+            answer = self.orders.pop(0) if self.orders else RetentionOrders()
+            if self.confirm and body.releasing:
+                answer = RetentionOrders(release=answer.release, dropped=body.releasing)
+            return Response(encode(answer), media_type="application/json")
+
+        self._server = HttpServer(Starlette(routes=[Route(RETENTION_PATH, sync,
+                                                          methods=["POST"])]))
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self._server.port}{RETENTION_PATH}"
+
+    async def __aenter__(self) -> RouterStandIn:
+        await self._server.start()
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._server.stop()
+
+    async def wait_for(self, predicate: Callable[[RetentionSync], bool], what: str
+                       ) -> RetentionSync:
+        """The first sync ``predicate`` holds for (waiting for it, bounded by loop turns)."""
+        await until(lambda: any(predicate(s) for s in self.syncs), what)
+        return next(s for s in self.syncs if predicate(s))

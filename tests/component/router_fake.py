@@ -26,6 +26,7 @@ from kvrelay.router.request import Endpoint
 from kvrelay.router.state import RouterContext
 from tests.component.fake_vllm_version import engine_config
 from tests.component.router_rig import lookup
+from tests.costs import fixed
 from tests.ports import free_ports
 
 ENGINE_CONFIG = engine_config(report_delay_s=0.0, default_max_tokens=16)
@@ -152,9 +153,13 @@ async def routed(
     engine_config: FakeEngineConfig = ENGINE_CONFIG,
     *,
     sleep: Any = None,
+    clock: ManualClock | None = None,
     **settings: Any,
 ) -> AsyncIterator[Routed]:
-    clock = ManualClock()
+    """The router in front of a fresh ``FakeCluster``; ``settings`` over the rig's defaults
+    (fixed costs where every pull pays: ``tests.costs``). ``clock`` is the shared clock
+    (a new ``ManualClock`` if not given), ``sleep`` the engines' simulated-latency sleep."""
+    clock = clock if clock is not None else ManualClock()
     extra = {"sleep": sleep} if sleep is not None else {}
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
                            **extra) as cluster, \
@@ -162,7 +167,7 @@ async def routed(
         port, internal_port = free_ports(2)
         defaults: dict[str, Any] = {"port": port, "internal_port": internal_port,
                                     "health_interval_s": 3600.0, "report_wait_s": 5.0,
-                                    "block_size": engine_config.block_size}
+                                    "block_size": engine_config.block_size, **fixed()}
         config = RouterConfig.from_urls(
             cluster.prefill_urls, cluster.decode_urls, **{**defaults, **settings},
         )

@@ -35,6 +35,7 @@ from typing import Any
 import httpx
 
 from kvrelay.router.config import RouterConfig
+from tests.costs import fixed
 
 Fault = str | tuple[str, int]
 
@@ -146,7 +147,7 @@ class MockCluster:
 
     def config(self, **settings: Any) -> RouterConfig:
         defaults: dict[str, Any] = {
-            "kv_recompute_threshold": 16, "report_wait_s": 2.0, "port": 18000,
+            "kv_recompute_threshold": 16, "report_wait_s": 2.0, "port": 18000, **fixed(),
         }
         return RouterConfig.from_urls(
             self.prefill_urls, self.decode_urls, **{**defaults, **settings}

@@ -10,8 +10,11 @@ router's HTTP layer, and never import ``kvrelay.router``.
         assert (await router.metrics()).value("kvrelay_router_in_flight") == 0
 
 Readiness is a TCP connect on every listening port (``/health`` is under test itself). The
-router runs with ``--health-interval-s 3600`` (one background round, at start-up) and
-``--block-size 128`` unless the caller's arguments say otherwise.
+router runs with ``--health-interval-s 3600`` (one background round, at start-up),
+``--block-size 128`` and fixed costs that make every pull pay (``--fixed-costs``,
+``tests.costs.PULL_PAYS``: no decision follows this machine's speed) unless the caller's
+arguments say otherwise; a router whose ``route --help`` lacks ``--fixed-costs`` runs
+without it (``dropped_flags``).
 
 Flags added by issue #12 (``ISSUE_12_FLAGS``) are passed only to a router whose
 ``route --help`` lists them: the router before #12 then runs with its old listeners and
@@ -40,6 +43,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from kvrelay.cluster.launcher import spawn_supervised
 from kvrelay.fakevllm import FakeCluster, FakeEngineConfig
 from tests.component.fake_vllm_version import engine_config
+from tests.costs import fixed_costs_flag
 from tests.ports import free_ports
 
 #: Options issue #12 adds to ``kvrelay route`` (see the module docstring).
@@ -239,6 +243,10 @@ async def run_router(
             dropped.append(flag)
     if internal_port is None and "--internal-port" in known:
         extra += ["--internal-port", "0"]  # not port + 1: it may be taken
+    if "--fixed-costs" in known:
+        extra += ["--fixed-costs", fixed_costs_flag()]
+    else:
+        dropped.append("--fixed-costs")
     command = [sys.executable, "-m", "kvrelay.cli", "route"]
     for url in cluster.prefill_urls:
         command += ["--prefill", url]

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 from kvrelay.cli import main
+from tests.costs import fixed_costs_flag
 from tests.ports import free_port_block
 
 
@@ -16,7 +17,7 @@ def test_sweep_pulls_in_pull_mode_and_recomputes_in_recompute_mode(tmp_path, cap
                  "--modes", "pull,recompute", "--lengths", "1024", "2048",
                  "--conversations", "1", "--gap-s", "0.3", "--base-port", str(port),
                  "--side-channel-base-port", str(port + 3000), "--salt", "fc",
-                 "--out", str(out)])
+                 f"--router-arg=--fixed-costs={fixed_costs_flag()}", "--out", str(out)])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     data = json.loads((out / "sweep.json").read_text())

@@ -14,6 +14,7 @@ from msgspec.structs import replace
 
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import scope_of
+from kvrelay.core.retention_sync import Released
 from kvrelay.router.index import ConversationIndex, IndexUnavailable, InMemoryIndex
 from kvrelay.router.index_redis import RedisIndex
 from tests.component.redis_server import RedisServer
@@ -88,11 +89,14 @@ async def test_lookup_put_replace_drop(made: tuple[ConversationIndex, Clock]) ->
     found = await index.lookup(follow("a"))  # type: ignore[arg-type]
     assert found is not None and found.entry == e and found.ref == ref
     newer = entry(now=101.0, request="r2")
-    await index.put(ref, newer, tenant="t")  # the same turn again: the newest wins
+    await index.put(ref, newer, tenant="t")  # an interchangeable one: both kept, newest first
     found = await index.lookup(follow("a"))  # type: ignore[arg-type]
-    assert found is not None and found.entry == newer
-    assert await index.drop(ref, e) is False  # not the stored one any more
+    assert found is not None and found.entry == newer and len(index) == 2
     assert await index.drop(ref, newer) is True
+    assert await index.drop(ref, newer) is False  # not stored any more
+    found = await index.lookup(follow("a"))  # type: ignore[arg-type]
+    assert found is not None and found.entry == e
+    assert await index.drop(ref, e) is True
     assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
     await index.put(ref, e, tenant="t")
     assert await index.drop(ref) is True and await index.drop(ref) is False
@@ -142,15 +146,42 @@ async def test_claim_is_single_use(made: tuple[ConversationIndex, Clock]) -> Non
     ref, e = stored_at(TURN1, "a"), entry()
     await index.put(ref, e, tenant="t")
     results = await asyncio.gather(*(index.claim(ref, e) for _ in range(10)))
-    assert results.count(True) == 1
+    assert results.count(e) == 1 and results.count(None) == 9
     assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
     await index.put(ref, e, tenant="t")
-    newer = entry(now=200.0)  # same blocks, other times: another entry
+    newer = entry(now=200.0)  # the same D request stored again (later): it replaces e
     await index.put(ref, newer, tenant="t")
-    assert await index.claim(ref, e) is False
     found = await index.lookup(follow("a"))  # type: ignore[arg-type]
-    assert found is not None and await index.claim(ref, found.entry) is True
-    assert await index.claim(stored_at(TURN1, "b"), e) is False
+    assert found is not None and found.entry.expires_at_s == pytest.approx(newer.expires_at_s)
+    got = await index.claim(ref, e)  # e is gone: what the ref holds instead
+    assert got is not None and got.expires_at_s == pytest.approx(newer.expires_at_s)
+    assert await index.claim(ref, e) is None
+    assert await index.lookup(follow("a")) is None  # type: ignore[arg-type]
+    await index.put(ref, e, tenant="t")
+    assert await index.claim(stored_at(TURN1, "b"), e) is None
+
+
+async def test_identical_entries_are_each_claimed_once(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """N interchangeable entries at one ref (identical conversations): N concurrent claims
+    of the one entry every lookup returns each take a different one; a released entry is
+    never taken."""
+    index, _ = made
+    ref = stored_at(TURN1, "same")
+    stored = [entry(request=f"r{i}") for i in range(8)]
+    for i, e in enumerate(stored):  # (a tenant each: the fixture caps tenants at 3)
+        await index.put(ref, e, tenant=f"t{i}")
+    seen = await index.lookup(follow("same"))  # type: ignore[arg-type]
+    assert seen is not None and seen.entry == stored[-1]
+    await index.mark_released("d0", stored[0].decode_engine_id,
+                              [Released("r0", "pressure")])
+    claimed = await asyncio.gather(*(index.claim(ref, seen.entry) for _ in range(9)))
+    taken = sorted(c.request_id for c in claimed if c is not None)
+    assert taken == sorted(f"r{i}" for i in range(1, 8)) and claimed.count(None) == 2
+    last = await index.lookup(follow("same"))  # type: ignore[arg-type]
+    assert last is not None and last.entry.released == "pressure"
+    assert last.entry.request_id == "r0"
 
 
 async def test_drop_node_and_engine(made: tuple[ConversationIndex, Clock]) -> None:
@@ -160,8 +191,10 @@ async def test_drop_node_and_engine(made: tuple[ConversationIndex, Clock]) -> No
     await index.put(refs[1], entry("d0", "B", request="2"), tenant="u")
     await index.put(refs[2], entry("d1", "A", request="3"), tenant="v")
     await index.put(refs[3], entry("d0", "A", request="4"), tenant="w")
-    await index.put(refs[3], entry("d1", "A", request="4b"), tenant="w")  # moved to d1
-    assert await index.drop_engine("d0", "A") == 1
+    await index.put(refs[3], entry("d1", "A", request="4b"), tenant="w")  # kept beside it
+    assert await index.drop_engine("d0", "A") == 2
+    found = await index.lookup(follow("3"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.request_id == "4b"
     assert await index.lookup(follow("0")) is None  # type: ignore[arg-type]
     assert await index.lookup(follow("1")) is not None  # type: ignore[arg-type]
     assert await index.drop_node("d0") == 1
@@ -272,14 +305,14 @@ async def test_redis_purges_after_expiry_plus_retention(redis_server: RedisServe
         e = entry()
         ref = stored_at(TURN1, "a")
         await index.put(ref, e, tenant="t")
-        pttl = await raw.pttl(index.entry_key(ref))
+        pttl = await raw.pttl(index.entry_key(ref, e))
         # remaining TTL on the router clock (470 s) + retention (2 s), in ms
         assert 470_000 < pttl <= 472_000
         clock.now = e.expires_at_s + 1.0  # 1 s of retention left: Redis keeps it 1 s more
         other = stored_at(TURN1, "b")
         await index.put(other, e, tenant="t")
         for _ in range(3000):
-            if not await raw.exists(index.entry_key(other)):
+            if not await raw.exists(index.entry_key(other, e)):
                 break
             await asyncio.sleep(0.01)
         else:
@@ -306,7 +339,7 @@ async def test_concurrent_claims_from_two_replicas(redis_server: RedisServer) ->
                 one.claim(ref, seen_one.entry), two.claim(ref, seen_two.entry),
                 one.claim(ref, seen_one.entry), two.claim(ref, seen_two.entry),
             )
-            assert won.count(True) == 1, (i, won)
+            assert won.count(e) == 1 and won.count(None) == 3, (i, won)
             assert await two.lookup(follow("race")) is None  # type: ignore[arg-type]
     finally:
         await one.aclose()
@@ -326,7 +359,7 @@ async def test_redis_down_falls_back_then_recovers(redis_server: RedisServer) ->
         with pytest.raises(IndexUnavailable):
             await index.lookup(follow("a"))  # type: ignore[arg-type]
         await index.put(stored_at(TURN1, "b"), e, tenant="t")  # lost, no exception
-        assert await index.claim(ref, e) is False
+        assert await index.claim(ref, e) is None
         assert await index.drop(ref) is False and await index.drop(ref, e) is False
         assert await index.drop_node("d0") == 0 and await index.drop_engine("d0", "x") == 0
         assert {"get", "put", "claim", "drop", "drop_node", "drop_engine"} <= set(errors)
@@ -341,7 +374,7 @@ async def test_redis_down_falls_back_then_recovers(redis_server: RedisServer) ->
             raise AssertionError("the index never recovered")
         await index.put(ref, e, tenant="t")
         found = await index.lookup(follow("a"))  # type: ignore[arg-type]
-        assert found is not None and await index.claim(ref, found.entry) is True
+        assert found is not None and await index.claim(ref, found.entry) == found.entry
     finally:
         await index.aclose()
 
@@ -394,3 +427,75 @@ async def test_an_explicit_id_continues_its_latest_entry_when_the_history_was_ed
     assert matched is not None and matched.probe is not None
     unscoped = chat(SYSTEM, user("edited task"), assistant("a2"), user("u3"))
     assert await index.lookup(unscoped) is None  # never without an id: that would steal
+
+
+async def test_release_orders_follow_every_drop_but_claims_and_lost_blocks(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """Dropped entries D may still hold are queued for release on their D; claimed ones (P
+    reads them), released ones and those of a D that went down or restarted are not;
+    orders for another engine of that D are discarded when taken."""
+    index, _ = made
+    scope = scope_of("t", "conv")
+    refs = [stored_at(chat(SYSTEM, FIRST, scope=scope), str(i)) for i in range(6)]
+    stored = [entry("d0", "A", request=f"r{i}") for i in range(6)]
+    for i, (ref, e) in enumerate(zip(refs, stored, strict=True)):
+        await index.put(ref, e, tenant=f"t{i}")
+    assert await index.claim(refs[0], stored[0]) == stored[0]
+    assert await index.drop(refs[1], stored[1]) is True
+    assert await index.drop(refs[2], stored[2], release=False) is True
+    await index.mark_released("d0", "A", [Released("r3", "pressure")])
+    assert await index.drop(refs[3]) is True
+    assert await index.mark_released("d0", "B", [Released("r4", "pressure")]) == 0
+    assert await index.take_releases("d0", "A") == ("r1",)
+    assert await index.drop_scope(scope) == 2  # r4, r5: an admin's flush
+    assert await index.take_releases("d1", "A") == ()
+    assert await index.take_releases("d0", "B") == ()  # D restarted: the orders are moot
+    assert await index.take_releases("d0", "A") == ()
+    await index.put(refs[0], stored[0], tenant="t")
+    assert await index.drop_engine("d0", "A") == 1 and await index.drop_node("d0") == 0
+    assert await index.take_releases("d0", "A") == ()
+
+
+async def test_a_release_that_overtakes_the_commit_is_not_lost(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """D's sync names a request whose entry is not stored yet: the entry is stored
+    released (never claimed); a release by another engine of that D does not count."""
+    index, _ = made
+    ref = stored_at(TURN1, "early")
+    await index.mark_released("d0", "A", [Released("early", "pressure"),
+                                          Released("other", "pressure")])
+    await index.mark_released("d0", "B", [Released("other-engine", "expired")])
+    await index.put(ref, entry("d0", "A", request="early"), tenant="t")
+    await index.put(ref, entry("d0", "A", request="other-engine"), tenant="u")
+    assert (await index.claim(ref, entry("d0", "A", request="early")) or entry()
+            ).request_id == "other-engine"
+    found = await index.lookup(follow("early"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.released == "pressure"
+    assert await index.claim(ref, found.entry) is None
+
+
+async def test_d_may_free_what_it_asks_for_unless_a_p_leg_reads_it(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """``releasing``: the entries are marked released at once (no claim takes them); the
+    answer leaves out a request a claimed P leg is still reading, until its read is done."""
+    index, _ = made
+    ref, pulled = stored_at(TURN1, "ask"), stored_at(TURN1, "read")
+    await index.put(ref, entry("d0", "A", request="idle"), tenant="t")
+    await index.put(pulled, entry("d0", "A", request="busy"), tenant="u")
+    claimed = await index.claim(pulled, entry("d0", "A", request="busy"))
+    assert claimed is not None
+    free = await index.release_requested("d0", "A", ["idle", "busy", "gone"])
+    assert sorted(free) == ["gone", "idle"]
+    assert await index.claim(ref, entry("d0", "A", request="idle")) is None
+    found = await index.lookup(follow("ask"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.released == "releasing"
+    await index.mark_released("d0", "A", [Released("idle", "headroom")])
+    found = await index.lookup(follow("ask"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.released == "headroom"
+    await index.read_done("d0", "busy")
+    assert await index.release_requested("d0", "A", ["busy"]) == ("busy",)
+    await index.put(pulled, entry("d0", "A", request="gone"), tenant="u")  # came late
+    assert await index.claim(pulled, entry("d0", "A", request="gone")) is None

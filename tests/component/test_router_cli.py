@@ -14,6 +14,7 @@ from kvrelay.client.sse import sse_events
 from kvrelay.fakevllm import FakeCluster
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.router_rig import stream_text
+from tests.costs import fixed_costs_flag
 from tests.ports import free_ports
 
 FIRST = "What is the capital of France, and why? " * 8
@@ -42,6 +43,7 @@ async def test_route_subprocess_serves_pulls_and_stops_on_sigint() -> None:
             "--prefill", cluster.prefill_urls[0], "--decode", cluster.decode_urls[0],
             "--port", str(port), "--internal-port", str(internal), "--block-size", "128",
             "--health-interval-s", "0.2", "--log-level", "warning",
+            "--fixed-costs", fixed_costs_flag(),
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
         )
         try:

@@ -15,6 +15,7 @@ from msgspec.structs import replace
 from kvrelay.router.config import build_config
 from tests.component.router_mock import MockCluster
 from tests.component.router_rig import Chat, Rig, until
+from tests.costs import fixed
 
 LONG = "please explain the following in detail: " + "z" * 80
 TTL, MARGIN = 480.0, 10.0
@@ -100,7 +101,7 @@ async def test_per_decode_ttl() -> None:
         "prefill": cluster.prefill_urls,
         "decode": [{"url": cluster.decode_urls[0], "ttl_s": 60},
                    {"url": cluster.decode_urls[1]}],
-        "kv_recompute_threshold": 16,
+        "kv_recompute_threshold": 16, **fixed(),
     })
     rig = Rig(cluster, config=config)
     try:

@@ -402,10 +402,12 @@ async def test_entry_expiring_between_decision_and_pull(
         chat = Chat(r, ref, "a")
         assert (await chat.turn(FIRST)).status == 200
         index = r.ctx.index
-        claim: Callable[[EntryRef, ConversationEntry], Awaitable[bool]] = index.claim
+        claim: Callable[[EntryRef, ConversationEntry],
+                        Awaitable[ConversationEntry | None]] = index.claim
         advanced: list[float] = []
 
-        async def late_claim(ref: EntryRef, entry: ConversationEntry) -> bool:
+        async def late_claim(ref: EntryRef, entry: ConversationEntry
+                             ) -> ConversationEntry | None:
             if not advanced:
                 advanced.append(r.clock.advance(ENGINE_CONFIG.decoder_kv_blocks_ttl + 1))
             return await claim(ref, entry)

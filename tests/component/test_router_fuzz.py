@@ -107,11 +107,10 @@ class Harness:
         self.loop = asyncio.new_event_loop()
         self.cluster = MockCluster(1, 2)
         self.rig = self.loop.run_until_complete(self._rig(self.cluster, max_body_bytes=256))
-        # the mock's P answers at once, so learned costs would make every pull look too
-        # dear: the conversations are about correctness, pull whenever the guard allows
+        # the conversations are about correctness: the rig's fixed costs pull whenever the
+        # guard allows
         self.conv = self.loop.run_until_complete(self._rig(
-            MockCluster(1, 2, report_mode="manual"), max_body_bytes=1 << 20,
-            pull_cost_factor=1e-9))
+            MockCluster(1, 2, report_mode="manual"), max_body_bytes=1 << 20))
         self.count = 0
         self.statuses: dict[int, int] = {}
         self.report_outcomes: dict[str, int] = {}

@@ -20,6 +20,7 @@ from kvrelay.router.server import bind, make_server
 from kvrelay.router.state import RouterContext
 from tests.component.asgi_direct import call, is_openai_error
 from tests.component.router_fake import ENGINE_CONFIG, Routed, routed, until
+from tests.costs import fixed
 from tests.ports import free_ports
 
 CHAT = "/v1/chat/completions"
@@ -213,7 +214,7 @@ async def served(**settings: Any) -> AsyncIterator[tuple[str, RouterContext]]:
         port, internal_port = free_ports(2)
         config = RouterConfig.from_urls(
             cluster.prefill_urls, cluster.decode_urls, port=port, internal_port=internal_port,
-            health_interval_s=3600.0, drain_timeout_s=1, **settings)
+            health_interval_s=3600.0, drain_timeout_s=1, **{**fixed(), **settings})
         app = create_app(config)
         server = make_server(config, app, install_signals=False, log_config=None)
         sockets = [bind(config.host, config.port),

@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.core.retention_sync import Released, RetentionSync, encode
 from kvrelay.fakevllm import FakeCluster, ManualClock
 from kvrelay.fakevllm.server import HttpServer
 from kvrelay.router.app import create_app
@@ -20,6 +21,8 @@ from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext
 from tests.component.redis_server import RedisServer
 from tests.component.router_fake import ENGINE_CONFIG
+from tests.component.router_rig import lookup
+from tests.costs import fixed
 from tests.ports import free_ports
 
 FIRST = "Tell me everything about the rivers of Europe, in order of length. " * 6
@@ -73,6 +76,7 @@ async def replicas(redis: RedisServer, n: int = 2, **settings: Any) -> AsyncIter
                 defaults: dict[str, Any] = {
                     "port": port, "internal_port": internal_port, "health_interval_s": 3600.0,
                     "report_wait_s": 5.0, "state": redis.url, "state_timeout_ms": 2000.0,
+                    **fixed(),
                 }
                 config = RouterConfig.from_urls(
                     cluster.prefill_urls, cluster.decode_urls,
@@ -173,3 +177,45 @@ async def test_redis_outage_recomputes_then_pulls_resume(redis_server: RedisServ
             raise AssertionError("pulls never resumed after Redis came back")
         assert await conversation(r, "after-final", 3) == [("recompute", "no_entry")] + [
             ("pull", "pull")] * 2
+
+
+async def post_sync(ctx: RouterContext, engine_id: str,
+                    released: tuple[tuple[str, str], ...] = ()) -> list[str]:
+    """A D retention sync (written here by hand) to one replica; its release orders."""
+    body = encode(RetentionSync(
+        engine_id=engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+        num_blocks_free=100, retained_requests=1, retained_blocks=4, retained_tokens=64,
+        released=tuple(Released(rid, cause) for rid, cause in released),  # type: ignore[arg-type]
+    ))
+    async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+        resp = await c.post(ctx.retention.url, content=body)
+    assert resp.status_code == 200, resp.text
+    orders: list[str] = resp.json()["release"]
+    return orders
+
+
+async def test_a_release_order_queued_on_one_replica_is_delivered_by_the_other(
+    redis_server: RedisServer,
+) -> None:
+    """Replica 0 evicts replica 1's entry (``max_entries`` 1 in Redis); D syncs with
+    replica 1, which hands it the order: the queue lives in Redis. A release D tells
+    replica 1 of makes replica 0's next turn of that conversation recompute (``released``)."""
+    async with replicas(redis_server, max_entries=1) as r:
+        d = r.cluster.decode[0]
+        a = [{"role": "user", "content": "conversation A " + FIRST}]
+        _, _, a_text = await r.turn(1, a, None)
+        await r.settle()
+        a_next = [*a, {"role": "assistant", "content": a_text}, {"role": "user", "content": "go"}]
+        found_a = await lookup(r.ctxs[1], {"model": "tiny", "messages": a_next})
+        assert found_a is not None
+        b = [{"role": "user", "content": "conversation B " + FIRST}]
+        _, _, b_text = await r.turn(0, b, None)
+        await r.settle()
+        assert await lookup(r.ctxs[0], {"model": "tiny", "messages": a_next}) is None
+        assert await post_sync(r.ctxs[1], d.engine_id) == [found_a.entry.request_id]
+        assert await post_sync(r.ctxs[0], d.engine_id) == []  # delivered once
+        b_next = [*b, {"role": "assistant", "content": b_text}, {"role": "user", "content": "go"}]
+        found_b = await lookup(r.ctxs[0], {"model": "tiny", "messages": b_next})
+        assert found_b is not None
+        await post_sync(r.ctxs[1], d.engine_id, ((found_b.entry.request_id, "pressure"),))
+        assert (await r.turn(0, b_next, None))[:2] == ("recompute", "released")

@@ -19,6 +19,7 @@ from kvrelay.fakevllm import FakeCluster
 from tests.component.raw_http import RawConnection, request_bytes
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.test_router_cli import wait_healthy
+from tests.costs import fixed_costs_flag
 from tests.ports import free_port
 
 BODY = {"model": "tiny", "stream": True, "max_tokens": 12,
@@ -34,7 +35,7 @@ async def router(cluster: FakeCluster, *args: str) -> AsyncIterator[
         sys.executable, "-m", "kvrelay.cli", "route",
         "--prefill", cluster.prefill_urls[0], "--decode", cluster.decode_urls[0],
         "--port", str(port), "--internal-port", "0", "--block-size", "128",
-        "--log-level", "info", *args,
+        "--log-level", "info", "--fixed-costs", fixed_costs_flag(), *args,
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
     )
     try:

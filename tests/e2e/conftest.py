@@ -8,6 +8,7 @@ server process behind.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import queue
 import random
@@ -29,6 +30,7 @@ from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.client.sse import chunk_content, line_chunks
 from kvrelay.cluster.config import ClusterConfig, block_size_of, router_command
 from kvrelay.cluster.launcher import ServiceProcess
+from tests.costs import PULL_PAYS, fixed_costs_flag
 from tests.ports import free_port_block
 
 STARTUP_TIMEOUT_S = 900
@@ -70,20 +72,22 @@ def _reader(stream: object, lines: queue.Queue[str], output: list[str]) -> None:
         lines.put(line)
 
 
-@pytest.fixture(scope="session")
-def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
-    run_dir = tmp_path_factory.mktemp("cluster")
-    base_port = free_port_block(2, start=18100)
-    side_port = free_port_block(2, start=15600)
-    router_port = free_port_block(2, start=18000)  # and its internal listener, port + 1
-    prometheus_port = free_port_block(1, start=19090)
-    cmd = [sys.executable, "-m", "kvrelay.cli", "up", "--prefill", "1", "--decode", "1",
-           "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
-           "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
-           "--router-port", str(router_port), "--ttl-s", str(TTL_S),
-           "--monitoring", "--prometheus-port", str(prometheus_port),
-           f"--router-arg=--admin-key={ADMIN_KEY}",
-           f"--router-arg=--pull-cost-factor={PULL_COST_FACTOR}"]
+@dataclass(frozen=True)
+class UpSession:
+    """A running ``kvrelay up``: the URLs it printed (``prefill-0``, ``decode-0``, ``router``,
+    ``prometheus``, by name), its served model and every line of its output so far."""
+
+    urls: dict[str, str]
+    model: str
+    output: list[str]
+
+
+@contextlib.contextmanager
+def kvrelay_up(args: list[str], ports: list[int]) -> Iterator[UpSession]:
+    """``kvrelay up ARGS`` until the block ends: ready once it prints its model line; then
+    SIGINT, and the test fails if the command does not exit 0 or a server process on one of
+    ``ports`` (``--port N`` or ``127.0.0.1:N`` in its command line) outlives it."""
+    cmd = [sys.executable, "-m", "kvrelay.cli", "up", *args]
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             env={**os.environ, "PYTHONUNBUFFERED": "1"})
     lines: queue.Queue[str] = queue.Queue()
@@ -106,8 +110,7 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
             urls[m.group(1)] = m.group(2)
         if m := re.match(r"model (\S+); Ctrl-C to stop", line):
             model = m.group(1)
-    yield RealCluster(urls["prefill-0"], urls["decode-0"], urls["router"], model, run_dir,
-                      TTL_S, urls["prometheus"], output)
+    yield UpSession(urls, model, output)
 
     proc.send_signal(signal.SIGINT)
     try:
@@ -117,19 +120,38 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
         pytest.fail("kvrelay up did not stop within 120 s of SIGINT")
     leftovers = [
         p.pid for p in psutil.process_iter(["cmdline"])
-        if any(f"--port {port}" in " ".join(p.info["cmdline"] or [])
-               for port in (base_port, base_port + 1, router_port))
-        or any(f"127.0.0.1:{prometheus_port}" in a for a in (p.info["cmdline"] or []))
+        if any(f"--port {port}" in " ".join(p.info["cmdline"] or []) for port in ports)
+        or any(f"127.0.0.1:{port}" in a for a in (p.info["cmdline"] or []) for port in ports)
     ]
     tail = "".join(output[-40:])
     assert rc == 0, f"kvrelay up exited with {rc}:\n{tail}"
     assert leftovers == [], f"server processes left after kvrelay up stopped: {leftovers}"
 
 
-PULL_COST_FACTOR = 0.01
-"""The tiny model prefills a 1k-token prompt in milliseconds, so the learned costs may
-rightly prefer recomputing; these tests check what a pull does (the cost model has its own
-unit and component tests), so their routers are made to choose pulls."""
+@pytest.fixture(scope="session")
+def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealCluster]:
+    run_dir = tmp_path_factory.mktemp("cluster")
+    base_port = free_port_block(2, start=18100)
+    side_port = free_port_block(2, start=15600)
+    router_port = free_port_block(2, start=18000)  # and its internal listener, port + 1
+    prometheus_port = free_port_block(1, start=19090)
+    args = ["--prefill", "1", "--decode", "1",
+            "--base-port", str(base_port), "--side-channel-base-port", str(side_port),
+            "--run-dir", str(run_dir), "--startup-timeout-s", str(STARTUP_TIMEOUT_S),
+            "--router-port", str(router_port), "--ttl-s", str(TTL_S),
+            "--monitoring", "--prometheus-port", str(prometheus_port),
+            f"--router-arg=--admin-key={ADMIN_KEY}",
+            f"--router-arg=--fixed-costs={FIXED_COSTS}"]
+    with kvrelay_up(args, [base_port, base_port + 1, router_port, prometheus_port]) as up:
+        yield RealCluster(up.urls["prefill-0"], up.urls["decode-0"], up.urls["router"],
+                          up.model, run_dir, TTL_S, up.urls["prometheus"], up.output)
+
+
+FIXED_COSTS = fixed_costs_flag(PULL_PAYS)
+"""The tiny model prefills a 1k-token prompt in milliseconds, so costs learned from this
+machine's timings may rightly prefer recomputing, more so while it is busy; these tests check
+what a pull does (the cost model has its own unit and component tests), so their routers get
+fixed costs under which every pull pays, never learned (``tests.costs``)."""
 
 
 def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
@@ -138,7 +160,7 @@ def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
     starts its own, plus ``extra`` flags); the caller stops it."""
     cmd = router_command([cluster.prefill_url], [cluster.decode_url], host="127.0.0.1",
                          port=port, ttl_s=cluster.ttl_s, block_size=CPU_BLOCK_SIZE,
-                         extra=["--pull-cost-factor", str(PULL_COST_FACTOR), *extra])
+                         extra=["--fixed-costs", FIXED_COSTS, *extra])
     url = f"http://127.0.0.1:{port}"
     return ServiceProcess(log_path.stem, cmd, [f"{url}/health"], log_path, url=url).start()
 

@@ -130,3 +130,34 @@ def test_default_models_are_qwen3_so_they_get_the_hermes_parser(tmp_path):
 
     path = ensure_model("tiny", tmp_path)
     assert tool_call_parser_for("auto", model_type_of(path)) == "hermes"
+
+
+def test_retention_flags_reach_ds_kv_transfer_config_only():
+    from kvrelay.cli import build_parser
+    from kvrelay.cluster.arguments import cluster_config_from_args
+
+    default = cluster_config_from_args(build_parser().parse_args(["up"]))
+    assert (default.retention, default.retention_headroom) == ("managed", 0.0)
+    p, d = plan_nodes(default, [0, 1])
+    for node in (p, d):
+        extra = kv_transfer_config(default, node)["kv_connector_extra_config"]
+        assert "kvrelay_retention" not in extra and "kvrelay_retention_headroom" not in extra
+    stock = cluster_config_from_args(build_parser().parse_args(
+        ["up", "--retention", "stock", "--retention-headroom", "0.25"]))
+    p, d = plan_nodes(stock, [0, 1])
+    extra_d = kv_transfer_config(stock, d)["kv_connector_extra_config"]
+    assert extra_d["kvrelay_retention"] == "stock"
+    assert extra_d["kvrelay_retention_headroom"] == 0.25
+    assert "kvrelay_retention" not in kv_transfer_config(stock, p)["kv_connector_extra_config"]
+
+
+@pytest.mark.parametrize("flags", [["--retention-headroom", "1.5"],
+                                   ["--retention-headroom", "most"],
+                                   ["--retention", "sometimes"]])
+def test_bad_retention_flags_are_refused_by_the_parser(flags, capsys):
+    from kvrelay.cli import build_parser
+
+    with pytest.raises(SystemExit) as exc:
+        build_parser().parse_args(["up", *flags])
+    assert exc.value.code == 2
+    assert "retention" in capsys.readouterr().err

@@ -15,19 +15,24 @@ from kvrelay.core.costs import CostEstimates
 from kvrelay.core.policy import TurnDecision
 
 
-@pytest.mark.parametrize(("action", "reason", "claim", "drop", "purge"), [
-    ("pull", "pull", True, False, False),
-    ("direct", "direct", False, False, False),
-    ("recompute", "no_entry", False, False, False),
-    ("recompute", "cost_model", False, False, False),
-    ("recompute", "expired", False, True, False),
-    ("recompute", "near_expiry", False, True, False),
-    ("recompute", "node_down", False, True, False),
-    ("recompute", "engine_restarted", False, True, True),
+@pytest.mark.parametrize(("action", "reason", "claim", "drop", "purge", "release"), [
+    ("pull", "pull", True, False, False, False),
+    ("direct", "direct", False, False, False, False),
+    ("recompute", "no_entry", False, False, False, False),
+    ("recompute", "cost_model", False, False, False, False),
+    ("recompute", "expired", False, True, False, True),
+    ("recompute", "near_expiry", False, True, False, True),
+    ("recompute", "node_down", False, True, False, False),
+    ("recompute", "engine_restarted", False, True, True, False),
+    ("recompute", "released", False, True, False, False),
 ])
-def test_entry_fate(action: str, reason: str, claim: bool, drop: bool, purge: bool) -> None:
+def test_entry_fate(
+    action: str, reason: str, claim: bool, drop: bool, purge: bool, release: bool
+) -> None:
+    """Drops order D to release what it may still hold; never blocks already gone."""
     fate = entry_fate(TurnDecision(action, reason))  # type: ignore[arg-type]
-    assert (fate.claim, fate.drop, fate.purge_engine) == (claim, drop, purge)
+    assert (fate.claim, fate.drop, fate.purge_engine, fate.release) == (
+        claim, drop, purge, release)
 
 
 def test_retries() -> None:

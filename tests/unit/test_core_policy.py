@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from msgspec.structs import replace
 
 from kvrelay.core.conversation import ConversationEntry, new_entry, with_fingerprint
-from kvrelay.core.costs import BoundedEwma, CostEstimates, TransferEstimate
+from kvrelay.core.costs import CostEstimates, CostLine, CostLines
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.params import RemoteBlocks, parse_remote_blocks
 from kvrelay.core.policy import PolicyConfig, Prompt, TurnDecision, decide_turn
@@ -208,6 +208,14 @@ def test_no_entry() -> None:
     assert_recompute(decide(next_turn_prompt(), entry=None), "no_entry")
 
 
+def test_a_released_entry_is_never_pulled() -> None:
+    """D freed the blocks (its sync said so): recompute, whatever else holds."""
+    for cause in ("pressure", "router", "expired"):
+        released = replace(ENTRY, released=cause)
+        assert_recompute(decide(next_turn_prompt(), entry=released), "released")
+    assert_pull(decide(next_turn_prompt(), entry=ENTRY), 2056)
+
+
 def test_expiry_boundary() -> None:
     assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S), "expired")
     assert_recompute(decide(next_turn_prompt(), now_s=EXPIRES_S + 100), "expired")
@@ -264,8 +272,33 @@ def test_checks_run_in_documented_order() -> None:
 
 
 def huge_transfer_costs() -> CostEstimates:
-    slow = TransferEstimate(overhead_s=BoundedEwma(value=5.0, floor=1e-4, ceiling=5.0))
-    return CostEstimates(transfer=slow)
+    return CostEstimates.from_lines(CostLines(pull=CostLine(5.0, 2e-5)))
+
+
+CHEAP_RECOMPUTE = CostLines(prefill=CostLine(0.1, 1e-6), pull=CostLine(0.05, 1e-4))
+"""Injected costs where recomputing the prefix is cheaper than pulling it..."""
+CHEAP_PULL = CostLines(prefill=CostLine(0.0, 1e-3), pull=CostLine(0.05, 1e-6))
+"""...and the opposite: the same turn must go each way, by the costs alone."""
+
+
+@pytest.mark.parametrize(("lines", "action", "reason"), [
+    (CHEAP_RECOMPUTE, "recompute", "cost_model"),
+    (CHEAP_PULL, "pull", "pull"),
+])
+def test_the_cost_model_follows_the_costs_both_ways(
+    lines: CostLines, action: str, reason: str
+) -> None:
+    decision = decide(next_turn_prompt(), costs=CostEstimates.from_lines(lines))
+    assert (decision.action, decision.reason) == (action, reason)
+    costs = CostEstimates.from_lines(lines)
+    usable = min(decision.verified_tokens, len(next_turn_prompt()) - 1)
+    assert decision.predicted_transfer_s == pytest.approx(costs.pull_s(usable))
+    assert decision.predicted_prefill_s == pytest.approx(costs.prefill_s(usable))
+    assert (decision.predicted_transfer_s > decision.predicted_prefill_s) == (
+        action == "recompute")
+    est = decide_turn(entry=ENTRY, prompt=Prompt(len(next_turn_prompt()), est_new_tokens=40),
+                      now_s=CREATED_S + 5.0, decode_node=d0(), config=CONFIG, costs=costs)
+    assert (est.action, est.reason) == (action, reason)  # estimate mode alike
 
 
 def test_cost_model_recomputes_tiny_reuse_with_huge_transfer_cost() -> None:

@@ -25,6 +25,7 @@ OPTIONS = FakeEngineOptions(
     kv_load_failure_policy="fail", bidirectional=False, prefill_prefix_caching=True,
     decode_prefix_caching=False, served_model_name="m", max_model_len=4096, vllm_version="0.33",
     model_dir=Path("/models/m"), num_gpu_blocks=77, report_delay_s=0.0,
+    kvrelay_retention=False, retention_headroom=0.125,
 )
 
 
@@ -51,17 +52,22 @@ def test_every_option_reaches_the_fake_cluster() -> None:
         assert (config.served_model_name, config.max_model_len) == ("m", 4096)
         assert (config.num_gpu_blocks, config.report_delay_s) == (77, 0.0)
         assert config.vllm_version == "0.33"
+        assert (config.kvrelay_retention, config.retention_headroom) == (False, 0.125)
 
 
 def test_options_left_to_the_fake_keep_its_defaults() -> None:
     defaults = parsed_cluster(dataclasses.replace(
-        OPTIONS, model_dir=None, num_gpu_blocks=None, report_delay_s=None))
+        OPTIONS, model_dir=None, num_gpu_blocks=None, report_delay_s=None,
+        kvrelay_retention=True, retention_headroom=None))
     reference = cluster_from_args(build_parser().parse_args(["fake-engine"]))
     assert defaults.model_dir is None
     default_version = fake_engine_options(ClusterConfig(), "fast").vllm_version
     assert default_version == reference.decode_config.vllm_version
     assert defaults.decode_config.num_gpu_blocks == reference.decode_config.num_gpu_blocks
     assert defaults.decode_config.report_delay_s == reference.decode_config.report_delay_s
+    assert defaults.decode_config.retention_headroom == reference.decode_config.retention_headroom
+    assert defaults.decode_config.kvrelay_retention is reference.decode_config.kvrelay_retention
+    assert reference.decode_config.managed_retention
 
 
 def test_options_follow_the_cluster_config_and_the_mode() -> None:

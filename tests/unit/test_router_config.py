@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from kvrelay.cli import build_parser
+from kvrelay.core.costs import CostLine, CostLines
 from kvrelay.router.cli import config_from_args
 from kvrelay.router.config import (
     DEFAULT_SESSION_HEADERS,
@@ -154,3 +155,49 @@ def test_bad_side_channel_flag_and_missing_file() -> None:
 def test_route_subcommand_is_registered() -> None:
     args = parse(["--prefill", P, "--decode", D])
     assert callable(args.func)
+
+
+def test_costs_learn_by_default_from_the_priors() -> None:
+    cfg = RouterConfig.from_urls([P], [D])
+    assert cfg.costs is None and cfg.learn_costs is True
+
+
+def test_fixed_costs_flag_sets_the_lines_and_stops_learning() -> None:
+    args = parse(["--prefill", P, "--decode", D, "--fixed-costs",
+                  "prefill_s_per_token=1e-6, pull_s_per_token=1e-4,pull_fixed_s=0.05"])
+    cfg = config_from_args(args, environ={})
+    assert cfg.learn_costs is False
+    assert cfg.costs == CostLines(prefill=CostLine(CostLines().prefill.fixed_s, 1e-6),
+                                  pull=CostLine(0.05, 1e-4))
+
+
+def test_costs_from_toml_and_env(tmp_path: Path) -> None:
+    toml = tmp_path / "router.toml"
+    toml.write_text(f'prefill = ["{P}"]\ndecode = ["{D}"]\nlearn_costs = false\n'
+                    "[costs]\nprefill_fixed_s = 0.1\nprefill_s_per_token = 2e-4\n")
+    cfg = config_from_args(parse(["--config", str(toml)]), environ={})
+    assert cfg.learn_costs is False
+    assert cfg.costs is not None and cfg.costs.prefill == CostLine(0.1, 2e-4)
+    assert cfg.costs.pull == CostLines().pull
+    env = settings_from_env({"KVRELAY_FIXED_COSTS": "pull_fixed_s=0.2"})
+    cfg = build_config({"prefill": [P], "decode": [D]}, env)
+    assert cfg.learn_costs is False and cfg.costs is not None
+    assert cfg.costs.pull.fixed_s == 0.2
+    env = settings_from_env({"KVRELAY_FIXED_COSTS": "pull_fixed_s=0.2",
+                             "KVRELAY_LEARN_COSTS": "yes"})  # given costs as priors
+    assert build_config({"prefill": [P], "decode": [D]}, env).learn_costs is True
+
+
+@pytest.mark.parametrize("costs", [
+    "prefill_s_per_token", "pull_s_per_token=fast", "pull_s_per_token=0",
+    "pull_fixed_s=-1", "push_s_per_token=1e-4", {"pull_fixed_s": "x"}, {"pull_fixed_s": True},
+    42,
+])
+def test_bad_costs_are_config_errors(costs: object) -> None:
+    with pytest.raises(ConfigError, match="costs"):
+        build_config({"prefill": [P], "decode": [D], "costs": costs})
+
+
+def test_bad_learn_costs_is_a_config_error() -> None:
+    with pytest.raises(ConfigError, match="learn_costs"):
+        build_config({"prefill": [P], "decode": [D], "learn_costs": "maybe"})

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import asyncio
 
+from msgspec.structs import replace
+
 from kvrelay.core.identity import scope_of
 from kvrelay.router.index import ConversationIndex, EvictReason, InMemoryIndex
 from tests.unit.index_entries import (
@@ -121,13 +123,51 @@ async def test_claim_is_single_use_even_when_racing() -> None:
     ref, e = stored_at(chat(SYSTEM, FIRST), "a"), entry()
     await index.put(ref, e, tenant="t")
     results = await asyncio.gather(*(index.claim(ref, e) for _ in range(10)))
-    assert results.count(True) == 1
+    assert results.count(e) == 1 and results.count(None) == 9
     assert len(index) == 0
     await index.put(ref, e, tenant="t")
-    newer = entry(now=200.0)
-    await index.put(ref, newer, tenant="t")
-    assert await index.claim(ref, e) is False  # replaced: the old entry is gone
-    assert await index.claim(ref, newer) is True
+    other = replace(e, blocks=replace(e.blocks, request_id="other"))
+    await index.put(ref, other, tenant="t")  # interchangeable: both are kept
+    assert len(index) == 2
+    assert await index.claim(ref, e) == e  # the one asked for while it is there
+    assert await index.claim(ref, e) == other  # then the other one of the ref
+    assert await index.claim(ref, e) is None
+    await index.put(ref, e, tenant="t")
+    await index.put(ref, replace(e, expires_at_s=e.expires_at_s + 9), tenant="t")
+    assert len(index) == 1  # the same D request stored again replaces it
+
+
+async def test_identical_entries_are_all_kept_and_each_claimed_once() -> None:
+    """Eight identical conversations finishing together store eight entries at one ref:
+    eight claims of what each looked up (the same newest entry) take one each."""
+    index = InMemoryIndex()
+    turn1 = chat(SYSTEM, FIRST)
+    ref = stored_at(turn1, "a")
+    stored = [replace(entry(), blocks=replace(entry().blocks, request_id=f"r{i}"))
+              for i in range(8)]
+    for e in stored:
+        await index.put(ref, e, tenant="t")
+    await index.put(ref, stored[3], tenant="t")  # the same entry again: replaced, not added
+    assert len(index) == 8
+    follow = chat(SYSTEM, FIRST, assistant("a"), user("b"))
+    seen = [await index.lookup(follow) for _ in range(8)]
+    assert all(f is not None and f.entry == stored[3] for f in seen)  # the newest
+    claimed = await asyncio.gather(*(index.claim(ref, f.entry) for f in seen if f))
+    assert sorted(c.request_id for c in claimed if c) == sorted(e.request_id for e in stored)
+    assert await index.lookup(follow) is None and len(index) == 0
+
+
+async def test_a_ref_keeps_at_most_max_per_ref_the_oldest_pushed_out_and_released() -> None:
+    evicted: list[EvictReason] = []
+    index = InMemoryIndex(max_per_ref=2, on_evict=lambda e, why: evicted.append(why))
+    ref = stored_at(chat(SYSTEM, FIRST), "a")
+    stored = [replace(entry(), blocks=replace(entry().blocks, request_id=f"r{i}"))
+              for i in range(3)]
+    for e in stored:
+        await index.put(ref, e, tenant="t")
+    assert len(index) == 2 and evicted == ["overflow"]
+    assert await index.take_releases("d0", BLOCKS.engine_id) == ("r0",)
+    assert await index.take_releases("d0", BLOCKS.engine_id) == ()
 
 
 async def test_drops() -> None:

@@ -39,7 +39,7 @@ def test_estimates_hold_exactly_the_values_and_flags_override():
     v = CostValues().with_overrides(prefill_s_per_token=5e-9, transfer_overhead_s=None,
                                     attention_knee_tokens=1000)
     est = v.estimates()
-    assert est.prefill.seconds_per_token.value == 5e-9  # below the router's floor: kept
+    assert est.prefill.fit.line.s_per_token == 5e-9  # below the router's floor: kept
     assert est.prefill.attention_knee_tokens == 1000
     assert est.pull_s(100) == pytest.approx(v.transfer_overhead_s + 100 * v.transfer_s_per_token)
     assert "flags: prefill_s_per_token=5e-09" in v.source

@@ -75,8 +75,11 @@ from kvrelay.tune.trace import TraceTurn
 
 #: vLLM's (and the fake engine's) reader declines D's blocks this close to their expiry.
 READER_MARGIN_S = 5.0
-#: The router is told a pull always pays (the replay checks the TTL model only).
+#: The router is told a pull always pays (the replay checks the TTL model only): fixed costs
+#: it never learns from timings, under which any pull is cheaper than recomputing, and a pull
+#: cost factor that the model's prediction applies too.
 REPLAY_PULL_COST_FACTOR = 1e-6
+REPLAY_FIXED_COSTS = "pull_fixed_s=1e-6,pull_s_per_token=1e-9"
 FAKE_BLOCK_TOKENS = 128
 RETAINED_GAUGE = "kvrelay_router_retained_tokens"
 USAGE_GAUGE = "vllm:kv_cache_usage_perc"
@@ -318,7 +321,8 @@ def run_ttl(
         python=config.python,
         extra=["--log-level", "warning", "--config", str(router_toml),
                "--near-expiry-s", repr(settings.near_expiry_s),
-               "--pull-cost-factor", repr(REPLAY_PULL_COST_FACTOR), *options.router_args],
+               "--pull-cost-factor", repr(REPLAY_PULL_COST_FACTOR),
+               "--fixed-costs", REPLAY_FIXED_COSTS, *options.router_args],
     )
     mode = f"ttl-{settings.ttl_s:g}s"
     info = {"ttl_s": settings.ttl_s, "time_scale": settings.time_scale,

@@ -84,17 +84,20 @@ class PDClient:
         max_tokens: int,
         reuse: RemoteBlocks | None = None,
         stream: bool = False,
+        decode_params: Mapping[str, object] | None = None,
     ) -> TurnResult:
         """Prefill on P (pulling ``reuse`` if given), then decode on D.
 
         ``stream=True`` measures TTFT as the time to D's first content chunk. vLLM 0.32 does
         not put D's retained params on streamed chunks (0.33 does: then they are read from
         the final chunk), so a turn whose params the next turn needs is run non-streamed;
-        its ``ttft_s`` is then P's time plus the mean decode step.
+        its ``ttft_s`` is then P's time plus the mean decode step. ``decode_params`` are
+        extra keys for D's ``kv_transfer_params`` (kvrelay's ``kvrelay_*`` keys).
         """
         started = time.perf_counter()
         pre = self.prefill(messages, reuse)
-        body = self._body(messages, max_tokens=max_tokens, kv_transfer_params=pre.blocks.to_json())
+        body = self._body(messages, max_tokens=max_tokens,
+                          kv_transfer_params={**pre.blocks.to_json(), **(decode_params or {})})
         if stream:
             return self._streamed_decode(body, pre, started)
         resp = self._http.post(f"{self.decode_url}/v1/chat/completions", json=body)

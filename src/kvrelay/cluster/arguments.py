@@ -29,6 +29,14 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-recompute-threshold", type=int, default=d.kv_recompute_threshold)
     parser.add_argument("--no-bidirectional", action="store_true",
                         help="one-way P->D only (the recompute baseline)")
+    parser.add_argument(
+        "--retention", choices=["managed", "stock"], default=d.retention,
+        help="D's retained KV: managed (kvrelay's connector releases it under memory "
+             "pressure, over --retention-headroom, at each turn's own retention time and on "
+             "the router's orders) or stock (vLLM's global --ttl-s only)")
+    parser.add_argument(
+        "--retention-headroom", type=_fraction, default=d.retention_headroom, metavar="F",
+        help="fraction of D's KV cache kept free of retained turns (managed only)")
     parser.add_argument("--prefill-prefix-caching", action="store_true",
                         help="enable prefix caching on P (off by default, as in the seed)")
     parser.add_argument("--no-decode-prefix-caching", action="store_true")
@@ -64,6 +72,16 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction in [0, 1], got {text}")
+    return value
+
+
 def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
     dtype = args.dtype or ("float32" if args.device == "cpu" else "auto")
     return ClusterConfig(
@@ -81,6 +99,8 @@ def cluster_config_from_args(args: argparse.Namespace) -> ClusterConfig:
         decoder_kv_blocks_ttl_s=args.ttl_s,
         kv_recompute_threshold=args.kv_recompute_threshold,
         bidirectional=not args.no_bidirectional,
+        retention=args.retention,
+        retention_headroom=args.retention_headroom,
         prefill_prefix_caching=args.prefill_prefix_caching,
         decode_prefix_caching=not args.no_decode_prefix_caching,
         nixl_progress_delay_us=args.nixl_progress_delay_us,

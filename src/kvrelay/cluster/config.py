@@ -20,6 +20,10 @@ from kvrelay.vllm_plugin.settings import (
     PROGRESS_DELAY_KEY,
     REPORT_HOSTS_KEY,
     RESTORE_AFFINITY_KEY,
+    RETENTION_HEADROOM_KEY,
+    RETENTION_KEY,
+    retention_headroom,
+    retention_mode,
 )
 
 Role = Literal["prefill", "decode"]
@@ -116,6 +120,12 @@ class ClusterConfig:
     kv_recompute_threshold: int = 64
     kv_lease_duration_s: int = 30
     bidirectional: bool = True
+    #: D's retention (``kvrelay up --retention``): ``managed`` (kvrelay's connector releases
+    #: retained turns under pressure, over headroom, at their own deadline, on the router's
+    #: orders) or ``stock`` (vLLM's global TTL only).
+    retention: Literal["managed", "stock"] = "managed"
+    #: The fraction of D's KV cache kept free of retention (managed only).
+    retention_headroom: float = 0.0
     prefill_prefix_caching: bool = False
     decode_prefix_caching: bool = True
     kv_load_failure_policy: Literal["recompute", "fail"] = "recompute"
@@ -217,6 +227,8 @@ class KvTransferSettings:
     names, addresses, IP networks); empty keeps the connector's default, loopback.
     ``restore_affinity`` and ``nixl_progress_delay_us`` are the CPU fixes of
     ``kvrelay.vllm_plugin.connector`` (no effect on GPUs; 0 keeps vLLM's progress thread).
+    ``retention`` and ``retention_headroom`` are D's (``kvrelay_retention``,
+    ``kvrelay_retention_headroom``; written only when not the connector's defaults).
     The keys and the module path are ``kvrelay.vllm_plugin.settings``'s.
     """
 
@@ -229,6 +241,12 @@ class KvTransferSettings:
     restore_affinity: bool = True
     nixl_progress_delay_us: int = DEFAULT_NIXL_PROGRESS_DELAY_US
     report_hosts: tuple[str, ...] = ()
+    retention: Literal["managed", "stock"] = "managed"
+    retention_headroom: float = 0.0
+
+    def __post_init__(self) -> None:
+        retention_mode(self.retention)
+        retention_headroom(self.retention_headroom)
 
     def for_role(self, role: Role) -> dict[str, object]:
         """The ``--kv-transfer-config`` object of a node of ``role``."""
@@ -242,6 +260,10 @@ class KvTransferSettings:
         }
         if self.report_hosts and role == "decode":
             extra[REPORT_HOSTS_KEY] = list(self.report_hosts)
+        if role == "decode" and self.retention != "managed":
+            extra[RETENTION_KEY] = self.retention
+        if role == "decode" and self.retention_headroom > 0:
+            extra[RETENTION_HEADROOM_KEY] = self.retention_headroom
         return {
             "kv_connector": CONNECTOR_NAME,
             "kv_connector_module_path": CONNECTOR_MODULE_PATH,
@@ -263,6 +285,8 @@ def kv_transfer_config(config: ClusterConfig, node: NodeSpec) -> dict[str, objec
         kv_load_failure_policy=config.kv_load_failure_policy,
         restore_affinity=config.restore_affinity,
         nixl_progress_delay_us=config.nixl_progress_delay_us,
+        retention=config.retention,
+        retention_headroom=config.retention_headroom,
     ).for_role(node.role)
 
 

@@ -29,7 +29,10 @@ class FakeEngineOptions:
     ``vllm_version`` is the vLLM release whose wire protocol the engines speak.
     ``model_dir`` (tokenizer and chat template), ``num_gpu_blocks`` and ``report_delay_s``
     are left to the fake's defaults when ``None`` (``tiny``'s tokenizer, its KV cache size,
-    the connector's ~100 ms report delay).
+    the connector's ~100 ms report delay). ``kvrelay_retention``: D manages its retained
+    turns as kvrelay's connector does (False: stock vLLM's global TTL);
+    ``retention_headroom``: the share of D's cache kept free of retention (``None``: the
+    fake's default, none).
     """
 
     num_prefill: int
@@ -51,6 +54,8 @@ class FakeEngineOptions:
     model_dir: Path | None = None
     num_gpu_blocks: int | None = None
     report_delay_s: float | None = None
+    kvrelay_retention: bool = True
+    retention_headroom: float | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -117,6 +122,10 @@ def fake_engine_command(options: FakeEngineOptions, python: str) -> list[str]:
         cmd += ["--num-gpu-blocks", str(options.num_gpu_blocks)]
     if options.report_delay_s is not None:
         cmd += ["--report-delay-s", repr(options.report_delay_s)]
+    if options.retention_headroom is not None:
+        cmd += ["--retention-headroom", repr(options.retention_headroom)]
+    if not options.kvrelay_retention:
+        cmd.append("--no-kvrelay-retention")
     if not options.bidirectional:
         cmd.append("--no-bidirectional")
     if options.prefill_prefix_caching:

@@ -10,8 +10,8 @@ The router's handler only carries these out; the rules live here, next to ``deci
   started (connection refused, HTTP 503), else P must compute again first: vLLM does not
   refuse a second read of freed blocks, it would silently read reused memory.
 * ``learn_prefill``: which sample teaches which cost: a pull that P served from D's KV
-  teaches the transfer estimate (the time left after the predicted prefill of the suffix);
-  anything else teaches the prefill rate.
+  teaches the pull line (the time left after the predicted P call for the suffix, its
+  fixed cost included); anything else teaches the prefill line.
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ answer that is not what vLLM sends (``protocol``)."""
 
 DecodeRetry = Literal["none", "same_params", "fresh_prefill"]
 
-_INVALIDATING = frozenset({"expired", "near_expiry", "node_down", "engine_restarted"})
+_INVALIDATING = frozenset({"expired", "near_expiry", "node_down", "engine_restarted",
+                           "released"})
+_BLOCKS_GONE = frozenset({"node_down", "engine_restarted", "released"})
+"""Dropping such an entry orders no release: D lost the blocks, or freed them already."""
 
 
 class EntryFate(msgspec.Struct, frozen=True):
@@ -41,18 +44,23 @@ class EntryFate(msgspec.Struct, frozen=True):
     drop: bool
     purge_engine: bool
     reason: str
+    release: bool = False
+    """Whether the drop orders D to release the blocks (it may still hold them)."""
 
 
 def entry_fate(decision: TurnDecision) -> EntryFate:
     """``pull`` claims (single use); ``expired``/``near_expiry``/``node_down``/
-    ``engine_restarted`` drop it (and a restart purges every entry of that engine); other
-    decisions leave it for a later turn (it is superseded when this turn commits)."""
+    ``engine_restarted``/``released`` drop it (and a restart purges every entry of that
+    engine), ordering D to release it unless D's blocks are gone already; other decisions
+    leave it for a later turn (it is superseded, and released, when this turn commits)."""
     reason = decision.reason
+    drop = reason in _INVALIDATING
     return EntryFate(
         claim=decision.action == "pull",
-        drop=reason in _INVALIDATING,
+        drop=drop,
         purge_engine=reason == "engine_restarted",
         reason=reason,
+        release=drop and reason not in _BLOCKS_GONE,
     )
 
 
@@ -95,7 +103,7 @@ def learn_prefill(
     n = max(0, prompt_tokens)
     cached = min(max(cached_tokens, 0), n)
     if pulled and cached > 0:
-        prefill_s = costs.prefill_s(n - cached, context_tokens=cached)
+        prefill_s = costs.prefill.call_seconds(n - cached, context_tokens=cached)
         transfer = costs.transfer.observe(num_tokens=cached, seconds=max(0.0, seconds - prefill_s))
         return replace(costs, transfer=transfer)
     prefill = costs.prefill.observe(num_tokens=n - cached, context_tokens=cached, seconds=seconds)

@@ -64,7 +64,9 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     and consistent with ``blocks``; ``None`` means the entry may only be reused whole.
     ``num_bytes`` is the size of the request and answer the entry covers (the ratio to its
     tokens turns request bytes into token estimates); ``conversation`` is the tag the
-    conversation's turns share (``conversation_tag``).
+    conversation's turns share (``conversation_tag``). ``released`` is set once D said it
+    freed the blocks before any P read them (a ``core.retention_sync.ReleaseCause``): such an
+    entry is never pulled (the policy answers ``released``).
     """
 
     decode_node_id: str
@@ -75,6 +77,7 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     conversation: str
     num_bytes: int = 0
     block_size: int | None = None
+    released: str | None = None
 
     def __post_init__(self) -> None:
         if self.blocks.direction != "decode_to_prefill":
@@ -97,6 +100,12 @@ class ConversationEntry(msgspec.Struct, frozen=True):
         """D's vLLM engine id when it retained the blocks; a different id now means D
         restarted and the blocks are gone."""
         return self.blocks.engine_id
+
+    @property
+    def request_id(self) -> str:
+        """D's request id for the retained blocks (what D's retention sync and the
+        router's release orders name)."""
+        return self.blocks.request_id
 
     @property
     def num_tokens(self) -> int:

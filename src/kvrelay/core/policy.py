@@ -5,24 +5,26 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
 
 1. ``no_entry`` – the request continues no retained entry (first turn, nothing retained,
    lost a concurrent claim): recompute.
-2. ``expired`` – ``now_s >= entry.expires_at_s``: D has freed (or is about to free) the blocks.
-3. ``near_expiry`` – fewer than ``near_expiry_s`` seconds left: P would pull after queueing
+2. ``released`` – D said it freed the blocks before any P read them (its retention sync:
+   memory pressure, the router's order, the turn's own retention time): recompute.
+3. ``expired`` – ``now_s >= entry.expires_at_s``: D has freed (or is about to free) the blocks.
+4. ``near_expiry`` – fewer than ``near_expiry_s`` seconds left: P would pull after queueing
    and could race D's TTL.
-4. ``node_down`` – the D that holds the blocks is down or unknown to the router.
-5. ``engine_restarted`` – D's current engine id differs from the one that retained the
+5. ``node_down`` – the D that holds the blocks is down or unknown to the router.
+6. ``engine_restarted`` – D's current engine id differs from the one that retained the
    blocks (an unknown current id, ``None``, is not treated as a restart).
-6. The prefix guard. With the prompt's exact token ids (``Prompt.token_ids``: the fallback
+7. The prefix guard. With the prompt's exact token ids (``Prompt.token_ids``: the fallback
    for P nodes without kvrelay's connector, ids from P's ``/tokenize``) the router runs the
    guard itself (``core.guard.check_pull``): ``prefix_mismatch`` / ``below_threshold`` when
    too little is proven. Without them the router decides from estimates (the entry's held
    tokens, the request's new bytes): ``below_threshold`` when even a full match would be too
    small; P's connector proves every token before loading and cuts the pull itself.
-7. ``direct`` – if enabled and the new suffix is at most ``direct_max_new_tokens``, the
+8. ``direct`` – if enabled and the new suffix is at most ``direct_max_new_tokens``, the
    whole turn goes to the holding D, which reuses its local prefix cache.
-8. ``cost_model`` – recompute when ``pull_s(reused) * pull_cost_factor`` exceeds
+9. ``cost_model`` – recompute when ``pull_s(reused) * pull_cost_factor`` exceeds
    ``prefill_s(reused)``.
-9. ``partial_reuse_unsafe`` – (exact mode) the verified part is shorter than what D holds and
-   D's block size is unknown, so the block list cannot be cut. Else ``pull``.
+10. ``partial_reuse_unsafe`` – (exact mode) the verified part is shorter than what D holds
+    and D's block size is unknown, so the block list cannot be cut. Else ``pull``.
 
 ``state_unavailable`` is never returned here: the router uses it for a turn whose entry could
 not be looked up (shared store down or slow), which it recomputes.
@@ -64,6 +66,7 @@ TurnReason = Literal[
     "pull",
     "direct",
     "state_unavailable",
+    "released",
 ]
 
 DEFAULT_KV_RECOMPUTE_THRESHOLD = 64
@@ -148,6 +151,8 @@ def decide_turn(
     """
     if entry is None:
         return TurnDecision("recompute", "no_entry")
+    if entry.released is not None:
+        return TurnDecision("recompute", "released")
     if entry.is_expired(now_s):
         return TurnDecision("recompute", "expired")
     if entry.seconds_left(now_s) < config.near_expiry_s:

@@ -24,6 +24,22 @@ reading; an order for an unknown or busy request is ignored (its next sync says 
 happened). A released request's blocks are gone: the router drops the entry and the next
 turn recomputes (reason ``released``).
 
+**A release D decides itself is asked for first** (pressure, headroom). vLLM's pull mode gives
+D no sign of a read in progress: P reads D's memory directly and only notifies D when done,
+and the one check that declines a stale read is P's own, against the
+``remote_blocks_expiry_time`` stamped in the params when the turn finished
+(``NixlPullConnectorWorker._is_turn2_read_expired``), which an early release cannot change.
+Blocks freed while a router still holds the entry, or has a P leg in flight for it, could be
+read after they were reused. So D lists the turns it wants to free in ``releasing`` (to the
+router whose ``kvrelay_retention_url`` came with the turn) and keeps them; the router drops
+their entries, and answers in ``dropped`` the ids it holds no entry and runs no P leg for
+(an id a P leg is reading is left out and asked for again later). D frees exactly the ids
+in ``dropped``; a router that never answers them (down, or older than this field) only
+costs D the release, never a stale read. Release orders need no such answer: the router
+sends one only for an entry it has dropped. A turn's own deadline needs none either: D
+stamps the shortened deadline in the params it returns, so P declines reads near it as for
+vLLM's TTL.
+
 Everything here is pure: bodies are decoded and checked, never sent.
 """
 
@@ -46,11 +62,12 @@ MAX_SYNC_BYTES = 1024 * 1024
 MAX_RELEASED_PER_SYNC = 4096
 MAX_ORDERS = 4096
 
-ReleaseCause = Literal["pressure", "router", "expired"]
+ReleaseCause = Literal["pressure", "router", "expired", "headroom"]
 """Why D freed a retained turn before P read it: D needed the blocks (``pressure``), the
-router ordered it (``router``), or its retention time ran out (``expired``). A turn P read
-is not a release: vLLM frees it after the read, as always."""
-RELEASE_CAUSES: tuple[ReleaseCause, ...] = ("pressure", "router", "expired")
+router ordered it (``router``), its retention time ran out (``expired``), or retention held
+more than the operator's headroom allows (``headroom``). A turn P read is not a release:
+vLLM frees it after the read, as always."""
+RELEASE_CAUSES: tuple[ReleaseCause, ...] = ("pressure", "router", "expired", "headroom")
 
 
 class Released(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -80,6 +97,7 @@ class RetentionSync(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     retained_tokens: int
     releases_total: dict[str, int] = {}
     released: tuple[Released, ...] = ()
+    releasing: tuple[str, ...] = ()
 
     @property
     def retained_bytes(self) -> int:
@@ -87,9 +105,12 @@ class RetentionSync(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
 
 class RetentionOrders(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """The router's answer to a sync: D's request ids to release now."""
+    """The router's answer to a sync: D's request ids to release now (``release``: entries
+    the router dropped), and of the sync's ``releasing`` ids those D may free now
+    (``dropped``: no entry left and no P leg reading them)."""
 
     release: tuple[str, ...] = ()
+    dropped: tuple[str, ...] = ()
 
 
 class RetentionSyncError(ValueError):
@@ -123,6 +144,8 @@ def decode_sync(body: bytes) -> RetentionSync:
         raise RetentionSyncError(f"unknown release causes {sorted(unknown)}")
     if len(sync.released) > MAX_RELEASED_PER_SYNC:
         raise RetentionSyncError(f"more than {MAX_RELEASED_PER_SYNC} releases in one sync")
+    if len(sync.releasing) > MAX_RELEASED_PER_SYNC:
+        raise RetentionSyncError(f"more than {MAX_RELEASED_PER_SYNC} releasing in one sync")
     return sync
 
 
@@ -132,7 +155,7 @@ def decode_orders(body: bytes) -> RetentionOrders:
         orders = _decode_orders.decode(body)
     except msgspec.DecodeError as exc:
         raise RetentionSyncError(f"not retention orders: {exc}") from None
-    if len(orders.release) > MAX_ORDERS:
+    if len(orders.release) > MAX_ORDERS or len(orders.dropped) > MAX_ORDERS:
         raise RetentionSyncError(f"more than {MAX_ORDERS} release orders")
     return orders
 

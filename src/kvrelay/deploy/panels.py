@@ -28,6 +28,12 @@ NODE_UP = "kvrelay_router_node_up"
 UPSTREAM_ERRORS = "kvrelay_router_upstream_errors_total"
 STATE_ERRORS = "kvrelay_router_state_errors_total"
 REQUESTS = "kvrelay_router_requests_total"
+D_RETAINED_BYTES = "kvrelay_router_d_retained_bytes"
+D_RETAINED_BLOCKS = "kvrelay_router_d_retained_blocks"
+D_FREE_BLOCKS = "kvrelay_router_d_free_blocks"
+D_TOTAL_BLOCKS = "kvrelay_router_d_total_blocks"
+D_RELEASES = "kvrelay_router_d_releases_total"
+RETAIN_SECONDS = "kvrelay_router_retain_seconds"
 VLLM_PROMPT_TOKENS_BY_SOURCE = "vllm:prompt_tokens_by_source_total"
 VLLM_KV_CACHE_USAGE = "vllm:kv_cache_usage_perc"
 
@@ -83,6 +89,29 @@ PANELS: tuple[Panel, ...] = (
     Panel("Retained KV per D", "short",
           "Tokens each D retains for the router's live conversation entries.",
           (Query(f"max by (node) ({RETAINED_TOKENS})", "{{node}}"),)),
+    Panel("Retained KV on D (D's count)", "bytes",
+          "KV bytes each D's kvrelay connector holds for finished turns, from D's own "
+          "retention syncs (not the router's estimate).",
+          (Query(f"max by (node) ({D_RETAINED_BYTES})", "{{node}}"),)),
+    Panel("D's KV blocks: retained and free", "short",
+          "Blocks each D retains for pulls, has free, and has in all (D's retention syncs): "
+          "retention yields to live work as free blocks run out.",
+          (Query(f"max by (node) ({D_RETAINED_BLOCKS})", "retained {{node}}"),
+           Query(f"max by (node) ({D_FREE_BLOCKS})", "free {{node}}"),
+           Query(f"max by (node) ({D_TOTAL_BLOCKS})", "total {{node}}"))),
+    Panel("Retention releases by cause", "reqps",
+          "Retained turns D released before a P read them: pressure (live work needed the "
+          "blocks), headroom (over the operator's share), router (the router's order: a "
+          "dropped entry), expired (the turn's retention time ran out).",
+          (Query(f"max by (node, cause) (rate({D_RELEASES}[{RATE}]))",
+                 "{{node}} {{cause}}"),)),
+    Panel("Per-turn retention time", "s",
+          "How long D is asked to keep each turn (kvrelay_retain_s), learned from the gaps "
+          "between turns.",
+          (Query(f"histogram_quantile(0.5, sum by (le) (rate({RETAIN_SECONDS}_bucket[{RATE}])))",
+                 "p50"),
+           Query(f"histogram_quantile(0.95, sum by (le) (rate({RETAIN_SECONDS}_bucket[{RATE}])))",
+                 "p95"))),
     Panel("Conversation entries", "short",
           "Live entries (D's KV the router can pull) and turns waiting for D's report.",
           (Query(f"sum({LIVE_ENTRIES})", "live entries"),

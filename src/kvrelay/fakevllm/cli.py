@@ -71,7 +71,13 @@ def add_fake_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--served-model-name", default="tiny")
     parser.add_argument("--max-model-len", type=int, default=32768)
     parser.add_argument("--num-gpu-blocks", type=int, default=16384,
-                        help="KV cache size in blocks of 128 tokens (full cache: HTTP 503)")
+                        help="KV cache size in blocks of 128 tokens (a request that does not "
+                             "fit waits, as in vLLM)")
+    parser.add_argument("--no-kvrelay-retention", action="store_true",
+                        help="D keeps retained turns for the global TTL as stock vLLM does "
+                             "(default: kvrelay's managed retention)")
+    parser.add_argument("--retention-headroom", type=float, default=0.0,
+                        help="fraction of D's KV cache kept free of retained turns")
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated text")
     parser.add_argument("--report-delay-s", type=float, default=0.1,
                         help="delay of kvrelay's D-side report after a response completes")
@@ -98,6 +104,8 @@ def cluster_from_args(args: argparse.Namespace) -> FakeCluster:
         report_delay_s=args.report_delay_s,
         records_limit=args.records_limit,
         report_hosts=tuple(h.strip() for h in args.report_hosts.split(",") if h.strip()),
+        kvrelay_retention=not args.no_kvrelay_retention,
+        retention_headroom=args.retention_headroom,
     )
     return FakeCluster(
         num_prefill=args.prefill,

@@ -35,6 +35,11 @@ class FakeEngineConfig:
     prompt before loading (``kvrelay.core.guard``); False is stock vLLM. kvrelay's connector
     reports on every version (the router asks for a report on every streamed turn), so a
     0.33 D both streams its params and posts them.
+    ``kvrelay_retention``: with ``kvrelay_connector`` (and bidirectional transfer), D manages
+    its retained turns as kvrelay's connector does (``retention``: per-turn
+    ``kvrelay_retain_s``, releases under pressure, over ``retention_headroom`` (a fraction
+    of the cache kept free of retention), at the deadline and on the router's orders, and
+    the sync with the router, ``sync``); False keeps stock vLLM's one global TTL.
     ``deterministic_ids``: engine and request ids derived from ``seed``, engine name and side
     channel instead of random ones (generated text depends only on ``seed`` either way).
     ``records_limit`` bounds the request records, freed-block reads and expired ids kept (a
@@ -65,6 +70,8 @@ class FakeEngineConfig:
     report_delay_s: float = 0.1
     report_hosts: tuple[str, ...] = DEFAULT_REPORT_HOSTS
     kvrelay_connector: bool = True
+    kvrelay_retention: bool = True
+    retention_headroom: float = 0.0
 
     def __post_init__(self) -> None:
         wire_protocol(self.vllm_version)
@@ -76,6 +83,13 @@ class FakeEngineConfig:
             raise ValueError("TTLs must be >= 0")
         if self.report_delay_s < 0 or self.records_limit < 1:
             raise ValueError("report_delay_s >= 0 and records_limit >= 1")
+        if not 0.0 <= self.retention_headroom <= 1.0:
+            raise ValueError("retention_headroom is a fraction in [0, 1]")
+
+    @property
+    def managed_retention(self) -> bool:
+        """Whether D runs kvrelay's retention (else stock vLLM's global TTL)."""
+        return self.kvrelay_connector and self.kvrelay_retention and self.bidirectional_kv_xfer
 
     @property
     def protocol(self) -> WireProtocol:
@@ -132,6 +146,7 @@ class RequestRecord:
     load_failure: str | None = None
     recomputed_after_failure: bool = False
     computed_tokens: int = 0
+    num_preemptions: int = 0
     context_token_ids: tuple[int, ...] = ()
     output_token_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None

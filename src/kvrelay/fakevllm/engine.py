@@ -39,6 +39,9 @@ from kvrelay.fakevllm.latency import Clock, Sleep
 from kvrelay.fakevllm.metrics import EngineMetrics, render_metrics
 from kvrelay.fakevllm.model import FakeModel
 from kvrelay.fakevllm.report import Reporter
+from kvrelay.fakevllm.retention import Retention
+from kvrelay.fakevllm.scheduler import Scheduler
+from kvrelay.fakevllm.sync import Syncer
 
 
 class Listener(Protocol):
@@ -74,17 +77,31 @@ class Received:
 
 
 class EngineState:
-    """Everything a restart wipes: engine id, KV cache, holds, counters, prefill queue,
-    pending reports."""
+    """Everything a restart wipes: engine id, KV cache, holds, the block scheduler (waiting
+    queue), kvrelay's retention and its sync, counters, prefill queue, pending reports."""
 
     def __init__(
         self, engine_id: str, config: FakeEngineConfig, clock: Clock, sleep: Sleep
     ) -> None:
         self.engine_id = engine_id
+        self._clock = clock
         self.pool = BlockPool(
             config.num_gpu_blocks, config.block_size, config.enable_prefix_caching
         )
         self.holds = HoldTable(self.pool, clock, remember_expired=config.records_limit)
+        self.retention: Retention | None = None
+        self.syncer: Syncer | None = None
+        if config.managed_retention:
+            self.retention = Retention(
+                self.pool, self.holds, clock, headroom=config.retention_headroom,
+                bytes_per_block=config.kv_bytes_per_token * config.block_size)
+            self.syncer = Syncer(self.retention, engine_id, clock=clock, tick=self.reap,
+                                 allowed_hosts=config.report_hosts)
+        retention = self.retention
+        self.scheduler = Scheduler(
+            self.pool, tick=self.reap,
+            relieve=retention.relieve if retention is not None else None,
+            pending=retention.has_pending if retention is not None else None)
         self.freed_reads: deque[FreedRead] = deque(maxlen=config.records_limit)
         self.reporter = Reporter(config.report_hosts, config.report_delay_s, sleep)
         self.metrics = EngineMetrics()
@@ -92,14 +109,38 @@ class EngineState:
         self.prefill_slots: asyncio.Semaphore | None = (
             asyncio.Semaphore(limit) if limit is not None else None
         )
-        self.running = 0
-        self.waiting = 0
+        self.prefill_waiting = 0
+
+    @property
+    def running(self) -> int:
+        """Requests holding blocks and running (``vllm:num_requests_running``)."""
+        return self.scheduler.num_running
+
+    @property
+    def waiting(self) -> int:
+        """Requests waiting for blocks or for a prefill slot (``vllm:num_requests_waiting``)."""
+        return self.scheduler.num_waiting + self.prefill_waiting
 
     def reap(self) -> list[Hold]:
-        """Release expired holds (counted like vLLM's expired send leases)."""
+        """Release what expired: retained turns past their deadline (kvrelay's retention;
+        asks a router left unanswered are given up), then holds past their lease or TTL.
+        Both count as vLLM's expired send leases: a turn's deadline is its lease's end (the
+        connector shortens the lease)."""
+        if self.retention is not None:
+            now = self._clock()
+            released = self.retention.expire(now)
+            self.metrics.nixl_kv_expired_reqs += len(released.request_ids)
+            self.retention.time_out(now)
         expired = self.holds.reap()
         self.metrics.nixl_kv_expired_reqs += len(expired)
         return expired
+
+    async def close(self) -> None:
+        """The process died: nothing waits, syncs or reports any more."""
+        self.scheduler.close()
+        if self.syncer is not None:
+            await self.syncer.close()
+        await self.reporter.close()
 
 
 class FakeEngine:
@@ -214,7 +255,7 @@ class FakeEngine:
         self.fabric.unregister(self.side_channel_host, self.side_channel_port, self)
         await self._listener.stop()
         if state is not None:
-            await state.reporter.close()
+            await state.close()
 
     async def restart(self) -> None:
         """Crash, then start again on the same ports with a new engine id."""
@@ -269,8 +310,7 @@ class FakeEngine:
         if state is None:
             raise KVReadError("unreachable", f"engine {self.name} is down")
         state.reap()
-        if state.holds.expired(request_id):
-            raise KVReadError("expired", f"{request_id} on {state.engine_id} has expired")
+        self._check_readable(state, request_id)
         contents = tuple(state.pool.read(b) for b in block_ids)
         freed = not state.holds.release(request_id)
         if freed:
@@ -280,6 +320,30 @@ class FakeEngine:
                 FreedRead(request_id, tuple(block_ids), reader, contents, self.clock())
             )
         return KVReadResult(contents, freed)
+
+    def begin_read(self, request_id: str) -> None:
+        state = self._state
+        if state is None:
+            raise KVReadError("unreachable", f"engine {self.name} is down")
+        state.reap()
+        self._check_readable(state, request_id)
+        state.holds.begin_read(request_id)
+
+    def end_read(self, request_id: str) -> None:
+        state = self._state
+        if state is not None:
+            state.holds.end_read(request_id)
+
+    @staticmethod
+    def _check_readable(state: EngineState, request_id: str) -> None:
+        """Decline a read of blocks whose lease or TTL ran out, or that kvrelay's retention
+        released (gone: declined as vLLM declines an expired lease)."""
+        if state.holds.expired(request_id):
+            raise KVReadError("expired", f"{request_id} on {state.engine_id} has expired")
+        if state.holds.released(request_id):
+            if state.retention is not None:
+                state.retention.declined_reads += 1
+            raise KVReadError("expired", f"{request_id} on {state.engine_id} was released")
 
     def notify_kv_done(self, request_id: str) -> None:
         state = self._state
@@ -320,6 +384,7 @@ class FakeEngine:
             running=state.running,
             waiting=state.waiting,
             kv_cache_usage=state.pool.usage,
+            num_preemptions=state.scheduler.num_preemptions,
         )
 
     def describe(self) -> dict[str, object]:

@@ -7,7 +7,8 @@ and ``await engine.restart()`` (over HTTP: ``{"crash": true}`` / ``{"restart": t
 
 Knobs apply to the generation endpoints (``/v1/completions``, ``/v1/chat/completions``);
 ``/tokenize``, ``/v1/models`` and ``/metrics`` keep answering (in vLLM they do not go through
-the engine core), and ``/health`` follows ``unhealthy``. Faults survive ``restart()``.
+the engine core), and ``/health`` follows ``unhealthy`` and ``health_hang``. Faults survive
+``restart()``.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ _KNOB_TYPES: Mapping[str, tuple[type, ...]] = MappingProxyType({
     "side_channel_unreachable": (bool,),
     "die_after_tokens": (int, type(None)),
     "unhealthy": (bool,),
+    "health_hang": (bool,),
 })
 
 
@@ -46,6 +48,9 @@ class Faults:
       engine itself lives on: the request is aborted, so no KV is held for it, and a D-side
       report (if asked for) says ``kv_transfer_params: null``, as vLLM's abort path does.
     * ``unhealthy``: ``/health`` answers 503.
+    * ``health_hang``: ``/health`` gets no answer until it is set back to False (an engine
+      whose API server is too busy to answer, e.g. rendering a huge prompt); generation
+      requests are served as usual.
     """
 
     def __init__(self) -> None:
@@ -59,6 +64,9 @@ class Faults:
         self._released = asyncio.Event()
         self._released.set()
         self._num_hung = 0
+        self._health_hang = False
+        self._health_released = asyncio.Event()
+        self._health_released.set()
 
     @property
     def num_hung(self) -> int:
@@ -76,6 +84,23 @@ class Faults:
             self._released.clear()
         else:
             self._released.set()
+
+    @property
+    def health_hang(self) -> bool:
+        return self._health_hang
+
+    @health_hang.setter
+    def health_hang(self, value: bool) -> None:
+        self._health_hang = bool(value)
+        if self._health_hang:
+            self._health_released.clear()
+        else:
+            self._health_released.set()
+
+    async def wait_while_health_hung(self) -> None:
+        """Return at once unless ``health_hang`` is set; then wait until it is cleared."""
+        if self._health_hang:
+            await self._health_released.wait()
 
     async def wait_while_hung(self) -> None:
         """Return at once unless ``hang`` is set; then wait until it is cleared."""
@@ -107,6 +132,7 @@ class Faults:
         self.die_after_tokens = None
         self.unhealthy = False
         self.hang = False
+        self.health_hang = False
 
     def update(self, changes: Mapping[str, object]) -> None:
         """Set knobs from a JSON object; ``ValueError`` on an unknown name or a wrong type.

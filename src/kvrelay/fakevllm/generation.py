@@ -1,8 +1,12 @@
 """One request through a fake engine: prefix cache, KV load, prefill, decode, finish.
 
-``admit`` does what vLLM's scheduler and NixlConnector do before the first token: local
-prefix-cache lookup, the connector's plan (``connector.plan_kv``), block allocation,
-the KV read over the in-process fabric (with the failure policy), and the prefill. It returns
+``admit`` does what vLLM's scheduler and NixlConnector do before the first token: block
+allocation for the prompt (``scheduler``: the request waits, first come first served, until
+the blocks are there), local prefix-cache lookup, the connector's plan
+(``connector.plan_kv``), the KV read over the in-process fabric (with the failure policy),
+and the prefill. Each later token that crosses a block boundary takes one more block
+(``Scheduler.grow``: kvrelay's retention releases first; else a running request is
+preempted and recomputes when readmitted). ``admit`` returns
 a ``Generation`` whose output is already determined by the effective context; the HTTP layer
 streams it with ``tokens()`` and then calls ``finish()`` (hold/retain blocks, build the
 response's ``kv_transfer_params``) or ``abort()``, and ``report()`` once the response is
@@ -20,12 +24,20 @@ from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
 from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RemoteBlocks
 from kvrelay.core.report import report_body, report_target
+from kvrelay.core.retention import RetainedTurn
+from kvrelay.core.retention_sync import (
+    RETAIN_S_KEY,
+    RETAIN_VALUE_KEY,
+    RETENTION_URL_KEY,
+    clamp_retain_s,
+)
 from kvrelay.fakevllm.config import RequestRecord
-from kvrelay.fakevllm.connector import KVPlan, plan_kv
+from kvrelay.fakevllm.connector import KVPlan, kv_role, plan_kv
 from kvrelay.fakevllm.engine import EngineState, FakeEngine
-from kvrelay.fakevllm.kv import Hold, KVReadError, block_hashes
+from kvrelay.fakevllm.kv import Hold, KVCacheFull, KVPeer, KVReadError, block_hashes
 from kvrelay.fakevllm.model import generate_tokens
 from kvrelay.fakevllm.report import ReportOutcome
+from kvrelay.fakevllm.scheduler import Seat
 from kvrelay.fakevllm.versions import with_registration_generation
 
 #: vLLM's reader-side margin when declining a read of D's blocks that are about to expire.
@@ -62,30 +74,58 @@ class Generation:
         engine: FakeEngine,
         state: EngineState,
         record: RequestRecord,
-        blocks: list[int],
-        num_hit_blocks: int,
+        seat: Seat,
         request_params: Mapping[str, object] | None,
     ) -> None:
         self.engine = engine
         self.state = state
         self.record = record
-        self.blocks = blocks
-        self.num_hit_blocks = num_hit_blocks
+        self.seat = seat
         self.request_params = request_params
         self.external = 0
         self.output: list[int] = []
         self._done = False
         self._reported = False
 
+    @property
+    def blocks(self) -> list[int]:
+        return self.seat.blocks
+
+    @property
+    def num_hit_blocks(self) -> int:
+        return self.seat.num_hit_blocks
+
     async def tokens(self) -> AsyncIterator[int]:
         """Output tokens, the first at once (it comes out of prefill), then one per decode
-        step (``decode_s_per_token`` + the ``slow_stream_s`` fault)."""
+        step (``decode_s_per_token`` + the ``slow_stream_s`` fault). Before each token the
+        request's blocks must hold its KV (``_slot``)."""
         latency = self.engine.config.latency
+        n = len(self.record.prompt_token_ids)
         for i, token in enumerate(self.output):
             delay = self.engine.faults.slow_stream_s + (latency.decode_s_per_token if i else 0.0)
             await self.engine.pause(delay)
+            await self._slot(n + i)
             self.record.output_token_ids.append(token)
             yield token
+
+    async def _slot(self, num_tokens: int) -> None:
+        """Blocks for ``num_tokens`` tokens (the step that samples the next token computes
+        the KV of the previous one); after a preemption, recompute them when readmitted
+        (and again if the request is preempted while it recomputes)."""
+        while not self._done and self.engine.current_state is self.state:
+            if not await self.state.scheduler.grow(self.seat, num_tokens):
+                return
+            self.record.num_preemptions = self.seat.num_preemptions
+            st, bs = self.state, self.engine.config.block_size
+            context = list(self.record.context_token_ids) + self.output
+            first = self.seat.num_hit_blocks
+            for i in range(first, num_tokens // bs):
+                st.pool.write(self.seat.blocks[i], tuple(context[i * bs : (i + 1) * bs]))
+            computed = num_tokens - first * bs
+            self.record.computed_tokens += computed
+            await self.engine.pause(self.engine.config.latency.prefill_s(computed, num_tokens))
+            if not self.seat.preempted:
+                return
 
     def finish(self) -> dict[str, object] | None:
         """Finish with ``length``: cache blocks, hold them as vLLM's ``request_finished``
@@ -94,7 +134,7 @@ class Generation:
             return self.record.kv_transfer_params
         self._done = True
         st, cfg, rec = self.state, self.engine.config, self.record
-        self.state.running -= 1
+        st.scheduler.leave(self.seat)
         prompt = rec.prompt_token_ids
         bs = cfg.block_size
         num_computed = len(prompt) + len(self.output) - 1
@@ -114,16 +154,33 @@ class Generation:
         if rec.kv_role == "prefill" or (rec.kv_role == "decode" and cfg.bidirectional_kv_xfer):
             on_p = rec.kv_role == "prefill"
             ttl = cfg.kv_lease_duration if on_p else cfg.decoder_kv_blocks_ttl
-            expires_at = self.engine.clock() + ttl
+            now = self.engine.clock()
+            expires_at = now + ttl
+            managed = st.retention if not on_p else None
+            deadline = expires_at
+            if managed is not None:
+                params_in = self.request_params or {}
+                deadline = now + clamp_retain_s(params_in.get(RETAIN_S_KEY), ttl)
+                value = params_in.get(RETAIN_VALUE_KEY)
+                url = params_in.get(RETENTION_URL_KEY)
+                managed.retain(RetainedTurn(
+                    request_id=rec.internal_request_id, num_blocks=len(self.blocks),
+                    num_tokens=num_computed, retained_at_s=now, deadline_s=deadline,
+                    value=_number(value)), url if isinstance(url, str) and url else None)
             st.holds.add(
                 Hold(
                     rec.internal_request_id,
                     tuple(self.blocks),
                     num_computed,
-                    expires_at,
+                    deadline,
                     "prefill_lease" if on_p else "decode_ttl",
+                    protect_reads=managed is not None,
                 )
             )
+            if managed is not None:
+                managed.trim()
+                if st.syncer is not None:
+                    st.syncer.wake()
             kvrelay = cfg.kvrelay_connector
             params = RemoteBlocks(
                 direction="prefill_to_decode" if on_p else "decode_to_prefill",
@@ -136,7 +193,7 @@ class Generation:
                 tp_size=cfg.tp_size,
                 dcp_size=cfg.dcp_size,
                 pp_size=cfg.pp_size,
-                remote_expiry_perf_counter_s=None if on_p else expires_at,
+                remote_expiry_perf_counter_s=None if on_p else deadline,
                 prefill_cached_tokens=(
                     rec.local_cache_hit_tokens + self.external if on_p else None
                 ),
@@ -160,8 +217,9 @@ class Generation:
         if self._done:
             return
         self._done = True
-        self.state.running -= 1
-        self.state.pool.free(self.blocks)
+        self.state.scheduler.leave(self.seat)
+        blocks, self.seat.blocks = self.seat.blocks, []
+        self.state.pool.free(blocks)
         self.record.finish_reason = reason
 
     def report(self) -> None:
@@ -182,21 +240,40 @@ class Generation:
         self.state.reporter.submit(rec.report)
 
 
+def _number(value: object) -> float:
+    """``kvrelay_retain_value`` as a float; 0 when absent or not a number."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return 0.0
+    return float(value)
+
+
 async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
-    """Schedule, load KV and prefill one request. Raises ``KVLoadFailed`` (policy ``fail``),
-    ``KVCacheFull`` (not enough blocks) or ``RuntimeError`` (engine not running)."""
+    """Schedule, load KV and prefill one request. Waits for blocks (``scheduler``); raises
+    ``KVLoadFailed`` (policy ``fail``), ``KVCacheFull`` (more blocks than the whole cache)
+    or ``RuntimeError`` (engine not running)."""
     cfg = engine.config
     st = engine.state
     await engine.pause(cfg.latency.request_overhead_s)
     st.reap()
     prompt = inp.prompt_token_ids
     n, bs = len(prompt), cfg.block_size
+    if _cdiv(n + inp.max_tokens - 1, bs) > st.pool.num_usable:
+        raise KVCacheFull(
+            f"{n} prompt + {inp.max_tokens} output tokens need "
+            f"{_cdiv(n + inp.max_tokens - 1, bs)} KV blocks, the cache has {st.pool.num_usable}")
     # Full prompt blocks, hashed for the prefix cache; a hit covers at most n - 1 tokens.
     hashes = block_hashes(prompt, bs, n // bs) if cfg.enable_prefix_caching else []
-    hit_blocks = st.pool.match_prefix(hashes[: (n - 1) // bs])
-    st.pool.acquire(hit_blocks)
-    local_hit = len(hit_blocks) * bs
     params = inp.kv_transfer_params
+    if st.retention is not None and kv_role(params) == "decode" and params is not None:
+        url = params.get(RETENTION_URL_KEY)
+        if isinstance(url, str) and url:
+            st.retention.add_url(url)
+    seat = Seat(inp.internal_request_id, hashes[: (n - 1) // bs])
+    await st.scheduler.admit(seat, n)
+    if engine.current_state is not st:
+        raise RuntimeError(f"fake engine {engine.name} restarted")
+    hit_blocks = seat.blocks[: seat.num_hit_blocks]
+    local_hit = len(hit_blocks) * bs
     guard = None
     if cfg.kvrelay_connector and params is not None and params.get(FINGERPRINT_KEY) is not None:
         guarded, guard = guard_params(
@@ -210,11 +287,6 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
         bidirectional=cfg.bidirectional_kv_xfer,
         recompute_threshold=cfg.kv_recompute_threshold,
     )
-    try:
-        new_blocks = st.pool.allocate(_cdiv(n + inp.max_tokens - 1, bs) - len(hit_blocks))
-    except BaseException:
-        st.pool.free(hit_blocks)
-        raise
     record = RequestRecord(
         request_id=inp.request_id,
         internal_request_id=inp.internal_request_id,
@@ -232,10 +304,7 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
         ),
     )
     engine.add_record(record)
-    st.running += 1
-    gen = Generation(
-        engine, st, record, hit_blocks + new_blocks, len(hit_blocks), inp.kv_transfer_params
-    )
+    gen = Generation(engine, st, record, seat, inp.kv_transfer_params)
     try:
         async with _prefill_slot(st):
             context = [t for b in hit_blocks for t in st.pool.read(b)]
@@ -265,6 +334,7 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
             st.pool.cache(gen.blocks[i], hashes[i])
     seed = cfg.seed if inp.seed is None else cfg.seed ^ (inp.seed * 0x9E3779B1)
     gen.output = generate_tokens(context, inp.max_tokens, seed)
+    seat.decoding = True
     return gen
 
 
@@ -273,11 +343,11 @@ async def _prefill_slot(st: EngineState) -> AsyncIterator[None]:
     if st.prefill_slots is None:
         yield
         return
-    st.waiting += 1
+    st.prefill_waiting += 1
     try:
         await st.prefill_slots.acquire()
     finally:
-        st.waiting -= 1
+        st.prefill_waiting -= 1
     try:
         yield
     finally:
@@ -310,7 +380,7 @@ async def _load(
     group = src.block_ids[0]
     loop = asyncio.get_running_loop()
     started = loop.time()
-    await engine.pause(cfg.latency.transfer_s(ext))
+    reading: KVPeer | None = None
     try:
         if len(group) < num_local_blocks:
             raise KVReadError(
@@ -327,7 +397,12 @@ async def _load(
             and peer.kv_clock() + KV_BLOCKS_EXPIRY_SAFETY_MARGIN_S >= expiry
         ):
             raise KVReadError("expired", f"{src.request_id} on {src.engine_id} has expired")
+        peer.begin_read(src.request_id)
+        reading = peer
+        await engine.pause(cfg.latency.transfer_s(ext))
+        peer = engine.fabric.connect(src.host, src.port, src.engine_id)
         result = peer.read_kv(src.request_id, remote_ids, st.engine_id)
+        reading = None
     except KVReadError as exc:
         if exc.reason == "expired":
             st.metrics.nixl_kv_expired_reqs += 1
@@ -338,6 +413,9 @@ async def _load(
             raise KVLoadFailed(str(exc)) from exc
         rec.recomputed_after_failure = True
         return []
+    finally:
+        if reading is not None:
+            reading.end_read(src.request_id)
     contents = result.contents
     flat: list[int] = []
     for content in contents:

@@ -5,7 +5,8 @@ vLLM endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
 ``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
 ``GET /metrics``.
 Admin: ``GET|POST /fake/faults`` (see ``faults``), ``GET /fake/info`` (engine id,
-side channel, held blocks), ``GET /fake/requests/{id}`` (a ``RequestRecord`` as JSON).
+side channel, held blocks, the waiting queue, kvrelay's retention and its syncs),
+``GET /fake/requests/{id}`` (a ``RequestRecord`` as JSON).
 
 Error semantics follow vLLM: invalid requests get 400/404 ``ErrorResponse`` bodies; a KV load
 failure under policy ``fail`` is HTTP 500 (streamed: HTTP 200 with the role chunk, an error
@@ -21,6 +22,7 @@ import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
+import msgspec
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
 from starlette.requests import Request
@@ -99,6 +101,7 @@ def build_app(engine: FakeEngine) -> Starlette:
 
     async def health(request: Request) -> Response:
         engine.num_health_requests += 1
+        await engine.faults.wait_while_health_hung()
         return Response(status_code=503 if engine.faults.unhealthy else 200)
 
     async def models(request: Request) -> Response:
@@ -177,6 +180,18 @@ def build_app(engine: FakeEngine) -> Starlette:
     async def info(request: Request) -> Response:
         out = engine.describe()
         out["held"] = [dataclasses.asdict(h) for h in engine.held()]
+        state = engine.state
+        out["waiting"] = state.scheduler.waiting_ids()
+        out["num_preemptions"] = state.scheduler.num_preemptions
+        retention, syncer = state.retention, state.syncer
+        if retention is not None and syncer is not None:
+            out["retention"] = {
+                "turns": [msgspec.to_builtins(turn) for turn in retention.turns()],
+                "releases_total": retention.releases_total,
+                "declined_reads": retention.declined_reads,
+                "syncs": {url: {"count": o.count, "status": o.status, "error": o.error}
+                          for url, o in syncer.outcomes.items()},
+            }
         return json_response(out)
 
     async def record(request: Request) -> Response:

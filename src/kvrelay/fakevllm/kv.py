@@ -10,8 +10,11 @@ exactly like it would in vLLM, and shows in every later output that reuses it.
   an LRU queue (freed tail-first), cached blocks stay findable by hash until reallocated, and a
   freed block keeps its stale content (reading it later returns garbage, like real memory).
 * ``HoldTable``: blocks kept after a request finished, until read once or expired: P's blocks
-  under ``kv_lease_duration``, D's under ``decoder_kv_blocks_ttl`` (bidirectional mode). It
-  remembers the latest expired request ids, so a read that comes too late fails cleanly.
+  under ``kv_lease_duration``, D's under ``decoder_kv_blocks_ttl`` (bidirectional mode), or
+  until kvrelay's retention releases them early (``drop``). It remembers the latest expired
+  and released request ids, so a read that comes too late fails cleanly, and which holds a
+  reader is reading (``begin_read``): those are never dropped, and an expiry that falls due
+  during a read waits for it only when the hold is ``protect_reads``.
 * ``KVFabric``: the in-process stand-in for NIXL + the side channel, shared by the engines of
   one process (or one cluster): side-channel address -> engine.
 
@@ -25,7 +28,7 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, Protocol
 
@@ -36,7 +39,9 @@ ReadFailure = Literal["unreachable", "engine_mismatch", "block_mismatch", "expir
 
 
 class KVCacheFull(RuntimeError):
-    """Not enough free blocks for a request (vLLM would queue it; the fake answers 503)."""
+    """A request that needs more blocks than the whole cache has: it could never run (vLLM
+    refuses such a cache size at start-up; the fake answers 503). A request that merely
+    does not fit *now* waits (``scheduler``)."""
 
 
 class KVReadError(RuntimeError):
@@ -83,11 +88,31 @@ class BlockPool:
         self._content: dict[int, tuple[int, ...]] = {}
         self._hash_of: dict[int, int] = {}
         self._by_hash: dict[int, int] = {}
+        self.on_free: Callable[[], None] | None = None
+        """Called after ``free`` returned blocks to the pool (the scheduler wakes waiters)."""
+
+    @property
+    def num_usable(self) -> int:
+        """Blocks a request can get (all but the null block)."""
+        return self.num_blocks - 1
+
+    @property
+    def num_free(self) -> int:
+        """Blocks ``allocate`` can hand out now (unreferenced, cached ones included)."""
+        return len(self._free)
+
+    def num_to_allocate(self, hit_blocks: Sequence[int], num_new: int) -> int:
+        """Free blocks an admission takes: ``num_new`` fresh ones plus every prefix-cache
+        hit nobody references (acquiring it takes it off the free queue), as vLLM's
+        ``get_num_blocks_to_allocate`` counts evictable computed blocks."""
+        return num_new + sum(1 for b in hit_blocks if self._ref.get(b, 0) == 0)
 
     @property
     def usage(self) -> float:
-        """Fraction of blocks referenced by running requests or holds (vLLM's kv_cache_usage)."""
-        return len(self._ref) / (self.num_blocks - 1)
+        """Fraction of blocks referenced by running requests or holds, computed as vLLM's
+        ``BlockPool.get_usage`` does (``1 - free / usable``: the same float, to the last bit,
+        ``tests/e2e/test_contract_pressure.py``)."""
+        return 1.0 - len(self._free) / (self.num_blocks - 1)
 
     def match_prefix(self, hashes: Sequence[int]) -> list[int]:
         """Cached blocks for the longest prefix of ``hashes``; empty without prefix caching."""
@@ -143,6 +168,8 @@ class BlockPool:
         for b in reversed(reuse_first):
             self._free[b] = None
             self._free.move_to_end(b, last=False)
+        if self.on_free is not None and blocks:
+            self.on_free()
 
     def write(self, block: int, content: tuple[int, ...]) -> None:
         self._content[block] = content
@@ -167,10 +194,13 @@ class Hold:
     num_tokens: int
     expires_at: float
     kind: HoldKind
+    protect_reads: bool = False
+    """kvrelay's managed retention: the hold does not expire while a P reads it."""
 
 
 class HoldTable:
-    """Held blocks by internal request id, released on read or at expiry (checked lazily)."""
+    """Held blocks by internal request id, released on read, at expiry (checked lazily) or
+    when dropped (kvrelay's retention)."""
 
     def __init__(self, pool: BlockPool, clock: Clock, remember_expired: int = 10000) -> None:
         self._pool = pool
@@ -178,6 +208,8 @@ class HoldTable:
         self._holds: dict[str, Hold] = {}
         self._deadlines: list[tuple[float, str]] = []
         self._expired: OrderedDict[str, None] = OrderedDict()
+        self._released: OrderedDict[str, None] = OrderedDict()
+        self._reading: dict[str, int] = {}
         self._remember_expired = remember_expired
 
     def __len__(self) -> int:
@@ -193,30 +225,85 @@ class HoldTable:
     def release(self, request_id: str) -> bool:
         """Free a hold's blocks (after its read); False if it was not held any more."""
         hold = self._holds.pop(request_id, None)
+        self._reading.pop(request_id, None)
         if hold is None:
             return False
         self._pool.free(hold.block_ids)
         return True
 
+    def drop(self, request_id: str) -> Hold | None:
+        """Release a hold before anyone read it (kvrelay's retention); a later read of it is
+        declined (``released``). ``None`` (nothing done) if it is not held or being read."""
+        if request_id in self._reading:
+            return None
+        hold = self._holds.pop(request_id, None)
+        if hold is None:
+            return None
+        self._pool.free(hold.block_ids)
+        self._remember(self._released, request_id)
+        return hold
+
+    def begin_read(self, request_id: str) -> None:
+        """A reader starts reading the hold's blocks (no-op if it is not held)."""
+        if request_id in self._holds:
+            self._reading[request_id] = self._reading.get(request_id, 0) + 1
+
+    def end_read(self, request_id: str) -> None:
+        """A read that began ended without ``release`` (the reader failed or went away)."""
+        count = self._reading.get(request_id, 0) - 1
+        if count > 0:
+            self._reading[request_id] = count
+        else:
+            self._reading.pop(request_id, None)
+
+    def reading(self, request_id: str) -> bool:
+        return request_id in self._reading
+
     def reap(self) -> list[Hold]:
-        """Release every hold whose deadline has passed; returns them."""
+        """Release every hold whose deadline has passed; returns them. A ``protect_reads``
+        hold that is being read waits for the read (it is released by it)."""
         now = self._clock()
         expired: list[Hold] = []
+        kept: list[tuple[float, str]] = []
         while self._deadlines and self._deadlines[0][0] <= now:
             deadline, request_id = heapq.heappop(self._deadlines)
             hold = self._holds.get(request_id)
-            if hold is not None and hold.expires_at == deadline:
-                del self._holds[request_id]
-                self._pool.free(hold.block_ids)
-                expired.append(hold)
-                self._expired[request_id] = None
-                while len(self._expired) > self._remember_expired:
-                    self._expired.popitem(last=False)
+            if hold is None or hold.expires_at != deadline:
+                continue
+            if hold.protect_reads and request_id in self._reading:
+                kept.append((deadline, request_id))
+                continue
+            del self._holds[request_id]
+            self._reading.pop(request_id, None)
+            self._pool.free(hold.block_ids)
+            expired.append(hold)
+            self._remember(self._expired, request_id)
+        for item in kept:
+            heapq.heappush(self._deadlines, item)
         return expired
+
+    def next_deadline(self) -> float | None:
+        """The earliest expiry among the holds (``None`` without holds)."""
+        while self._deadlines:
+            deadline, request_id = self._deadlines[0]
+            hold = self._holds.get(request_id)
+            if hold is not None and hold.expires_at == deadline:
+                return deadline
+            heapq.heappop(self._deadlines)
+        return None
+
+    def _remember(self, ids: OrderedDict[str, None], request_id: str) -> None:
+        ids[request_id] = None
+        while len(ids) > self._remember_expired:
+            ids.popitem(last=False)
 
     def expired(self, request_id: str) -> bool:
         """Whether ``request_id``'s hold ran out unread (among the latest expiries)."""
         return request_id in self._expired
+
+    def released(self, request_id: str) -> bool:
+        """Whether ``request_id``'s hold was dropped unread (among the latest releases)."""
+        return request_id in self._released
 
     def snapshot(self) -> list[Hold]:
         return list(self._holds.values())
@@ -255,11 +342,22 @@ class KVPeer(Protocol):
 
     def side_channel_reachable(self) -> bool: ...
 
+    def begin_read(self, request_id: str) -> None:
+        """A reader starts a transfer of ``request_id``'s blocks: ``KVReadError("expired")``
+        if its hold ran out or was released; else a hold kvrelay manages is not released
+        until ``read_kv`` or ``end_read``."""
+        ...
+
+    def end_read(self, request_id: str) -> None:
+        """A transfer ``begin_read`` started ended without ``read_kv`` (the reader failed)."""
+        ...
+
     def read_kv(self, request_id: str, block_ids: Sequence[int], reader: str) -> KVReadResult:
         """Read ``block_ids`` for ``request_id`` and notify "done" (frees a live hold).
 
-        ``KVReadError("expired")`` if the request's hold ran out; a request that is not held
-        (read before, or unknown) is *not* refused: see the module docstring.
+        ``KVReadError("expired")`` if the request's hold ran out or was released; a request
+        that is not held (read before, or unknown) is *not* refused: see the module
+        docstring.
         """
         ...
 

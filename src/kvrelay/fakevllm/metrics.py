@@ -67,6 +67,7 @@ def render_metrics(
     running: int,
     waiting: int,
     kv_cache_usage: float,
+    num_preemptions: int = 0,
 ) -> str:
     """The ``/metrics`` body."""
     base = _labels(model_name)
@@ -96,6 +97,8 @@ def render_metrics(
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
     gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage)
+    counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
+            num_preemptions)
     counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in tokens.",
             m.prefix_cache_queries)
     counter("vllm:prefix_cache_hits_total", "Prefix cache hits, in tokens.", m.prefix_cache_hits)

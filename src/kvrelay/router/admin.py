@@ -19,6 +19,10 @@ Who sees what (docs/security.md):
   Without an admin key these routes do not exist (404); no/wrong key 401, a tenant's 403.
 * ``POST /internal/kv-report`` – only on the internal listener: D's reports, at most
   ``core.report.MAX_REPORT_BYTES``, each checked against its turn (``commit``).
+* ``POST /internal/kv-retention`` (``core.retention_sync.RETENTION_PATH``) – only on the
+  internal listener: D's retention syncs, at most ``MAX_SYNC_BYTES``, answered with the
+  release orders for that D (``router.retention``). ``/stats`` shows each D's numbers under
+  ``retention``.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ import msgspec
 
 from kvrelay.core.identity import scope_of
 from kvrelay.core.report import MAX_REPORT_BYTES
+from kvrelay.core.retention_sync import MAX_SYNC_BYTES, RETENTION_PATH, encode
 from kvrelay.router.apis.fields import load_json
 from kvrelay.router.apis.messages import MessagesAdapter
 from kvrelay.router.asgi import Request, Route, read_body, send_response
@@ -119,6 +124,7 @@ def public_routes(ctx: RouterContext) -> list[Route]:
             "nodes": ctx.nodes.describe(admin=viewer is None and auth.is_admin(request.headers)),
             "conversations": {"live": len(ctx.index)},
             "pending_reports": len(ctx.desk),
+            "retention": ctx.retention.snapshot(),
             "decisions": ctx.stats.snapshot(viewer),
         })
 
@@ -190,11 +196,16 @@ def internal_routes(ctx: RouterContext) -> list[Route]:
         outcomes = await ctx.desk.accept_reports(raw)
         return dumps({"outcome": outcomes[0]} if len(outcomes) == 1 else {"outcomes": outcomes})
 
+    async def retention(request: Request) -> bytes:
+        raw = await read_body(request, MAX_SYNC_BYTES, ctx.config.body_timeout_s)
+        return encode(await ctx.retention.accept(raw))
+
     async def health(request: Request) -> bytes:
         return dumps({"status": "ok"})
 
     return [
         Route("/internal/kv-report", frozenset({"POST"}),
               _counted(ctx, "/internal/kv-report", kv_report)),
+        Route(RETENTION_PATH, frozenset({"POST"}), _counted(ctx, RETENTION_PATH, retention)),
         Route("/health", frozenset({"GET"}), _counted(ctx, "/internal/health", health)),
     ]

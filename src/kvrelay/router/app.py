@@ -21,8 +21,18 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrelay.core.retention_time import RetentionTimeConfig
 from kvrelay.router.admin import internal_routes, public_routes
-from kvrelay.router.asgi import Receive, Route, Routes, Scope, Send, send_error
+from kvrelay.router.asgi import (
+    Receive,
+    Route,
+    Routes,
+    Scope,
+    Send,
+    refuse_websocket,
+    send_error,
+    wants_websocket,
+)
 from kvrelay.router.auth import Authenticator
 from kvrelay.router.commit import ReportDesk
 from kvrelay.router.config import RouterConfig
@@ -32,6 +42,7 @@ from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.request import PATHS
+from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
 from kvrelay.router.turnlog import TurnLogWriter
@@ -54,7 +65,9 @@ class RouterApp:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         kind = scope["type"]
-        if kind == "http":
+        if kind == "websocket" or (kind == "http" and wants_websocket(scope)):
+            await refuse_websocket(scope, receive, send)
+        elif kind == "http":
             server = scope.get("server")
             port = server[1] if server else None
             if port == self.ctx.config.listen_internal_port:
@@ -166,6 +179,13 @@ def create_app(
         stats=RouterStats(config.recent_decisions),
         admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
         auth=Authenticator(config.api_keys, config.admin_key, config.tenant),
+        retention=RetentionDesk(
+            index, nodes, metrics, clock, base_url=config.internal_base_url,
+            learned=RetentionTimeConfig(
+                quantile=config.retain_quantile,
+                router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
+            ) if config.learned_retention else None,
+        ),
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,
@@ -174,6 +194,7 @@ def create_app(
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
     metrics.track_retained_tokens(lambda: ctx.index.retained_tokens(ctx.clock()))
+    metrics.track_d_retention(ctx.retention.gauges)
     generation = GenerationHandler(ctx)
     public = Routes([
         *(Route(path, frozenset({"POST"}), generation.route(endpoint))
@@ -198,6 +219,7 @@ def _default_index(
             max_entries=config.max_entries,
             max_per_tenant=config.tenant_entries,
             on_error=lambda op: metrics.state_errors.labels(op).inc(),
+            on_evict=lambda why, count: metrics.dropped.labels(why).inc(count),
         )
 
     def evicted(entry: Any, why: str) -> None:

@@ -198,6 +198,34 @@ class Route:
     handler: Handler
 
 
+def wants_websocket(scope: Scope) -> bool:
+    """Whether an HTTP request asks to become a WebSocket (``Upgrade: websocket``)."""
+    return any(
+        name.lower() == b"upgrade" and b"websocket" in value.lower()
+        for name, value in scope.get("headers", ())
+    )
+
+
+async def refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
+    """The router speaks HTTP only. A WebSocket upgrade that a server passed on as HTTP
+    (kvrelay's runs uvicorn with ``ws="none"``) gets 400 and the connection closed; a
+    ``websocket`` scope (another server) gets the same 400 through the ASGI denial-response
+    extension where the server has it, else a close before the handshake (the server's own
+    403)."""
+    message = "WebSocket is not supported: the router speaks HTTP/1.1"
+    if scope["type"] == "http":
+        await send_error(send, 400, message, _CLOSE)
+        return
+    await receive()  # websocket.connect
+    if "websocket.http.response" in scope.get("extensions", {}):
+        body = error_json(400, message)
+        await send({"type": "websocket.http.response.start", "status": 400, "headers": [
+            (b"content-type", JSON), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "websocket.http.response.body", "body": body})
+    else:
+        await send({"type": "websocket.close", "code": 1008})
+
+
 class Routes:
     """Exact-path routes; anything else is a 404, a wrong method a 405 (OpenAI error bodies,
     never a redirect)."""

@@ -64,8 +64,21 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-recompute-threshold", type=int, default=None)
     parser.add_argument("--near-expiry-s", type=float, default=None)
     parser.add_argument("--pull-cost-factor", type=float, default=None)
+    parser.add_argument("--fixed-costs", default=None, metavar="KEY=SECONDS,...",
+                        help="fixed cost lines, never learned from timings: "
+                             "prefill_s_per_token, prefill_fixed_s, pull_s_per_token, "
+                             "pull_fixed_s (unset keys: the priors); e.g. "
+                             "prefill_s_per_token=1e-4,pull_s_per_token=1e-6")
     parser.add_argument("--direct", action="store_true", default=None,
                         help="enable the direct action (whole turn to the holding D)")
+    parser.add_argument("--no-learned-retention", dest="learned_retention",
+                        action="store_false", default=None,
+                        help="send D no per-turn retention time (kvrelay_retain_s): D keeps "
+                             "every turn its TTL (default: learned from the gaps between "
+                             "turns, docs/router.md \"Retention\")")
+    parser.add_argument("--retain-quantile", type=float, default=None,
+                        help="share of returning follow-ups the learned retention time "
+                             "waits for (default 0.95)")
     parser.add_argument("--report-wait-s", type=float, default=None)
     parser.add_argument("--health-interval-s", type=float, default=None)
     parser.add_argument("--max-entries", type=int, default=None,
@@ -140,7 +153,11 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "kv_recompute_threshold": args.kv_recompute_threshold,
         "near_expiry_s": args.near_expiry_s,
         "pull_cost_factor": args.pull_cost_factor,
+        "costs": getattr(args, "fixed_costs", None),
+        "learn_costs": False if getattr(args, "fixed_costs", None) is not None else None,
         "direct_enabled": args.direct,
+        "learned_retention": getattr(args, "learned_retention", None),
+        "retain_quantile": getattr(args, "retain_quantile", None),
         "report_wait_s": args.report_wait_s,
         "health_interval_s": args.health_interval_s,
         "max_entries": getattr(args, "max_entries", None),

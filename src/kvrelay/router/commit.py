@@ -14,6 +14,11 @@ Every report is checked against its turn (``core.report.check_report``); a repor
 disagrees is refused and counted (``reports_total{outcome="mismatch_*"}``), never
 committed, and never changes what the router believes about a node.
 
+A committed turn supersedes the entry it continued without pulling it (``supersedes``:
+recompute, direct): the conversation has moved on, so that entry is dropped and D is
+ordered to release it (``ConversationIndex`` release orders) instead of holding it to
+its TTL; of a fork's branches, the first to commit wins and the others recompute.
+
 The client's response never waits for any of this. A later turn that continues this one
 waits for it (``wait_for``), bounded by ``report_wait_s``.
 """
@@ -44,7 +49,13 @@ from kvrelay.core.report import (
     turn_id_for,
 )
 from kvrelay.router.blocks import LayoutError, retained_layout
-from kvrelay.router.index import ConversationIndex, EntryRef, IndexUnavailable, find_in_bucket
+from kvrelay.router.index import (
+    ConversationIndex,
+    EntryRef,
+    Found,
+    IndexUnavailable,
+    find_in_bucket,
+)
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 
@@ -82,6 +93,7 @@ class PendingTurn:
     slot: Continuation | None = None
     num_bytes: int = 0
     token_ids: tuple[Sequence[int], Sequence[int]] | None = None
+    supersedes: Found | None = None
     blocks: RemoteBlocks | None = None
     response_done_s: float | None = None
     report_received: bool = False
@@ -324,3 +336,6 @@ class ReportDesk:
             self.settle(p, "index_unavailable")
             return
         self.settle(p, "committed")
+        old = p.supersedes
+        if old is not None and await self._index.drop(old.ref, old.entry):
+            self._metrics.dropped.labels("superseded").inc()

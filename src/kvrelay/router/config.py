@@ -24,9 +24,11 @@ from kvrelay.core.conversation import (
     DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     DEFAULT_EXPIRY_SAFETY_MARGIN_S,
 )
+from kvrelay.core.costs import CostLine, CostLines
 from kvrelay.core.policy import PolicyConfig
 from kvrelay.core.selection import AffinityConfig
 from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
+from kvrelay.router.request_limits import RequestLimits
 
 Role = Literal["prefill", "decode"]
 GuardMode = Literal["auto", "connector", "tokenize"]
@@ -136,7 +138,15 @@ class RouterConfig:
     kvrelay's connector, else ``tokenize``). ``session_headers`` carry a client's own
     conversation id, which narrows the lookup. D's reports go to the internal listener
     (``internal_host``:``internal_port``, default ``port + 1``; 0: any free port, bound when
-    the server starts), which D reaches as ``internal_url``.
+    the server starts), which D reaches as ``internal_url``. ``learned_retention``: tell a D
+    running kvrelay's connector how long to keep each turn (``kvrelay_retain_s``, the
+    ``retain_quantile`` of the gaps between turns seen, ``core.retention_time``); off, D keeps
+    every turn its TTL.
+
+    ``costs`` are the prefill and pull lines each P's cost estimates start from (``None``:
+    ``core.costs``' priors); with ``learn_costs=False`` the router never updates them from
+    the timings it sees, so every decision the cost model takes follows from the config
+    alone (tests, and deployments that measured their costs: ``--fixed-costs``).
     """
 
     prefill: tuple[NodeConfig, ...]
@@ -150,6 +160,8 @@ class RouterConfig:
     session_headers: tuple[str, ...] = DEFAULT_SESSION_HEADERS
     tenant: str = "default"
     policy: PolicyConfig = field(default_factory=PolicyConfig)
+    costs: CostLines | None = None
+    learn_costs: bool = True
     affinity: AffinityConfig = field(default_factory=AffinityConfig)
     ttl_safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S
     report_wait_s: float = 1.0
@@ -164,6 +176,8 @@ class RouterConfig:
     max_entries_per_tenant: int | None = None
     expired_retention_s: float = 300.0
     recent_decisions: int = 100
+    learned_retention: bool = True
+    retain_quantile: float = 0.95
     log_level: str = "info"
     state: str | None = None
     state_timeout_ms: float = 50.0
@@ -176,6 +190,12 @@ class RouterConfig:
     max_header_bytes: int = 64 * 1024
     max_header_line_bytes: int = 8 * 1024
     max_headers: int = 100
+    max_messages: int = 10_000
+    max_content_parts: int = 1_000
+    max_content_parts_total: int = 20_000
+    max_tools: int = 1_000
+    max_tool_calls: int = 10_000
+    max_stop_sequences: int = 64
     header_timeout_s: float = 30.0
     body_timeout_s: float = 60.0
     drain_timeout_s: float = 30.0
@@ -207,6 +227,10 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be >= 1")
         if min(self.max_header_bytes, self.max_header_line_bytes, self.max_headers) < 1:
             raise ConfigError("header limits must be >= 1")
+        try:
+            self.request_limits  # noqa: B018 (validates the per-request count limits)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         if self.turn_log_max_mb < 1 or self.turn_log_backups < 0:
             raise ConfigError("turn_log_max_mb must be >= 1 and turn_log_backups >= 0")
         for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
@@ -218,6 +242,8 @@ class RouterConfig:
                 raise ConfigError(f"{name} must be positive")
         if self.health_failures_to_down < 1 or self.max_connections < 1:
             raise ConfigError("health_failures_to_down and max_connections must be >= 1")
+        if not 0.0 < self.retain_quantile <= 1.0:
+            raise ConfigError("retain_quantile must be in (0, 1]")
         if self.max_entries < 1 or self.recent_decisions < 0:
             raise ConfigError("max_entries must be >= 1 and recent_decisions >= 0")
         for node in self.decode:
@@ -244,15 +270,33 @@ class RouterConfig:
         return self.internal_port if self.internal_port is not None else self.port + 1
 
     @property
-    def report_url(self) -> str:
-        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+    def internal_base_url(self) -> str:
+        """How D reaches the internal listener: ``internal_url``, else its host and port."""
         base = self.internal_url
         if base is None:
             host = self.internal_host
             host = "127.0.0.1" if host in ("0.0.0.0", "", "::") else host
             host = f"[{host}]" if ":" in host else host
             base = f"http://{host}:{self.listen_internal_port}"
-        return base.rstrip("/") + "/internal/kv-report"
+        return base.rstrip("/")
+
+    @property
+    def report_url(self) -> str:
+        """Where D's connector POSTs its report: ``internal_url`` or the internal listener."""
+        return self.internal_base_url + "/internal/kv-report"
+
+    @property
+    def request_limits(self) -> RequestLimits:
+        """How many messages, content parts, tools, tool calls and stop sequences one
+        request may carry (``router.request_limits``)."""
+        return RequestLimits(
+            max_messages=self.max_messages,
+            max_content_parts=self.max_content_parts,
+            max_content_parts_total=self.max_content_parts_total,
+            max_tools=self.max_tools,
+            max_tool_calls=self.max_tool_calls,
+            max_stop_sequences=self.max_stop_sequences,
+        )
 
     @property
     def tenant_in_flight(self) -> int:
@@ -296,7 +340,8 @@ _NODE_KEYS = {"url", "id", "side_channel", "ttl_s", "block_size"}
 def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
     """Merge settings layers (later wins) into a ``RouterConfig``; ``ConfigError`` if invalid.
 
-    Keys: ``RouterConfig`` scalar fields, ``prefill``/``decode`` (lists of URLs or of
+    Keys: ``RouterConfig`` scalar fields (``costs``: a table or a ``key=value,...`` string,
+    see ``parse_cost_lines``), ``prefill``/``decode`` (lists of URLs or of
     ``{"url", "id", "side_channel", "ttl_s", "block_size"}`` tables), ``ttl_s`` (default D
     TTL), ``block_size`` (default block size, unset: inferred),
     ``side_channels`` (``{url_or_id: "host[:port]"}``), ``policy`` and ``affinity`` tables
@@ -394,6 +439,10 @@ def _nodes(
 def _coerce(key: str, value: Any) -> Any:
     """Env/flag strings to the field's type (TOML values are already typed)."""
     kind = _SCALAR_KEYS[key].type
+    if key == "costs":
+        return parse_cost_lines(value)
+    if key == "learn_costs":
+        return _flag(key, value)
     if key == "session_headers":
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(h, str) for h in items):
@@ -406,6 +455,64 @@ def _coerce(key: str, value: Any) -> Any:
     if kind == "float":
         return float(value)
     return value
+
+
+COST_KEYS = {
+    "prefill_s_per_token": ("prefill", "s_per_token"),
+    "prefill_fixed_s": ("prefill", "fixed_s"),
+    "pull_s_per_token": ("pull", "s_per_token"),
+    "pull_fixed_s": ("pull", "fixed_s"),
+}
+"""The keys of a ``costs`` setting: each line's slope and fixed part (seconds)."""
+
+
+def parse_cost_lines(value: object) -> CostLines:
+    """``costs`` as a table (TOML) or ``"prefill_s_per_token=1e-4,pull_s_per_token=2e-5"``
+    (flag, env); keys left out keep ``core.costs``' priors. ``ConfigError`` if invalid."""
+    if isinstance(value, CostLines):
+        return value
+    if isinstance(value, str):
+        table: dict[str, object] = {}
+        for item in (i.strip() for i in value.split(",")):
+            key, sep, number = item.partition("=")
+            if not sep:
+                raise ConfigError(f"costs: {item!r} is not KEY=SECONDS")
+            table[key.strip()] = number.strip()
+    elif isinstance(value, Mapping):
+        table = {str(k): v for k, v in value.items()}
+    else:
+        raise ConfigError("costs must be a table or KEY=SECONDS,... text")
+    unknown = sorted(set(table) - set(COST_KEYS))
+    if unknown:
+        raise ConfigError(f"costs: unknown key(s) {unknown}; known: {sorted(COST_KEYS)}")
+    lines = {"prefill": CostLines().prefill, "pull": CostLines().pull}
+    for key, raw in table.items():
+        line, part = COST_KEYS[key]
+        try:
+            if not isinstance(raw, int | float | str) or isinstance(raw, bool):
+                raise TypeError(f"must be a number, got {raw!r}")
+            lines[line] = _with_part(lines[line], part, float(raw))
+        except (TypeError, ValueError) as exc:
+            raise ConfigError(f"costs: {key}: {exc}") from None
+    return CostLines(prefill=lines["prefill"], pull=lines["pull"])
+
+
+def _with_part(line: CostLine, part: str, seconds: float) -> CostLine:
+    """``line`` with its ``fixed_s`` or ``s_per_token`` set (``ValueError`` if invalid)."""
+    if part == "fixed_s":
+        return CostLine(seconds, line.s_per_token)
+    return CostLine(line.fixed_s, seconds)
+
+
+def _flag(key: str, value: object) -> bool:
+    if isinstance(value, bool):
+        return value
+    text = str(value).strip().lower()
+    if text in ("1", "true", "yes", "on"):
+        return True
+    if text in ("0", "false", "no", "off"):
+        return False
+    raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
 ENV_PREFIX = "KVRELAY_"
@@ -429,6 +536,8 @@ ENV_KEYS = {
     "KV_RECOMPUTE_THRESHOLD": "kv_recompute_threshold",
     "NEAR_EXPIRY_S": "near_expiry_s",
     "PULL_COST_FACTOR": "pull_cost_factor",
+    "FIXED_COSTS": "costs",
+    "LEARN_COSTS": "learn_costs",
     "DIRECT": "direct_enabled",
     "LOG_LEVEL": "log_level",
     "API_KEYS": "api_keys",
@@ -442,6 +551,8 @@ ENV_KEYS = {
     "STATE_TIMEOUT_MS": "state_timeout_ms",
     "DEPLOYMENT": "deployment",
     "TURN_LOG": "turn_log",
+    "LEARNED_RETENTION": "learned_retention",
+    "RETAIN_QUANTILE": "retain_quantile",
 }
 
 
@@ -453,11 +564,14 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         value = env.get(ENV_PREFIX + suffix)
         if value is None or value == "":
             continue
-        if key == "direct_enabled":
+        if key in ("direct_enabled", "learned_retention"):
             out[key] = value.strip().lower() in ("1", "true", "yes", "on")
+        elif suffix == "FIXED_COSTS":  # fixed: given and never learned
+            out["costs"] = value
+            out.setdefault("learn_costs", "false")
         elif key in ("kv_recompute_threshold", "block_size"):
             out[key] = _number(suffix, value, int)
-        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s"):
+        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s", "retain_quantile"):
             out[key] = _number(suffix, value, float)
         else:
             out[key] = value

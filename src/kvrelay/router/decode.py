@@ -4,7 +4,10 @@ handed to the report desk (``commit``).
 D gets the client's body with P's params (or, for ``direct``, params that make D serve the
 whole turn from its own prefix cache), a report target when the response is streamed (vLLM
 0.32 puts no params on stream chunks: kvrelay's connector posts them), and
-``return_token_ids`` only when D does not fingerprint what it retains (``/tokenize`` mode).
+``return_token_ids`` only when D does not fingerprint what it retains (``/tokenize`` mode),
+and, to a D running kvrelay's connector, where to sync its retention and how long to keep
+this turn (``router.retention``); the entry then expires on the router clock after that
+time, not D's whole TTL.
 
 Streams: D's first complete event is read before the client gets a status line, so a D
 that fails before sending anything can still be retried (``BeforeFirstByte``). After that
@@ -76,17 +79,20 @@ class Decoder:
         direct = turn.decision.action == "direct"
         turn.decode_node = node
         turn.move(TurnState.DECODING)
+        retention, retain_s = ctx.retention.decode_params(turn, node)
         pending = ctx.desk.open(
             identity=req.identity,
             tenant=req.tenant,
             conversation=turn.conversation,
             number=turn.number,
             decode_node_id=node.node_id,
-            ttl_s=node.ttl_s,
+            ttl_s=retain_s,
             num_prompt_tokens=None if direct else turn.prompt_tokens,
             max_output_tokens=req.max_output_tokens,
         )
         turn.pending = pending
+        if turn.found is not None and not turn.decision.consumes_entry:
+            pending.supersedes = turn.found
         family = req.adapter.stream_family
         pending.awaits_report = req.stream and not ctx.nodes.streams_params(node.node_id, family)
         ids = not ctx.nodes.fingerprints(node.node_id) or req.prompt_token_ids is not None
@@ -94,6 +100,8 @@ class Decoder:
         if pending.awaits_report:
             d_params[REPORT_URL_KEY], d_params[REPORT_TURN_KEY] = \
                 ctx.config.report_url, pending.turn_id
+        if retention is not None:
+            d_params.update(retention)
         body = req.adapter.decode_body(req.body, d_params, token_ids=ids)
         rewrite = Rewrite(
             cached_tokens=turn.cached_tokens

@@ -1,7 +1,10 @@
 """A generation request, top to bottom: handler -> plan -> P -> D -> commit.
 
 1. Authenticate (401), take an in-flight slot for the tenant (429, 503 while draining),
-   read and validate the body (``request.parse_request``; 4xx, never 5xx, for bad input).
+   read and validate the body (``request.parse_request``; 4xx, never 5xx, for bad input,
+   and beyond ``request_limits``). A body over ``PARSE_INLINE_BYTES`` is parsed in a worker
+   thread: the event loop keeps serving other clients meanwhile (the interpreter switches
+   threads every few ms) instead of stalling for the whole parse.
 2. Plan (``plan.Planner``): the entry the request continues, the decision, the claim.
 3. P (``prefill.Prefiller``) unless the turn goes ``direct``.
 4. D (``decode.Decoder``): the answer goes to the client; the entry's halves go to the
@@ -33,6 +36,10 @@ from kvrelay.router.turnlog import TurnLogWriter
 
 log = logging.getLogger("kvrelay.router")
 
+PARSE_INLINE_BYTES = 64 * 1024
+"""Bodies up to this are parsed on the event loop (well under a millisecond; a thread hop
+would cost more); larger ones in a worker thread (module docstring)."""
+
 
 class GenerationHandler:
     """The generation endpoints (one per API adapter, ``router.apis``) of one router app;
@@ -40,6 +47,7 @@ class GenerationHandler:
 
     def __init__(self, ctx: RouterContext) -> None:
         self._ctx = ctx
+        self._limits = ctx.config.request_limits
         self._planner = Planner(ctx)
         self._prefiller = Prefiller(ctx)
         self._decoder = Decoder(ctx)
@@ -70,8 +78,10 @@ class GenerationHandler:
         turn: Turn | None = None
         try:
             raw = await read_body(request, ctx.config.max_body_bytes, ctx.config.body_timeout_s)
-            req = parse_request(endpoint, raw, request.headers, tenant,
-                                ctx.config.session_headers)
+            args = (endpoint, raw, request.headers, tenant, ctx.config.session_headers,
+                    self._limits)
+            req = (parse_request(*args) if len(raw) <= PARSE_INLINE_BYTES
+                   else await asyncio.to_thread(parse_request, *args))
         except ClientError as exc:
             await _answer_error(request, endpoint, exc)
             return exc.status

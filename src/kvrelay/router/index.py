@@ -13,18 +13,41 @@ slot of its continuation. Contracts:
   matches); else ``None``. Expired entries are returned (the policy reports ``expired``)
   until purged, at most ``expired_retention_s`` after expiry. A networked index that cannot
   answer in time raises ``IndexUnavailable`` (the turn recomputes, ``state_unavailable``).
-* ``put(ref, entry, tenant=...)`` stores the entry (replacing one at the same ref). An
-  entry a later turn continued without consuming it (recompute, direct) stays: D holds its
-  blocks until the TTL, and a retried or forked request may still continue it.
-* ``claim(ref, entry)`` is the single-use guarantee: it atomically removes ``entry`` and
-  returns True only if ``entry`` (compared by value) was still stored there; of any number
-  of concurrent claims of one entry exactly one succeeds. A pull is sent only after a claim.
-* ``drop(ref, entry=None)``, ``drop_scope`` (an explicit conversation id), ``drop_node``,
-  ``drop_engine`` remove entries and return how many.
+* ``put(ref, entry, tenant=...)`` stores the entry beside any others at the ref (several
+  entries per ref, at most ``MAX_ENTRIES_PER_REF``, the oldest pushed out first): entries
+  with the same anchor and answer hold the same tokens, so N identical conversations whose
+  turns finished together each find one. Storing the same entry again (equal but for its
+  times and ``released``: the same D request) replaces it. ``lookup`` returns the newest
+  entry of a ref that D still holds (a released one only when there is no other). An
+  entry a later turn continued without consuming it (recompute, direct) stays until that
+  turn commits (``commit`` drops it then, and D releases it).
+* ``claim(ref, entry)`` is the single-use guarantee: it atomically removes one entry of the
+  ref and returns it: ``entry`` (compared by value) when still stored, else another entry of
+  the ref D still holds (interchangeable: the caller decides again on what it got), else
+  ``None``. Of any number of concurrent claims of N entries at most N succeed, each with a
+  different entry. A pull is sent only after a claim; a released entry is never claimed.
+* ``drop(ref, entry=None)`` (``None``: every entry of the ref), ``drop_scope`` (an explicit
+  conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many.
+* Release orders: every entry the index removes but a claimed one (a pull consumes it), a
+  released one, and those ``drop_node``/``drop_engine`` remove (D's blocks are gone), or
+  ``drop(..., release=False)``, queues a release order for its D request id on its D:
+  ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for another
+  engine of that D are discarded) for the answer to D's next sync. ``mark_released`` marks
+  the entries D said it released (its sync): they are never claimed, and ``lookup`` returns
+  one only when its ref has no other, so the turn recomputes with reason ``released``. A
+  release of a request with no entry yet (D's sync overtook the turn's commit) is kept
+  (bounded) and the entry ``put`` later is stored released.
+* D asks before it frees a turn itself (pressure, headroom: ``RetentionSync.releasing``).
+  ``release_requested(node_id, engine_id, ids)`` marks those entries released
+  (``RELEASING``; a release D reports later names the cause) so no claim can take them, and
+  returns the ids D may free now: those no P leg is reading. A claim counts as a read of the
+  claimed entry's D request id until ``read_done(node_id, request_id)`` (the P leg ended
+  and P provably read nothing more; a networked index lets an unfinished one lapse after
+  ``READ_TTL_S``).
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
-* ``retained_tokens(now_s)``: tokens each D holds for entries not expired at ``now_s``
-  (the retention gauge; a networked index returns what its last ``refresh`` saw).
+* ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
+  ``now_s`` (the retention gauge; a networked index returns what its last ``refresh`` saw).
 * ``len(index)`` is the number of entries (exact in memory, last known when networked).
 
 Entries hold block locations and a token fingerprint; refs are digests: no content, no ids.
@@ -34,16 +57,18 @@ from __future__ import annotations
 
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Literal, Protocol, runtime_checkable
 
 import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import Continuation, Probe, RequestIdentity, text_matches
+from kvrelay.core.retention_sync import MAX_ORDERS, Released
 
-EvictReason = Literal["expired", "capacity"]
+EvictReason = Literal["expired", "capacity", "overflow"]
 
 
 class IndexUnavailable(RuntimeError):
@@ -78,15 +103,33 @@ class ConversationIndex(Protocol):
 
     async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None: ...
 
-    async def claim(self, ref: EntryRef, entry: ConversationEntry) -> bool: ...
+    async def claim(
+        self, ref: EntryRef, entry: ConversationEntry
+    ) -> ConversationEntry | None: ...
 
-    async def drop(self, ref: EntryRef, entry: ConversationEntry | None = None) -> bool: ...
+    async def drop(
+        self, ref: EntryRef, entry: ConversationEntry | None = None, *, release: bool = True
+    ) -> bool: ...
 
     async def drop_scope(self, scope: bytes) -> int: ...
 
     async def drop_node(self, node_id: str) -> int: ...
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int: ...
+
+    async def mark_released(
+        self, node_id: str, engine_id: str, released: Iterable[Released]
+    ) -> int: ...
+
+    async def take_releases(
+        self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
+    ) -> tuple[str, ...]: ...
+
+    async def release_requested(
+        self, node_id: str, engine_id: str, request_ids: Iterable[str]
+    ) -> tuple[str, ...]: ...
+
+    async def read_done(self, node_id: str, request_id: str) -> None: ...
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]: ...
 
@@ -115,10 +158,35 @@ def find_in_bucket(
     return None
 
 
+RELEASING = "releasing"
+"""``ConversationEntry.released`` of an entry D asked to free (its cause comes later)."""
+
+READ_TTL_S = 600.0
+"""How long a networked index keeps a claimed entry's read in progress when the P leg never
+said it ended (a router that died mid-pull): P's read timeout, by default."""
+
+MAX_QUEUED_RELEASES = 4 * MAX_ORDERS
+"""Release orders kept per D until its next sync (the oldest dropped beyond)."""
+
+MAX_ENTRIES_PER_REF = 64
+"""Interchangeable entries kept at one ref (same scope, anchor and answer: the same tokens,
+e.g. identical conversations whose turns finished together); more push out the oldest."""
+
+
 @dataclass
 class _Item:
+    ref: EntryRef
     tenant: str
     entry: ConversationEntry
+
+
+def _identity(entry: ConversationEntry) -> ConversationEntry:
+    """What tells two entries apart: everything but their times and ``released``."""
+    return replace(entry, expires_at_s=0.0, created_at_s=0.0, released=None)
+
+
+_Key = tuple[EntryRef, int]
+"""An entry's place in memory: its ref and the sequence number of the ``put`` that stored it."""
 
 
 class InMemoryIndex:
@@ -126,8 +194,8 @@ class InMemoryIndex:
     ``expired_retention_s`` after expiry on ``clock``, the router clock).
 
     ``on_evict(entry, reason)`` is called for every entry the index removes by itself
-    (``expired`` or ``capacity``), never for explicit ``drop*``/``claim``/supersedes. No
-    method awaits, so each is atomic on the event loop.
+    (``expired``, ``capacity`` or ``overflow``), never for explicit ``drop*``/``claim``.
+    No method awaits, so each is atomic on the event loop.
     """
 
     def __init__(
@@ -138,21 +206,29 @@ class InMemoryIndex:
         clock: Callable[[], float] = time.monotonic,
         expired_retention_s: float = 300.0,
         sweep_interval_s: float = 10.0,
+        max_per_ref: int = MAX_ENTRIES_PER_REF,
         on_evict: Callable[[ConversationEntry, EvictReason], None] | None = None,
     ) -> None:
-        if max_entries < 1:
-            raise ValueError("max_entries must be >= 1")
+        if max_entries < 1 or max_per_ref < 1:
+            raise ValueError("max_entries and max_per_ref must be >= 1")
         self._max = max_entries
         self._max_tenant = min(max_per_tenant or max_entries, max_entries)
+        self._max_ref = max_per_ref
         self._clock = clock
         self._retention = expired_retention_s
         self._sweep_interval = sweep_interval_s
         self._next_sweep = clock() + sweep_interval_s
         self._on_evict = on_evict
-        self._items: OrderedDict[EntryRef, _Item] = OrderedDict()
+        self._seq = 0
+        self._items: OrderedDict[_Key, _Item] = OrderedDict()
+        self._refs: dict[EntryRef, dict[int, None]] = {}
         self._buckets: dict[tuple[bytes, bytes], dict[bytes, None]] = {}
-        self._by_tenant: dict[str, OrderedDict[EntryRef, None]] = {}
-        self._by_scope: dict[bytes, dict[EntryRef, None]] = {}
+        self._by_tenant: dict[str, OrderedDict[_Key, None]] = {}
+        self._by_scope: dict[bytes, dict[_Key, None]] = {}
+        self._by_request: dict[tuple[str, str], dict[_Key, None]] = {}
+        self._releases: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
+        self._reading: dict[tuple[str, str], int] = {}
 
     def __len__(self) -> int:
         return len(self._items)
@@ -167,7 +243,7 @@ class InMemoryIndex:
         out: dict[str, int] = {}
         for item in self._items.values():
             entry = item.entry
-            if not entry.is_expired(now_s):
+            if not entry.is_expired(now_s) and entry.released is None:
                 out[entry.decode_node_id] = out.get(entry.decode_node_id, 0) + entry.num_tokens
         return out
 
@@ -181,108 +257,237 @@ class InMemoryIndex:
             if slot is None:
                 continue
             ref = EntryRef(identity.scope, probe.anchor, slot)
-            item = self._items[ref]
-            self._touch(ref, item.tenant)
+            key = self._best(ref)
+            if key is None:
+                continue
+            item = self._items[key]
+            self._touch(key, item.tenant)
             return Found(ref, item.entry, probe)
         if identity.explicit:
             mine = self._by_scope.get(identity.scope)
             if mine:
-                ref = next(reversed(mine))
-                item = self._items[ref]
-                self._touch(ref, item.tenant)
-                return Found(ref, item.entry, None)
+                key = next(reversed(mine))
+                item = self._items[key]
+                self._touch(key, item.tenant)
+                return Found(key[0], item.entry, None)
         return None
 
     async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
         self._maybe_sweep()
-        self._remove(ref)
-        self._items[ref] = _Item(tenant, entry)
+        same = self._member(ref, entry, same_expiry=False)
+        if same is not None:
+            self._remove(same, release=False)
+        early = self._released_early.pop(
+            (entry.decode_node_id, entry.decode_engine_id, entry.request_id), None)
+        if early is not None and entry.released is None:
+            entry = replace(entry, released=early)
+        self._seq += 1
+        key = (ref, self._seq)
+        self._items[key] = _Item(ref, tenant, entry)
+        self._refs.setdefault(ref, {})[key[1]] = None
         self._buckets.setdefault((ref.scope, ref.anchor), {})[ref.slot] = None
-        self._by_tenant.setdefault(tenant, OrderedDict())[ref] = None
-        self._by_scope.setdefault(ref.scope, {})[ref] = None
+        self._by_tenant.setdefault(tenant, OrderedDict())[key] = None
+        self._by_scope.setdefault(ref.scope, {})[key] = None
+        self._by_request.setdefault((entry.decode_node_id, entry.request_id), {})[key] = None
+        members = self._refs[ref]
+        while len(members) > self._max_ref:
+            self._evict((ref, next(iter(members))), "overflow")
         mine = self._by_tenant[tenant]
         while len(mine) > self._max_tenant:
             self._evict(next(iter(mine)), "capacity")
         while len(self._items) > self._max:
             self._evict(next(iter(self._items)), "capacity")
 
-    async def claim(self, ref: EntryRef, entry: ConversationEntry) -> bool:
-        item = self._items.get(ref)
-        if item is None or item.entry != entry:
-            return False
-        self._remove(ref)
-        return True
+    async def claim(self, ref: EntryRef, entry: ConversationEntry) -> ConversationEntry | None:
+        key = self._member(ref, entry)
+        if key is None or self._items[key].entry.released is not None:
+            key = self._best(ref, usable_only=True) if ref in self._refs else None
+        if key is None:
+            return None
+        item = self._remove(key, release=False)
+        if item is None:
+            return None
+        read = (item.entry.decode_node_id, item.entry.request_id)
+        self._reading[read] = self._reading.get(read, 0) + 1
+        return item.entry
 
-    async def drop(self, ref: EntryRef, entry: ConversationEntry | None = None) -> bool:
-        item = self._items.get(ref)
-        if item is None or (entry is not None and item.entry != entry):
-            return False
-        self._remove(ref)
-        return True
+    async def drop(
+        self, ref: EntryRef, entry: ConversationEntry | None = None, *, release: bool = True
+    ) -> bool:
+        if entry is None:
+            keys = [(ref, seq) for seq in self._refs.get(ref, ())]
+        else:
+            key = self._member(ref, entry)
+            keys = [] if key is None else [key]
+        for key in keys:
+            self._remove(key, release=release)
+        return bool(keys)
 
     async def drop_scope(self, scope: bytes) -> int:
-        refs = list(self._by_scope.get(scope, ()))
-        for ref in refs:
-            self._remove(ref)
-        return len(refs)
+        keys = list(self._by_scope.get(scope, ()))
+        for key in keys:
+            self._remove(key, release=True)
+        return len(keys)
 
     async def drop_node(self, node_id: str) -> int:
-        return self._drop_where(lambda _, e: e.decode_node_id == node_id)
+        return self._drop_where(lambda e: e.decode_node_id == node_id)
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int:
         return self._drop_where(
-            lambda _, e: e.decode_node_id == node_id and e.decode_engine_id == engine_id
+            lambda e: e.decode_node_id == node_id and e.decode_engine_id == engine_id
         )
+
+    async def mark_released(
+        self, node_id: str, engine_id: str, released: Iterable[Released]
+    ) -> int:
+        return sum(self._mark(node_id, engine_id, one.request_id, one.cause)
+                   for one in released)
+
+    async def release_requested(
+        self, node_id: str, engine_id: str, request_ids: Iterable[str]
+    ) -> tuple[str, ...]:
+        free: list[str] = []
+        for request_id in request_ids:
+            self._mark(node_id, engine_id, request_id, RELEASING)
+            if (node_id, request_id) not in self._reading:
+                free.append(request_id)
+        return tuple(free)
+
+    async def read_done(self, node_id: str, request_id: str) -> None:
+        read = (node_id, request_id)
+        left = self._reading.get(read, 0) - 1
+        if left > 0:
+            self._reading[read] = left
+        else:
+            self._reading.pop(read, None)
+
+    def _mark(self, node_id: str, engine_id: str, request_id: str, cause: str) -> int:
+        """Mark the entries of D's ``request_id`` released (a cause replaces
+        ``RELEASING``); one not stored yet is remembered for ``put``. Returns how many."""
+        keys = self._by_request.get((node_id, request_id))
+        if not keys:
+            self._released_early[(node_id, engine_id, request_id)] = cause
+            while len(self._released_early) > MAX_QUEUED_RELEASES:
+                self._released_early.popitem(last=False)
+            return 0
+        marked = 0
+        for key in keys:
+            item = self._items[key]
+            if item.entry.decode_engine_id == engine_id \
+                    and item.entry.released in (None, RELEASING):
+                item.entry = replace(item.entry, released=cause)
+                marked += 1
+        return marked
+
+    async def take_releases(
+        self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
+    ) -> tuple[str, ...]:
+        queue = self._releases.get(node_id)
+        if not queue:
+            return ()
+        out: list[str] = []
+        while queue and len(out) < limit:
+            (engine, request_id), _ = queue.popitem(last=False)
+            if engine == engine_id:
+                out.append(request_id)
+        if not queue:
+            del self._releases[node_id]
+        return tuple(out)
 
     def sweep(self) -> int:
         """Purge entries expired more than ``expired_retention_s`` ago; returns the count."""
         now = self._clock()
         self._next_sweep = now + self._sweep_interval
         stale = [
-            ref for ref, item in self._items.items()
+            key for key, item in self._items.items()
             if now >= item.entry.expires_at_s + self._retention
         ]
-        for ref in stale:
-            self._evict(ref, "expired")
+        for key in stale:
+            self._evict(key, "expired")
         return len(stale)
 
     def _maybe_sweep(self) -> None:
         if self._clock() >= self._next_sweep:
             self.sweep()
 
-    def _touch(self, ref: EntryRef, tenant: str) -> None:
-        self._items.move_to_end(ref)
-        self._by_tenant[tenant].move_to_end(ref)
+    def _member(
+        self, ref: EntryRef, entry: ConversationEntry, *, same_expiry: bool = True
+    ) -> _Key | None:
+        """The key of ``entry`` at ``ref``, whether D released it or not: the same entry,
+        with the same expiry unless ``same_expiry`` is false (``put``: the same D request
+        stored again replaces it)."""
+        want = _identity(entry)
+        for seq in self._refs.get(ref, ()):
+            stored = self._items[(ref, seq)].entry
+            if _identity(stored) == want and (
+                    not same_expiry or stored.expires_at_s == entry.expires_at_s):
+                return (ref, seq)
+        return None
 
-    def _drop_where(self, match: Callable[[EntryRef, ConversationEntry], bool]) -> int:
-        refs = [ref for ref, item in self._items.items() if match(ref, item.entry)]
-        for ref in refs:
-            self._remove(ref)
-        return len(refs)
+    def _best(self, ref: EntryRef, *, usable_only: bool = False) -> _Key | None:
+        """The newest entry at ``ref`` D still holds; else (unless ``usable_only``) the
+        newest released one, so the turn learns why it recomputes."""
+        members = self._refs.get(ref)
+        if not members:
+            return None
+        newest: _Key | None = None
+        for seq in reversed(members):
+            key = (ref, seq)
+            if self._items[key].entry.released is None:
+                return key
+            newest = newest or key
+        return None if usable_only else newest
 
-    def _evict(self, ref: EntryRef, reason: EvictReason) -> None:
-        item = self._remove(ref)
+    def _touch(self, key: _Key, tenant: str) -> None:
+        self._items.move_to_end(key)
+        self._by_tenant[tenant].move_to_end(key)
+
+    def _drop_where(self, match: Callable[[ConversationEntry], bool]) -> int:
+        keys = [key for key, item in self._items.items() if match(item.entry)]
+        for key in keys:
+            self._remove(key, release=False)
+        return len(keys)
+
+    def _evict(self, key: _Key, reason: EvictReason) -> None:
+        item = self._remove(key, release=True)
         if item is not None and self._on_evict is not None:
             self._on_evict(item.entry, reason)
 
-    def _remove(self, ref: EntryRef) -> _Item | None:
-        item = self._items.pop(ref, None)
+    def _remove(self, key: _Key, *, release: bool) -> _Item | None:
+        item = self._items.pop(key, None)
         if item is None:
             return None
-        key = (ref.scope, ref.anchor)
-        bucket = self._buckets.get(key)
-        if bucket is not None:
-            bucket.pop(ref.slot, None)
-            if not bucket:
-                del self._buckets[key]
+        entry = item.entry
+        requests = self._by_request.get((entry.decode_node_id, entry.request_id))
+        if requests is not None:
+            requests.pop(key, None)
+            if not requests:
+                del self._by_request[(entry.decode_node_id, entry.request_id)]
+        if release and entry.released is None:
+            queue = self._releases.setdefault(entry.decode_node_id, OrderedDict())
+            queue[(entry.decode_engine_id, entry.request_id)] = None
+            while len(queue) > MAX_QUEUED_RELEASES:
+                queue.popitem(last=False)
+        ref = key[0]
+        members = self._refs.get(ref)
+        if members is not None:
+            members.pop(key[1], None)
+            if not members:
+                del self._refs[ref]
+                bucket_key = (ref.scope, ref.anchor)
+                bucket = self._buckets.get(bucket_key)
+                if bucket is not None:
+                    bucket.pop(ref.slot, None)
+                    if not bucket:
+                        del self._buckets[bucket_key]
         mine = self._by_tenant.get(item.tenant)
         if mine is not None:
-            mine.pop(ref, None)
+            mine.pop(key, None)
             if not mine:
                 del self._by_tenant[item.tenant]
         scoped = self._by_scope.get(ref.scope)
         if scoped is not None:
-            scoped.pop(ref, None)
+            scoped.pop(key, None)
             if not scoped:
                 del self._by_scope[ref.scope]
         return item

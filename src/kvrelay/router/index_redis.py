@@ -6,9 +6,12 @@ load balancer picks, and pulls from the D the entry names.
 
 **Keys** (``ns`` = ``kvrelay:{deployment}``, parts percent-encoded, digests in hex):
 
-* ``{ns}:e:{scope}:{anchor}:{slot}`` – a hash per entry: ``json`` (``entry_to_json``),
-  ``id`` (digest of the entry without its times), ``exp`` (wall-clock expiry, s), ``node``,
-  ``engine``, ``tokens``, and the keys of the sets it is indexed in.
+* ``{ns}:e:{scope}:{anchor}:{slot}:{member}`` – a hash per entry (``member`` =
+  ``entry_identity``: several entries live at one ref): ``json`` (``entry_to_json``), ``id``,
+  ``exp`` (wall-clock expiry, s), ``node``, ``engine``, ``tokens``, ``rid`` (D's request
+  id), ``rel`` (the cause, once D released it), and the keys of the sets it is indexed in.
+* ``{ns}:r:{scope}:{anchor}:{slot}`` – the members of a ref, by when they were stored
+  (at most ``MAX_ENTRIES_PER_REF``; the oldest is pushed out and released).
 * ``{ns}:b:{scope}:{anchor}`` – the slots under an anchor (completions lookups).
 * ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
   an explicit id's latest entry).
@@ -17,6 +20,13 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use (a counter, ``{ns}:seq``,
   so order is exact however fast the calls come): the per-tenant and total caps evict the
   least recently used.
+* ``{ns}:q:{node_id}:{request_id}`` – D's request id to its entry's key (``mark_released``;
+  ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
+  claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
+* ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
+  every entry the index drops but a claim, a released one and ``drop_node``/``drop_engine``
+  queues one in the same script, so whichever replica D syncs with delivers it
+  (``take_releases``).
 
 A chat lookup is one round trip (one script probes every anchor in order); a completions
 lookup that finds a bucket fetches its candidates in the same call. Every set member whose
@@ -44,7 +54,7 @@ import json
 import logging
 import math
 import time
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -56,123 +66,219 @@ from redis.exceptions import RedisError
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import RequestIdentity
 from kvrelay.core.params import KVParamsError, parse_remote_blocks
-from kvrelay.router.index import EntryRef, Found, IndexUnavailable, find_in_bucket
+from kvrelay.core.retention_sync import MAX_ORDERS, Released
+from kvrelay.router.index import (
+    MAX_ENTRIES_PER_REF,
+    MAX_QUEUED_RELEASES,
+    READ_TTL_S,
+    EntryRef,
+    Found,
+    IndexUnavailable,
+    find_in_bucket,
+)
 
 log = logging.getLogger("kvrelay.router")
 
 T = TypeVar("T")
 
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 _MAX_CANDIDATES = 32
+RELEASE_QUEUE_TTL_MS = 600_000
+"""A D that has not synced for this long has lost its queue (its orders are moot by then)."""
 
-# Remove one entry and its index memberships (helper prepended to the scripts).
+# Remove one entry and its index memberships; release == 1 queues a release order for its D
+# request id on its D (unless D released it already). Prepended to the scripts.
 _REMOVE = """
-local function remove(k)
-  local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az')
+local function remove(k, release)
+  local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az', 'rx', 'mem', 'qx',
+                       'rid', 'rel', 'lq', 'engine')
   if f[1] then redis.call('ZREM', f[1], k) end
-  if f[2] then redis.call('SREM', f[2], f[3]) end
+  if f[7] then
+    redis.call('ZREM', f[7], f[8])
+    if f[2] and redis.call('ZCARD', f[7]) == 0 then redis.call('SREM', f[2], f[3]) end
+  end
   if f[4] then redis.call('ZREM', f[4], k) end
   if f[5] then redis.call('ZREM', f[5], k) end
   if f[6] then redis.call('ZREM', f[6], k) end
+  if f[9] and redis.call('GET', f[9]) == k then redis.call('DEL', f[9]) end
+  if release == 1 and f[12] and not f[11] then
+    redis.call('RPUSH', f[12], f[13] .. '\\t' .. f[10])
+    redis.call('LTRIM', f[12], -@MAXQ@, -1)
+    redis.call('PEXPIRE', f[12], @QTTL@)
+  end
   return redis.call('DEL', k)
 end
-"""
+-- the newest entry of a ref set D still holds, else (unless usable) the newest released
+-- one: {key, json, cause or ''}; members whose key expired are cleaned
+local function best(rk, ep, usable)
+  local fallback = nil
+  for _, m in ipairs(redis.call('ZREVRANGE', rk, 0, -1)) do
+    local k = ep .. m
+    local v = redis.call('HMGET', k, 'json', 'rel')
+    if not v[1] then
+      redis.call('ZREM', rk, m)
+    elseif not v[2] then
+      return {k, v[1], ''}
+    elseif not fallback then
+      fallback = {k, v[1], v[2]}
+    end
+  end
+  if usable then return nil end
+  return fallback
+end
+""".replace("@MAXQ@", str(MAX_QUEUED_RELEASES)).replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
-# lookup: KEYS = probe keys (entry keys, or bucket keys when ARGV[i] == 'b'), then the
-# scope's key when ARGV[n+5] == '1' (an explicit id: its latest entry if no probe matches);
-# ARGV[n+1] = entry key prefix, ARGV[n+2] = the LRU counter's key. Returns {i, key, json}
-# for an entry (i = 0: the scope's latest), or {i, bucket, slot1, json1, ...} for the first
-# non-empty bucket.
-_LOOKUP = """
-local n = #ARGV - 5
+# lookup: KEYS = probe keys (ref sets, or bucket keys when ARGV[i] == 'b'), then the scope's
+# key; ARGV[n+1] = the namespace, ARGV[n+2] = the LRU counter's key, ARGV[n+3] = candidates
+# per bucket, ARGV[n+4] == '1' for an explicit id (its latest entry if no probe matches).
+# Returns {i, key, json, cause} for an entry (i = 0: the scope's latest), or
+# {i, bucket, slot1, key1, json1, cause1, ...} for the first non-empty bucket.
+_LOOKUP = _REMOVE + """
+local n = #ARGV - 4
+local ns = ARGV[n + 1]
+local plen = #ns + 3
+local function touch(k)
+  local v = redis.call('HMGET', k, 'tz', 'az')
+  local seq = redis.call('INCR', ARGV[n + 2])
+  if v[1] then redis.call('ZADD', v[1], seq, k) end
+  if v[2] then redis.call('ZADD', v[2], seq, k) end
+end
 for i = 1, n do
+  local tail = string.sub(KEYS[i], plen + 1)
   if ARGV[i] == 'e' then
-    local v = redis.call('HMGET', KEYS[i], 'json', 'tz', 'az')
-    if v[1] then
-      local seq = redis.call('INCR', ARGV[n + 2])
-      if v[2] then redis.call('ZADD', v[2], seq, KEYS[i]) end
-      if v[3] then redis.call('ZADD', v[3], seq, KEYS[i]) end
-      return {i, KEYS[i], v[1]}
+    local hit = best(KEYS[i], ns .. ':e:' .. tail .. ':', false)
+    if hit then
+      touch(hit[1])
+      return {i, hit[1], hit[2], hit[3]}
     end
   else
     local slots = redis.call('SRANDMEMBER', KEYS[i], tonumber(ARGV[n + 3]))
-    if #slots > 0 then
-      local out = {i, KEYS[i]}
-      for _, s in ipairs(slots) do
-        local k = ARGV[n + 1] .. string.sub(KEYS[i], tonumber(ARGV[n + 4])) .. ':' .. s
-        local v = redis.call('HGET', k, 'json')
-        if v then
-          table.insert(out, s)
-          table.insert(out, v)
-        else
-          redis.call('SREM', KEYS[i], s)
-        end
+    local out = {i, KEYS[i]}
+    for _, s in ipairs(slots) do
+      local hit = best(ns .. ':r:' .. tail .. ':' .. s, ns .. ':e:' .. tail .. ':' .. s .. ':',
+                       false)
+      if hit then
+        table.insert(out, s)
+        table.insert(out, hit[1])
+        table.insert(out, hit[2])
+        table.insert(out, hit[3])
+      else
+        redis.call('SREM', KEYS[i], s)
       end
-      if #out > 2 then return out end
     end
+    if #out > 2 then return out end
   end
 end
-if ARGV[n + 5] == '1' then
+if ARGV[n + 4] == '1' then
   local latest = redis.call('ZREVRANGE', KEYS[n + 1], 0, 0)[1]
   if latest then
-    local v = redis.call('HMGET', latest, 'json', 'tz', 'az')
+    local v = redis.call('HMGET', latest, 'json', 'rel')
     if v[1] then
-      local seq = redis.call('INCR', ARGV[n + 2])
-      if v[2] then redis.call('ZADD', v[2], seq, latest) end
-      if v[3] then redis.call('ZADD', v[3], seq, latest) end
-      return {0, latest, v[1]}
+      touch(latest)
+      return {0, latest, v[1], v[2] or ''}
     end
   end
 end
 return {}
 """
 
-# put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru, LRU counter.
-# ARGV = json, id, exp (wall s), node, engine, tokens, ttl ms, slot, (unused), tenant cap,
-# total cap, node-set score (exp ms). Returns {evicted, total size}.
+# put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru, LRU counter, ref set,
+# request key (D's request id -> entry key), D's release queue. ARGV = json, id, exp (wall s),
+# node, engine, tokens, ttl ms, slot, member, tenant cap, total cap, node-set score (exp ms),
+# D request id, per-ref cap. Returns {evicted for capacity, total size, pushed out of the ref}.
 _PUT = _REMOVE + """
-if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1]) end
+if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1], 0) end
 redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'node', ARGV[4],
            'engine', ARGV[5], 'tokens', ARGV[6], 'nx', KEYS[2], 'bk', KEYS[3], 'slot', ARGV[8],
-           'sx', KEYS[4], 'tz', KEYS[5], 'az', KEYS[6])
+           'sx', KEYS[4], 'tz', KEYS[5], 'az', KEYS[6], 'rx', KEYS[8], 'mem', ARGV[9],
+           'qx', KEYS[9], 'rid', ARGV[13], 'lq', KEYS[10])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
+local prior = redis.call('GET', KEYS[9])
+if prior and string.sub(prior, 1, 1) == '!' then
+  local tab = string.find(prior, '\t', 1, true)
+  if tab and string.sub(prior, 2, tab - 1) == ARGV[5] then
+    redis.call('HSET', KEYS[1], 'rel', string.sub(prior, tab + 1))
+  end
+end
 redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
 redis.call('SADD', KEYS[3], ARGV[8])
 local seq = redis.call('INCR', KEYS[7])
 redis.call('ZADD', KEYS[4], seq, KEYS[1])
 redis.call('ZADD', KEYS[5], seq, KEYS[1])
 redis.call('ZADD', KEYS[6], seq, KEYS[1])
-for i = 2, 6 do
+redis.call('ZADD', KEYS[8], seq, ARGV[9])
+redis.call('SET', KEYS[9], KEYS[1], 'PX', ARGV[7])
+for _, i in ipairs({2, 3, 4, 5, 6, 8}) do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then
     redis.call('PEXPIRE', KEYS[i], ARGV[7])
   end
 end
+local prefix = string.sub(KEYS[1], 1, #KEYS[1] - #ARGV[9])
+local overflow = 0
+while redis.call('ZCARD', KEYS[8]) > tonumber(ARGV[14]) do
+  local old = redis.call('ZRANGE', KEYS[8], 0, 0)[1]
+  redis.call('ZREM', KEYS[8], old)
+  overflow = overflow + remove(prefix .. old, 1)
+end
 local evicted = 0
 while redis.call('ZCARD', KEYS[5]) > tonumber(ARGV[10]) do
   local old = redis.call('ZPOPMIN', KEYS[5])[1]
-  evicted = evicted + remove(old)
+  evicted = evicted + remove(old, 1)
 end
 while redis.call('ZCARD', KEYS[6]) > tonumber(ARGV[11]) do
   local old = redis.call('ZPOPMIN', KEYS[6])[1]
-  evicted = evicted + remove(old)
+  evicted = evicted + remove(old, 1)
 end
-return {evicted, redis.call('ZCARD', KEYS[6])}
+return {evicted, redis.call('ZCARD', KEYS[6]), overflow}
 """
 
-# claim / conditional drop: remove only if the stored entry is the expected one.
+# claim: KEYS = the entry's key, its ref set; ARGV = id, exp (wall s), tolerance, the entry
+# key prefix of the ref, how long the read it starts may last (ms; '{request key}:r').
+# Removes the entry if it is still the expected one and D holds it, else another entry of
+# the ref D holds, and marks its read in progress; returns {key, json, '1' if it was the
+# expected one else '0'} of what it removed, or {}.
 _CLAIM = _REMOVE + """
+local function reading(k)
+  local q = redis.call('HGET', k, 'qx')
+  if q then redis.call('SET', q .. ':r', '1', 'PX', ARGV[5]) end
+end
+local cur = redis.call('HMGET', KEYS[1], 'id', 'exp', 'rel', 'json')
+if cur[1] and cur[1] == ARGV[1] and not cur[3]
+    and math.abs(tonumber(cur[2]) - tonumber(ARGV[2])) <= tonumber(ARGV[3]) then
+  reading(KEYS[1])
+  remove(KEYS[1], 0)
+  return {KEYS[1], cur[4], '1'}
+end
+local hit = best(KEYS[2], ARGV[4], true)
+if hit then
+  reading(hit[1])
+  remove(hit[1], 0)
+  return {hit[1], hit[2], '0'}
+end
+return {}
+"""
+
+# conditional drop: KEYS = the entry's key; ARGV = id, exp, tolerance, release (1/0).
+_DROP_ONE = _REMOVE + """
 local cur = redis.call('HMGET', KEYS[1], 'id', 'exp')
 if not cur[1] or cur[1] ~= ARGV[1] then return 0 end
 if math.abs(tonumber(cur[2]) - tonumber(ARGV[2])) > tonumber(ARGV[3]) then return 0 end
-return remove(KEYS[1])
+return remove(KEYS[1], tonumber(ARGV[4]))
 """
 
-_DROP = _REMOVE + """
-return remove(KEYS[1])
+# every entry of a ref: KEYS = the ref set; ARGV = the entry key prefix, release (1/0).
+_DROP_REF = _REMOVE + """
+local n = 0
+for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
+  n = n + remove(ARGV[1] .. m, tonumber(ARGV[2]))
+end
+redis.call('DEL', KEYS[1])
+return n
 """
 
 # drop every member of a sorted set of entries whose node/engine match (ARGV[1] node or '',
-# ARGV[2] engine or ''); members whose key expired are cleaned.
+# ARGV[2] engine or ''), releasing each when ARGV[3] == '1'; members whose key expired are
+# cleaned.
 _DROP_SET = _REMOVE + """
 local n = 0
 for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
@@ -180,22 +286,75 @@ for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   if not cur[1] then
     redis.call('ZREM', KEYS[1], m)
   elseif (ARGV[1] == '' or cur[1] == ARGV[1]) and (ARGV[2] == '' or cur[2] == ARGV[2]) then
-    n = n + remove(m)
+    n = n + remove(m, tonumber(ARGV[3]))
   end
 end
 return n
 """
 
-# retained tokens of the live entries of the node sets in KEYS (expiry > ARGV[1] ms).
+# retained tokens of the live entries D still holds, per node set in KEYS (expiry > ARGV[1]
+# ms; members expired before ARGV[2] are cleaned).
 _RETAINED = """
 local out = {}
 for i = 1, #KEYS do
   redis.call('ZREMRANGEBYSCORE', KEYS[i], '-inf', ARGV[2])
   local total = 0
   for _, m in ipairs(redis.call('ZRANGEBYSCORE', KEYS[i], ARGV[1], '+inf')) do
-    total = total + (tonumber(redis.call('HGET', m, 'tokens')) or 0)
+    local v = redis.call('HMGET', m, 'tokens', 'rel')
+    if not v[2] then total = total + (tonumber(v[1]) or 0) end
   end
   table.insert(out, total)
+end
+return out
+"""
+
+# D released these: KEYS = request keys, ARGV[1] = D's engine id, ARGV[1 + i] = the cause of
+# KEYS[i]. Marks each entry (of that engine) released; returns how many. A request with no
+# entry yet (D's sync came before the turn committed) gets a marker ('!engine<TAB>cause')
+# that put turns into a released entry.
+_MARK_RELEASED = """
+local n = 0
+for i = 1, #KEYS do
+  local k = redis.call('GET', KEYS[i])
+  if k and string.sub(k, 1, 1) ~= '!' then
+    local v = redis.call('HMGET', k, 'engine', 'rel')
+    if v[1] == ARGV[1] and (not v[2] or v[2] == 'releasing') then
+      redis.call('HSET', k, 'rel', ARGV[i + 1])
+      n = n + 1
+    end
+  else
+    redis.call('SET', KEYS[i], '!' .. ARGV[1] .. '\t' .. ARGV[i + 1], 'PX', @QTTL@)
+  end
+end
+return n
+""".replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
+
+# D asks to free these: KEYS = request keys, ARGV[1] = D's engine id. Marks them released
+# ('releasing', as _MARK_RELEASED) and returns the (1-based) indexes no read is running for.
+_RELEASE_REQUESTED = """
+local out = {}
+for i = 1, #KEYS do
+  local k = redis.call('GET', KEYS[i])
+  if not k or string.sub(k, 1, 1) == '!' then
+    redis.call('SET', KEYS[i], '!' .. ARGV[1] .. '\treleasing', 'PX', @QTTL@)
+  else
+    local v = redis.call('HMGET', k, 'engine', 'rel')
+    if v[1] == ARGV[1] and not v[2] then redis.call('HSET', k, 'rel', 'releasing') end
+  end
+  if redis.call('EXISTS', KEYS[i] .. ':r') == 0 then table.insert(out, i) end
+end
+return out
+""".replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
+
+# the release orders queued for D: KEYS = D's queue; ARGV = D's engine id, how many at most.
+# Orders for another engine (D restarted: those blocks are gone) are discarded.
+_TAKE_RELEASES = """
+local items = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
+local out = {}
+if not items then return out end
+local p = ARGV[1] .. '\\t'
+for _, it in ipairs(items) do
+  if string.sub(it, 1, #p) == p then table.insert(out, string.sub(it, #p + 1)) end
 end
 return out
 """
@@ -232,9 +391,12 @@ def entry_to_json(entry: ConversationEntry, *, wall_offset_s: float) -> str:
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
-def entry_from_json(text: str | bytes, *, wall_offset_s: float) -> ConversationEntry:
-    """Inverse of ``entry_to_json`` (times back on the local clock); ``EntryFormatError``
-    for anything else."""
+def entry_from_json(
+    text: str | bytes, *, wall_offset_s: float, released: str | None = None
+) -> ConversationEntry:
+    """Inverse of ``entry_to_json`` (times back on the local clock; ``released``: the cause
+    stored beside the JSON once D released the entry); ``EntryFormatError`` for anything
+    else."""
     try:
         doc = json.loads(text)
         if doc["v"] != FORMAT_VERSION:
@@ -250,6 +412,7 @@ def entry_from_json(text: str | bytes, *, wall_offset_s: float) -> ConversationE
             conversation=_typed(doc["conversation"], str),
             num_bytes=_typed(doc["num_bytes"], int),
             block_size=None if block_size is None else _typed(block_size, int),
+            released=released or None,
         )
     except EntryFormatError:
         raise
@@ -269,7 +432,8 @@ class RedisIndex:
 
     ``clock`` is this replica's router clock, ``wall_clock`` the clock shared between hosts
     (tests pass one that moves with their manual clock). ``len()`` and ``retained_tokens``
-    are the last values this replica saw (``refresh`` updates the latter).
+    are the last values this replica saw (``refresh`` updates the latter). ``on_evict``
+    counts what the caps pushed out (``capacity``, ``overflow``) by reason.
     """
 
     def __init__(
@@ -283,12 +447,16 @@ class RedisIndex:
         expired_retention_s: float = 300.0,
         max_entries: int = 100_000,
         max_per_tenant: int | None = None,
+        max_per_ref: int = MAX_ENTRIES_PER_REF,
         claim_tolerance_s: float = 0.05,
         on_error: Callable[[str], None] | None = None,
+        on_evict: Callable[[str, int], None] | None = None,
         log_interval_s: float = 10.0,
     ) -> None:
         if timeout_s <= 0:
             raise ValueError("timeout_s must be positive")
+        if max_per_ref < 1:
+            raise ValueError("max_per_ref must be >= 1")
         self._client = client
         self._ns = f"kvrelay:{quote(deployment, safe='')}"
         self._clock = clock
@@ -297,8 +465,10 @@ class RedisIndex:
         self._retention = expired_retention_s
         self._max = max_entries
         self._max_tenant = min(max_per_tenant or max_entries, max_entries)
+        self._max_ref = max_per_ref
         self._tolerance = claim_tolerance_s
         self._on_error = on_error
+        self._on_evict = on_evict
         self._log_interval = log_interval_s
         self._next_log = 0.0
         self._failures_unlogged = 0
@@ -309,9 +479,13 @@ class RedisIndex:
         self._lookup = client.register_script(_LOOKUP)
         self._put = client.register_script(_PUT)
         self._claim = client.register_script(_CLAIM)
-        self._drop = client.register_script(_DROP)
+        self._drop_one = client.register_script(_DROP_ONE)
+        self._drop_ref = client.register_script(_DROP_REF)
         self._drop_set = client.register_script(_DROP_SET)
         self._retained_script = client.register_script(_RETAINED)
+        self._mark_released = client.register_script(_MARK_RELEASED)
+        self._take_releases = client.register_script(_TAKE_RELEASES)
+        self._release_requested = client.register_script(_RELEASE_REQUESTED)
 
     @classmethod
     def from_url(cls, url: str, *, timeout_s: float = 0.05, **kwargs: Any) -> RedisIndex:
@@ -334,17 +508,26 @@ class RedisIndex:
 
     # -- keys -------------------------------------------------------------------------------
 
-    def entry_key(self, ref: EntryRef) -> str:
-        return f"{self._ns}:e:{ref.scope.hex()}:{ref.anchor.hex()}:{ref.slot.hex()}"
+    def _ref_tail(self, ref: EntryRef) -> str:
+        return f"{ref.scope.hex()}:{ref.anchor.hex()}:{ref.slot.hex()}"
+
+    def entry_key(self, ref: EntryRef, entry: ConversationEntry) -> str:
+        return f"{self._entry_prefix(ref)}{entry_identity(entry)}"
+
+    def _entry_prefix(self, ref: EntryRef) -> str:
+        return f"{self._ns}:e:{self._ref_tail(ref)}:"
+
+    def ref_key(self, ref: EntryRef) -> str:
+        return f"{self._ns}:r:{self._ref_tail(ref)}"
 
     def _scope_key(self, scope: bytes) -> str:
         return f"{self._ns}:s:{scope.hex()}"
 
     def _ref_of(self, key: str) -> EntryRef | None:
         """The ref an entry key names (``entry_key`` inverted)."""
-        parts = key.rsplit(":", 3)
+        parts = key.rsplit(":", 4)
         try:
-            return EntryRef(*(bytes.fromhex(p) for p in parts[1:]))
+            return EntryRef(*(bytes.fromhex(p) for p in parts[1:4]))
         except ValueError:
             return None
 
@@ -353,6 +536,12 @@ class RedisIndex:
 
     def node_set(self, node_id: str) -> str:
         return f"{self._ns}:node:{quote(node_id, safe='')}"
+
+    def _request_key(self, node_id: str, request_id: str) -> str:
+        return f"{self._ns}:q:{quote(node_id, safe='')}:{quote(request_id, safe='')}"
+
+    def release_queue(self, node_id: str) -> str:
+        return f"{self._ns}:rel:{quote(node_id, safe='')}"
 
     def _tenant_lru(self, tenant: str) -> str:
         return f"{self._ns}:t:{quote(tenant, safe='')}"
@@ -366,38 +555,39 @@ class RedisIndex:
         kinds: list[str] = []
         for probe in identity.probes:
             if probe.continuation is not None:
-                keys.append(self.entry_key(
+                keys.append(self.ref_key(
                     EntryRef(identity.scope, probe.anchor, probe.continuation.slot())))
                 kinds.append("e")
             else:
                 keys.append(self._bucket(identity.scope, probe.anchor))
                 kinds.append("b")
-        prefix = f"{self._ns}:e:"
         result = await self._call("get", self._lookup(
             keys=[*keys, self._scope_key(identity.scope)],
-            args=[*kinds, prefix, f"{self._ns}:seq", _MAX_CANDIDATES,
-                  len(f"{self._ns}:b:") + 1, "1" if identity.explicit else "0"],
+            args=[*kinds, self._ns, f"{self._ns}:seq", _MAX_CANDIDATES,
+                  "1" if identity.explicit else "0"],
         ))
         if not result:
             return None
         offset = self._offset()
         if int(result[0]) == 0:
-            latest = self._decode(result[2], offset)
+            latest = self._decode(result[2], offset, result[3])
             ref = self._ref_of(result[1])
             return None if latest is None or ref is None else Found(ref, latest, None)
         probe = identity.probes[int(result[0]) - 1]
         if kinds[int(result[0]) - 1] == "e":
-            entry = self._decode(result[2], offset)
+            entry = self._decode(result[2], offset, result[3])
             if entry is None:
                 return None
             assert probe.continuation is not None
             ref = EntryRef(identity.scope, probe.anchor, probe.continuation.slot())
             return Found(ref, entry, probe)
-        candidates = {bytes.fromhex(result[i]): result[i + 1] for i in range(2, len(result), 2)}
+        candidates = {bytes.fromhex(result[i]): (result[i + 2], result[i + 3])
+                      for i in range(2, len(result), 4)}
         slot = find_in_bucket(identity, probe, candidates)
         if slot is None:
             return None
-        entry = self._decode(candidates[slot], offset)
+        raw, released = candidates[slot]
+        entry = self._decode(raw, offset, released)
         if entry is None:
             return None
         return Found(EntryRef(identity.scope, probe.anchor, slot), entry, probe)
@@ -409,38 +599,99 @@ class RedisIndex:
             return
         expires_wall = entry.expires_at_s + offset
         node = entry.decode_node_id
+        member = entry_identity(entry)
         result = await self._quiet("put", self._put(
-            keys=[self.entry_key(ref), self.node_set(node),
+            keys=[self._entry_prefix(ref) + member, self.node_set(node),
                   self._bucket(ref.scope, ref.anchor), self._scope_key(ref.scope),
-                  self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq"],
-            args=[entry_to_json(entry, wall_offset_s=offset), entry_identity(entry),
+                  self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq",
+                  self.ref_key(ref), self._request_key(node, entry.request_id),
+                  self.release_queue(node)],
+            args=[entry_to_json(entry, wall_offset_s=offset), member,
                   repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
-                  ref.slot.hex(), self._now_ms(), self._max_tenant, self._max,
-                  math.floor(expires_wall * 1000)],
+                  ref.slot.hex(), member, self._max_tenant, self._max,
+                  math.floor(expires_wall * 1000), entry.request_id, self._max_ref],
         ), None)
         self._nodes_seen.add(node)
         if result is not None:
             self._size = int(result[1])
+            if self._on_evict is not None:
+                for reason, count in (("capacity", int(result[0])), ("overflow", int(result[2]))):
+                    if count:
+                        self._on_evict(reason, count)
 
-    async def claim(self, ref: EntryRef, entry: ConversationEntry) -> bool:
-        return await self._compare_remove("claim", ref, entry)
+    async def claim(self, ref: EntryRef, entry: ConversationEntry) -> ConversationEntry | None:
+        expires_wall = entry.expires_at_s + self._offset()
+        result = await self._quiet("claim", self._claim(
+            keys=[self.entry_key(ref, entry), self.ref_key(ref)],
+            args=[entry_identity(entry), repr(expires_wall), repr(self._tolerance),
+                  self._entry_prefix(ref), math.ceil(READ_TTL_S * 1000)],
+        ), None)
+        if not result:
+            return None
+        if result[2] == "1":
+            return entry
+        try:
+            return entry_from_json(result[1], wall_offset_s=self._offset())
+        except EntryFormatError as exc:
+            self._failed("decode", exc, outage=False)
+            return None
 
-    async def drop(self, ref: EntryRef, entry: ConversationEntry | None = None) -> bool:
-        if entry is not None:
-            return await self._compare_remove("drop", ref, entry)
-        return bool(await self._quiet("drop", self._drop(keys=[self.entry_key(ref)]), 0))
+    async def drop(
+        self, ref: EntryRef, entry: ConversationEntry | None = None, *, release: bool = True
+    ) -> bool:
+        flag = 1 if release else 0
+        if entry is None:
+            return bool(await self._quiet("drop", self._drop_ref(
+                keys=[self.ref_key(ref)], args=[self._entry_prefix(ref), flag]), 0))
+        expires_wall = entry.expires_at_s + self._offset()
+        return bool(await self._quiet("drop", self._drop_one(
+            keys=[self.entry_key(ref, entry)],
+            args=[entry_identity(entry), repr(expires_wall), repr(self._tolerance), flag],
+        ), 0))
 
     async def drop_scope(self, scope: bytes) -> int:
         key = self._scope_key(scope)
-        return int(await self._quiet("drop", self._drop_set(keys=[key], args=["", ""]), 0))
+        return int(await self._quiet("drop", self._drop_set(keys=[key], args=["", "", 1]), 0))
 
     async def drop_node(self, node_id: str) -> int:
         return int(await self._quiet("drop_node", self._drop_set(
-            keys=[self.node_set(node_id)], args=[node_id, ""]), 0))
+            keys=[self.node_set(node_id)], args=[node_id, "", 0]), 0))
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int:
         return int(await self._quiet("drop_engine", self._drop_set(
-            keys=[self.node_set(node_id)], args=[node_id, engine_id]), 0))
+            keys=[self.node_set(node_id)], args=[node_id, engine_id, 0]), 0))
+
+    async def mark_released(
+        self, node_id: str, engine_id: str, released: Iterable[Released]
+    ) -> int:
+        items = list(released)
+        if not items:
+            return 0
+        return int(await self._quiet("release", self._mark_released(
+            keys=[self._request_key(node_id, r.request_id) for r in items],
+            args=[engine_id, *(r.cause for r in items)],
+        ), 0))
+
+    async def release_requested(
+        self, node_id: str, engine_id: str, request_ids: Iterable[str]
+    ) -> tuple[str, ...]:
+        ids = list(request_ids)
+        if not ids:
+            return ()
+        result = await self._quiet("release", self._release_requested(
+            keys=[self._request_key(node_id, i) for i in ids], args=[engine_id]), None)
+        return tuple(ids[int(i) - 1] for i in result or ())
+
+    async def read_done(self, node_id: str, request_id: str) -> None:
+        await self._quiet("release", self._client.delete(
+            self._request_key(node_id, request_id) + ":r"), None)
+
+    async def take_releases(
+        self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
+    ) -> tuple[str, ...]:
+        result = await self._quiet("release", self._take_releases(
+            keys=[self.release_queue(node_id)], args=[engine_id, limit]), None)
+        return tuple(result or ())
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]:
         return dict(self._retained)
@@ -466,23 +717,15 @@ class RedisIndex:
     def _now_ms(self) -> int:
         return math.floor(self._wall() * 1000)
 
-    def _decode(self, raw: str, offset: float) -> ConversationEntry | None:
+    def _decode(self, raw: str, offset: float, released: str = "") -> ConversationEntry | None:
         try:
-            entry = entry_from_json(raw, wall_offset_s=offset)
+            entry = entry_from_json(raw, wall_offset_s=offset, released=released or None)
         except EntryFormatError as exc:
             self._failed("decode", exc, outage=False)
             return None
         if self._clock() >= entry.expires_at_s + self._retention:
             return None
         return entry
-
-    async def _compare_remove(self, op: str, ref: EntryRef, entry: ConversationEntry) -> bool:
-        expires_wall = entry.expires_at_s + self._offset()
-        done = await self._quiet(op, self._claim(
-            keys=[self.entry_key(ref)],
-            args=[entry_identity(entry), repr(expires_wall), repr(self._tolerance)],
-        ), 0)
-        return bool(done)
 
     async def _call(self, op: str, call: Awaitable[T]) -> T:
         """Await one Redis call within the timeout; ``IndexUnavailable`` if it fails."""

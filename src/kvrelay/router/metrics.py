@@ -27,6 +27,18 @@ Names (all prefixed ``kvrelay_router_``):
   ``expired_unused_token_seconds_total`` – retention nobody read: tokens x seconds of
   entries that expired unused; ``turn_gap_seconds`` – time from a conversation's previous
   turn (its entry's creation) to the next turn (histogram).
+* D's retention, from D's own syncs (``router.retention``): ``d_retained_requests{node}``,
+  ``d_retained_blocks{node}``, ``d_retained_tokens{node}``, ``d_retained_bytes{node}``,
+  ``d_free_blocks{node}``, ``d_total_blocks{node}`` (gauges) and
+  ``d_releases_total{node,cause}`` (D's count since it started: ``pressure``, ``router``,
+  ``expired``); the router's side: ``retention_syncs_total{outcome}`` (``ok``,
+  ``invalid``, ``unknown_engine``), ``retention_releases_seen_total{node,cause}`` (releases
+  the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
+  released), ``release_orders_total{node}`` (orders delivered to D),
+  ``release_requests_total{node,answer}`` (turns D asked to free: ``dropped``, or
+  ``reading`` while a P leg reads them);
+  ``retain_time_decisions_total{reason}`` (``prior``, ``learned``, ``headroom``) and
+  ``retain_seconds`` (histogram): the per-turn retention times sent to D.
 * ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out
   (``get``, ``put``, ``claim``, ``drop``, ``drop_node``, ``drop_engine``, ``decode``).
 * ``in_flight`` – generation requests in flight (streams until their end);
@@ -36,13 +48,15 @@ Names (all prefixed ``kvrelay_router_``):
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from prometheus_client.registry import Collector
+
+from kvrelay.core.retention_sync import RetentionSync
 
 _P = "kvrelay_router_"
 _LATENCY_BUCKETS = (
@@ -128,7 +142,36 @@ class RouterMetrics:
             _P + "turn_gap_seconds", "Time from a conversation's previous turn to the next",
             buckets=_GAP_BUCKETS, registry=r,
         )
+        self.retention_syncs = Counter(
+            _P + "retention_syncs_total", "D retention syncs received, by outcome",
+            ["outcome"], registry=r,
+        )
+        self.releases_seen = Counter(
+            _P + "retention_releases_seen_total", "Releases D's syncs told of, by D and cause",
+            ["node", "cause"], registry=r,
+        )
+        self.entries_released = Counter(
+            _P + "entries_released_total", "Entries marked released by D's syncs",
+            ["node"], registry=r,
+        )
+        self.release_requests = Counter(
+            _P + "release_requests_total", "Turns D asked to free itself, by the router's "
+            "answer (dropped: D may free it; reading: a P leg reads it)", ["node", "answer"],
+            registry=r,
+        )
+        self.release_orders = Counter(
+            _P + "release_orders_total", "Release orders delivered to D", ["node"], registry=r,
+        )
+        self.retain_decisions = Counter(
+            _P + "retain_time_decisions_total", "Per-turn retention times sent to D, by where "
+            "they came from", ["reason"], registry=r,
+        )
+        self.retain_seconds = Histogram(
+            _P + "retain_seconds", "Per-turn retention times sent to D (kvrelay_retain_s)",
+            buckets=_GAP_BUCKETS, registry=r,
+        )
         self._retained: _Retained | None = None
+        self._d_retention: _DRetention | None = None
         self._children: dict[tuple[object, ...], Any] = {}
 
     def track_retained_tokens(self, read: Callable[[], Mapping[str, int]]) -> None:
@@ -136,6 +179,12 @@ class RouterMetrics:
         if self._retained is None:
             self._retained = _Retained(read)
             self.registry.register(self._retained)
+
+    def track_d_retention(self, read: Callable[[], Sequence[tuple[str, RetentionSync]]]) -> None:
+        """Make the ``d_*`` retention gauges read each D's latest sync at scrape time."""
+        if self._d_retention is None:
+            self._d_retention = _DRetention(read)
+            self.registry.register(self._d_retention)
 
     def child(self, metric: Counter | Histogram, *labels: str) -> Any:
         """``metric.labels(*labels)``, cached: prometheus_client's lookup takes a lock and
@@ -181,3 +230,36 @@ class _Retained(Collector):
         for node, tokens in sorted(self._read().items()):
             family.add_metric([node], float(tokens))
         yield family
+
+
+class _DRetention(Collector):
+    """D's own retention numbers, from its latest sync with this router."""
+
+    def __init__(self, read: Callable[[], Sequence[tuple[str, RetentionSync]]]) -> None:
+        self._read = read
+
+    def collect(self) -> Iterator[Metric]:
+        gauges: dict[str, tuple[str, Callable[[RetentionSync], int]]] = {
+            "d_retained_requests": ("Finished requests D retains for a P to read",
+                                    lambda s: s.retained_requests),
+            "d_retained_blocks": ("KV blocks D retains", lambda s: s.retained_blocks),
+            "d_retained_tokens": ("Tokens D retains", lambda s: s.retained_tokens),
+            "d_retained_bytes": ("KV bytes D retains", lambda s: s.retained_bytes),
+            "d_free_blocks": ("Free KV blocks on D", lambda s: s.num_blocks_free),
+            "d_total_blocks": ("KV blocks on D", lambda s: s.num_blocks_total),
+        }
+        syncs = list(self._read())
+        for name, (help_text, value) in gauges.items():
+            family = GaugeMetricFamily(_P + name, help_text + " (D's own count)",
+                                       labels=["node"])
+            for node, sync in syncs:
+                family.add_metric([node], float(value(sync)))
+            yield family
+        releases = CounterMetricFamily(
+            _P + "d_releases", "Retained turns D released before a P read them, by cause "
+            "(D's count since it started)", labels=["node", "cause"],
+        )
+        for node, sync in syncs:
+            for cause, count in sorted(sync.releases_total.items()):
+                releases.add_metric([node, cause], float(count))
+        yield releases

@@ -1,7 +1,11 @@
 """The router's live view of its nodes: up/down, engine ids, capabilities, load, costs, health.
 
 A node starts *up* (routable) and goes down after ``health_failures_to_down`` failed health
-checks in a row (the background loop), or at once when a request cannot connect to it.
+checks in a row (the background loop), or at once when a request cannot connect to it. A
+check that times out does not count against a node that completed a request for this router
+since the check before it began: the node is busy (one client's huge prompt), not down, and
+marking it down would drop every entry it holds. Refused connections and non-200 answers
+always count.
 Going down drops every entry the node holds (``index.drop_node``): a node that was down may
 have lost its blocks. A passing check brings it back. ``/health`` reads the last known state;
 only the loop and real request failures change it. A node's 4xx answers are the client's
@@ -18,10 +22,14 @@ another replica wrote after this router last saw the node.
 
 Capabilities, learned from the params a node returns: a P whose answers carry
 ``kvrelay_guard`` verifies pulls itself; a D whose retained params (in its answers or in a
-checked report) carry a fingerprint needs no ``return_token_ids``.
+checked report) carry a fingerprint needs no ``return_token_ids``, and one whose retained
+params carry ``kvrelay_guard`` runs kvrelay's connector: it syncs its retention with the
+router (``router.retention``).
 
 Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight.
-``CostEstimates`` are kept per P node: its prefill rate and the rate it pulls KV from any D.
+``CostEstimates`` are kept per P node: its prefill line and the line of its pulls from any D,
+starting at ``RouterConfig.costs`` (else the priors); ``set_costs`` is how the P step
+replaces them with what it learned (it does not when ``learn_costs`` is off).
 """
 
 from __future__ import annotations
@@ -53,11 +61,16 @@ class _Node:
     report_identity: tuple[str, str, int] | None = None
     verifies_pulls: bool = False
     fingerprints: bool = False
+    retains: bool | None = None
+    """Whether D runs kvrelay's connector (its params carry ``kvrelay_guard``); ``None``
+    until D's first answer."""
     param_streams: frozenset[str] = frozenset()
     block_size: int | None = None
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     failures: int = 0
+    answers: int = 0
+    answers_at_check: int = 0
     last_error: str | None = None
     costs: CostEstimates = field(default_factory=CostEstimates)
 
@@ -91,7 +104,10 @@ class NodeRegistry:
         self._upstream = upstream
         self._index = index
         self._metrics = metrics
-        self._nodes = {n.node_id: _Node(n, block_size=n.block_size) for n in config.nodes}
+        start = (CostEstimates.from_lines(config.costs) if config.costs is not None
+                 else CostEstimates())
+        self._nodes = {n.node_id: _Node(n, block_size=n.block_size, costs=start)
+                       for n in config.nodes}
         self._order = [n.node_id for n in config.nodes]
         self._drained: set[str] = set()
         for node in self._nodes.values():
@@ -150,6 +166,25 @@ class NodeRegistry:
         mode = self._config.guard
         return mode == "connector" or (mode == "auto" and self._nodes[node_id].fingerprints)
 
+    def manages_retention(self, node_id: str) -> bool:
+        """Whether D runs kvrelay's connector (its retained params carry ``kvrelay_guard``,
+        or ``guard=connector`` says so), so it accounts retention, syncs it with the router
+        and reads ``kvrelay_retain_s``. A D not heard from yet counts as one: its first turn
+        then carries the keys too (a stock D ignores them), so the turn is D's to release
+        under pressure like every later one."""
+        mode = self._config.guard
+        return mode == "connector" or (mode == "auto" and self._nodes[node_id].retains
+                                       is not False)
+
+    def decode_node_for_engine(self, engine_id: str) -> str | None:
+        """The D whose current engine id (``trusted_identity``) is ``engine_id``, if any."""
+        for node_id in self._order:
+            node = self._nodes[node_id]
+            if node.config.role == "decode" and engine_id \
+                    and self.trusted_identity(node_id)[0] == engine_id:
+                return node_id
+        return None
+
     def streams_params(self, node_id: str, family: str = "chunks") -> bool:
         """Whether D's last stream of a ``family`` of APIs (``ApiAdapter.stream_family``)
         ended with its params on the final event (vLLM >= 0.33 chat): then its streams need
@@ -185,6 +220,7 @@ class NodeRegistry:
         committed)."""
         node = self._nodes[node_id]
         node.fingerprints = blocks.fingerprint is not None
+        node.retains = blocks.guard_version is not None
         if node.engine_id is None and node.report_identity is None:
             node.report_identity = (blocks.engine_id, blocks.host, blocks.port)
 
@@ -207,6 +243,7 @@ class NodeRegistry:
             node.verifies_pulls = blocks.guard_version is not None
         else:
             node.fingerprints = blocks.fingerprint is not None
+            node.retains = blocks.guard_version is not None
             node.side_channel = (blocks.host, blocks.port)
             if blocks.block_size is not None and node.config.block_size is None:
                 node.block_size = blocks.block_size
@@ -278,6 +315,8 @@ class NodeRegistry:
     async def check(self, node_id: str) -> bool:
         """One ``GET /health``; updates up/down; returns whether the node answered 200."""
         node = self._nodes[node_id]
+        answered_before, node.answers_at_check = node.answers_at_check, node.answers
+        busy = False
         try:
             answer = await self._upstream.get(
                 node.config, "/health", timeout_s=self._config.health_timeout_s
@@ -285,9 +324,13 @@ class NodeRegistry:
             ok, why = answer.status == 200, f"health answered HTTP {answer.status}"
         except UpstreamError as exc:
             ok, why = False, f"health check failed ({exc.kind})"
+            busy = exc.kind == "timeout" and node.answers > answered_before
         if ok:
             self.mark_up(node_id)
             return True
+        if busy:
+            log.debug("node %s: health check timed out while it answers requests", node_id)
+            return False
         node.failures += 1
         node.last_error = why
         if node.failures >= self._config.health_failures_to_down:
@@ -371,9 +414,11 @@ class _Busy:
         self._node.outstanding_requests += 1
         self._node.outstanding_prefill_tokens += self._tokens
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, kind: object, *exc: object) -> None:
         self._node.outstanding_requests -= 1
         self._node.outstanding_prefill_tokens -= self._tokens
+        if kind is None:
+            self._node.answers += 1
 
 
 def _describe(error: UpstreamError) -> str:
@@ -385,9 +430,10 @@ def _describe(error: UpstreamError) -> str:
 
 def _costs_json(costs: CostEstimates) -> dict[str, object]:
     return {
-        "prefill_s_per_token": costs.prefill.seconds_per_token.value,
-        "prefill_samples": costs.prefill.seconds_per_token.num_samples,
-        "transfer_s_per_token": costs.transfer.seconds_per_token.value,
-        "transfer_overhead_s": costs.transfer.overhead_s.value,
-        "transfer_samples": costs.transfer.seconds_per_token.num_samples,
+        "prefill_s_per_token": costs.prefill.fit.line.s_per_token,
+        "prefill_fixed_s": costs.prefill.fit.line.fixed_s,
+        "prefill_samples": costs.prefill.fit.num_samples,
+        "transfer_s_per_token": costs.transfer.fit.line.s_per_token,
+        "transfer_overhead_s": costs.transfer.fit.line.fixed_s,
+        "transfer_samples": costs.transfer.fit.num_samples,
     }

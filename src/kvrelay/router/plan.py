@@ -71,6 +71,7 @@ class Planner:
                                     entry.created_at_s)
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
+            ctx.retention.observe_gap(req, gap_s)
         if found is not None and not req.adapter.tokenizable \
                 and not ctx.nodes.verifies_pulls(p.node_id):
             found = None  # a stock P, and no /tokenize for this API: no pull can be proven
@@ -80,10 +81,10 @@ class Planner:
         else:
             decision = self._decide(found, prompt, p)
         fate = entry_fate(decision)
-        if found is not None and fate.claim and not await ctx.index.claim(found.ref, found.entry):
-            log.info("turn lost the claim of its entry to a concurrent turn")
-            decision = self._decide(None, prompt, p)
-        elif found is not None and fate.drop and await ctx.index.drop(found.ref, found.entry):
+        if found is not None and fate.claim:
+            found, decision = await self._claim(req, found, decision, prompt, p)
+        elif found is not None and fate.drop and await ctx.index.drop(
+                found.ref, found.entry, release=fate.release):
             if fate.reason == "expired":
                 ctx.metrics.expirations.inc()
             else:
@@ -106,6 +107,28 @@ class Planner:
         )
         ctx.stats.record(turn)
         return turn
+
+    async def _claim(
+        self, req: TurnRequest, found: Found, decision: TurnDecision, prompt: Prompt,
+        p: NodeConfig,
+    ) -> tuple[Found | None, TurnDecision]:
+        """Claim the entry a pull needs. The index may hand over another entry of the same
+        ref (an interchangeable one: the same tokens, maybe another D): decide again on it,
+        and put it back if that is not a pull."""
+        ctx = self._ctx
+        claimed = await ctx.index.claim(found.ref, found.entry)
+        if claimed is None:
+            log.info("turn lost the claim of its entry to a concurrent turn")
+            return found, self._decide(None, prompt, p)
+        if claimed == found.entry:
+            return found, decision
+        other = Found(found.ref, claimed, found.probe)
+        again = self._decide(other, prompt, p)
+        if again.action == "pull":
+            return other, again
+        await ctx.index.put(found.ref, claimed, tenant=req.tenant)
+        await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
+        return found, self._decide(None, prompt, p)
 
     def _decide(self, found: Found | None, prompt: Prompt, p: NodeConfig) -> TurnDecision:
         ctx = self._ctx

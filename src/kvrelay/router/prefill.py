@@ -6,7 +6,13 @@ itself; or already cut by the router in ``/tokenize`` mode), or ``{"do_remote_de
 true}`` (recompute). P answers with its own params for D; the router learns P's engine id,
 whether P runs kvrelay's connector, the exact prompt length, how many tokens P did not
 compute (``remote_prefill_cached_tokens``) and, for a pull, how many P's connector verified;
-and it feeds P's timing to the cost estimates (``core.consequences.learn_prefill``).
+and it feeds P's timing, on the router clock (``ctx.clock``, injectable like every clock),
+to the cost estimates (``core.consequences.learn_prefill``) unless ``learn_costs`` is off
+(fixed costs: no decision then depends on how fast this machine was).
+
+The claimed entry's read ends with the pull (``ConversationIndex.read_done``): when P
+answered, or never received it; a pull P may still be reading (a timeout, a reset, the
+client gone) stays a read in progress, so D is not told it may free those blocks.
 
 A failed P call is retried once on another P (the same one if it is the only P). A pull
 that P never received (connection refused, or a 503) is retried as the same pull, since
@@ -17,7 +23,6 @@ have read D's blocks, which frees them).
 from __future__ import annotations
 
 import logging
-import time
 from dataclasses import dataclass
 
 import msgspec
@@ -61,23 +66,33 @@ class Prefiller:
         node = turn.prefill_node
         if node is None or not ctx.nodes.is_up(node.node_id):
             node = ctx.nodes.choose_prefill()
-        if node is None:
-            raise RouterError(503, "no prefill node is up")
-        for attempt in (0, 1):
-            params = self._pull_params(turn) if pull else _RECOMPUTE
-            try:
-                return await self._once(turn, node, params, pull=pull)
-            except UpstreamError as exc:
-                await ctx.nodes.request_failed(exc)
-                if not prefill_retry(exc.kind, exc.status, attempt):
-                    raise exc.to_router_error("prefill") from exc
-                ctx.metrics.retries.labels("prefill").inc()
-                turn.retries += 1
-                node = ctx.nodes.choose_prefill(frozenset({node.node_id})) or node
-                if pull and params_spent(exc.kind, exc.status):
-                    pull = False
-                    turn.refused = "prefill_failed"
-        raise AssertionError("unreachable")
+        claimed = turn.found.entry if pull and turn.found is not None else None
+        spent = False
+        try:
+            if node is None:
+                raise RouterError(503, "no prefill node is up")
+            for attempt in (0, 1):
+                params = self._pull_params(turn) if pull else _RECOMPUTE
+                try:
+                    return await self._once(turn, node, params, pull=pull)
+                except UpstreamError as exc:
+                    spent = spent or (pull and params_spent(exc.kind, exc.status))
+                    await ctx.nodes.request_failed(exc)
+                    if not prefill_retry(exc.kind, exc.status, attempt):
+                        raise exc.to_router_error("prefill") from exc
+                    ctx.metrics.retries.labels("prefill").inc()
+                    turn.retries += 1
+                    node = ctx.nodes.choose_prefill(frozenset({node.node_id})) or node
+                    if pull and params_spent(exc.kind, exc.status):
+                        pull = False
+                        turn.refused = "prefill_failed"
+                except BaseException:
+                    spent = spent or pull  # cancelled mid-pull: P may still be reading
+                    raise
+            raise AssertionError("unreachable")
+        finally:
+            if claimed is not None and not spent:
+                await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
 
     def _pull_params(self, turn: Turn) -> dict[str, object]:
         """D's retained params as the policy sent them, addressed as P reaches D."""
@@ -94,10 +109,10 @@ class Prefiller:
         ctx = self._ctx
         req = turn.request
         body = req.adapter.prefill_body(req.body, params)
-        started = time.perf_counter()
+        started = ctx.clock()
         with ctx.nodes.busy(node.node_id, turn.prompt_tokens):
             raw = await ctx.upstream.post(node, req.path, body)
-        seconds = time.perf_counter() - started
+        seconds = ctx.clock() - started
         try:
             p_params, prompt = req.adapter.prefill_answer(raw)
             blocks = parse_remote_blocks(p_params)
@@ -120,10 +135,11 @@ class Prefiller:
         log.debug("P %s %s: %d prompt tokens, %d not computed, %.4f s", node.node_id,
                   "pull" if pull else "recompute", turn.prompt_tokens, turn.cached_tokens,
                   seconds)
-        ctx.nodes.set_costs(node.node_id, learn_prefill(
-            ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
-            cached_tokens=turn.cached_tokens, seconds=seconds,
-        ))
+        if ctx.config.learn_costs:
+            ctx.nodes.set_costs(node.node_id, learn_prefill(
+                ctx.nodes.costs(node.node_id), pulled=pull, prompt_tokens=turn.prompt_tokens,
+                cached_tokens=turn.cached_tokens, seconds=seconds,
+            ))
         reused = turn.cached_tokens if pull else 0
         ctx.metrics.tokens(reused, turn.prompt_tokens - reused)
         return Prefilled(node, self._for_decode(node, blocks))

@@ -27,6 +27,7 @@ from kvrelay.router.apis import ADAPTERS
 from kvrelay.router.apis.base import ApiAdapter, ApiRequest
 from kvrelay.router.apis.fields import JsonObject, check_id, encode, load_json
 from kvrelay.router.errors import ClientError
+from kvrelay.router.request_limits import RequestLimits
 
 Endpoint = Literal["chat", "completions", "responses", "messages"]
 PATHS: Mapping[str, str] = {name: a.path for name, a in ADAPTERS.items()}
@@ -89,10 +90,12 @@ def parse_request(
     headers: Mapping[str, str],
     tenant: str,
     session_headers: Sequence[str],
+    limits: RequestLimits | None = None,
 ) -> TurnRequest:
-    """Validate a client request (module docstring); ``ClientError`` if invalid."""
+    """Validate a client request (module docstring); ``ClientError`` if invalid, or if it
+    carries more than ``limits`` allow (checked before anything is digested)."""
     adapter = ADAPTERS[endpoint]
-    body = load_json(raw)
+    body = load_json(raw, limits)
     if not isinstance(body, dict):
         raise ClientError("The request body must be a JSON object")
     if "kv_transfer_params" in body:

@@ -1,19 +1,12 @@
-"""Serving the router with uvicorn: two listeners, request-head limits, slow-client deadlines
-and graceful shutdown.
+"""Serving the router with uvicorn: two listeners, guarded connections and graceful shutdown.
 
 **Listeners.** The public address (``host:port``) and the internal one
 (``internal_host:internal_port``, loopback by default) where D posts its reports; one server,
 one app that dispatches by port (``app.RouterApp``).
 
-**Request heads** are bounded while they are read, before anything else runs (no auth, no
-routing): a request line or header line over ``max_header_line_bytes``, a head over
-``max_header_bytes`` or more than ``max_headers`` header lines get 431 at once. The router
-then stops reading that connection and closes it ``_REJECT_LINGER_S`` later (closing with
-unread input would reset the connection and could destroy the 431 before the client reads
-it), so a client sending a huge header costs at most that many bytes of buffering.
-uvicorn bounds only idle keep-alive connections, so a connection must also deliver a
-complete head within ``header_timeout_s`` of opening or of its previous response (else
-closed); a body has ``body_timeout_s`` (``asgi.read_body``).
+**Connections** (``router.connection``): every request head, pipelined or not, is bounded
+while it is read and due within ``header_timeout_s``; a body has ``body_timeout_s``
+(``asgi.read_body``).
 
 **Graceful shutdown** (``RouterServer``): the first SIGTERM or SIGINT sets the router to
 draining: new public requests get 503 with ``Connection: close`` (``/metrics`` still
@@ -32,183 +25,31 @@ import contextlib
 import gc
 import logging
 import socket
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import replace
 from types import FrameType
 from typing import Any
 
 import uvicorn
 import uvloop
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
+from kvrelay.router import connection
 from kvrelay.router.app import RouterApp
-from kvrelay.router.asgi import DISCONNECT_SCOPE_KEY, DisconnectWatch
 from kvrelay.router.config import RouterConfig
-from kvrelay.router.errors import error_json
 
 log = logging.getLogger("kvrelay.router")
 
 _CUT_GRACE_S = 2.0
-_REJECT_LINGER_S = 2.0
-
-
-class _LingeringTransport:
-    """A transport whose ``close()``, while the peer may still be sending (a request whose
-    body was not read to its end, a rejected head), stops reading and closes
-    ``_REJECT_LINGER_S`` later: closing a socket with unread input resets the connection,
-    and the peer may lose the answer it was about to read (a 413 for a body it is still
-    sending, a 431). Everything else is the wrapped transport's."""
-
-    __slots__ = ("_loop", "_transport", "_unread", "is_closing", "write")
-
-    def __init__(
-        self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop,
-        unread: Callable[[], bool],
-    ) -> None:
-        self._transport = transport
-        self._loop = loop
-        self._unread = unread
-        self.write = transport.write
-        self.is_closing = transport.is_closing
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._transport, name)
-
-    def close(self) -> None:
-        transport = self._transport
-        if transport.is_closing():
-            return
-        if not self._unread():
-            transport.close()
-            return
-        with contextlib.suppress(RuntimeError, OSError):
-            transport.pause_reading()
-        self._loop.call_later(_REJECT_LINGER_S, transport.close)
-
-
-class _GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
-    """uvicorn's httptools protocol plus head limits and a head deadline (module docstring)."""
-
-    header_timeout_s: float = 30.0
-    max_head_bytes: int = 64 * 1024
-    max_line_bytes: int = 8 * 1024
-    max_headers: int = 100
-    _kvrelay_timer: asyncio.TimerHandle | None = None
-    _kvrelay_head: bytearray | None = None
-    _kvrelay_rejected: bool = False
-    _kvrelay_draining: bool = False
-
-    def connection_made(self, transport: Any) -> None:
-        lingering = _LingeringTransport(transport, self.loop, self._kvrelay_unread)
-        super().connection_made(lingering)  # type: ignore[arg-type]
-        self._kvrelay_head = bytearray()
-        self._kvrelay_arm()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._kvrelay_head = bytearray()
-        self._kvrelay_arm()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._kvrelay_disarm()
-        cycle = self.cycle
-        super().connection_lost(exc)
-        if cycle is not None and not cycle.response_complete:
-            watch = cycle.scope.get(DISCONNECT_SCOPE_KEY)
-            if isinstance(watch, DisconnectWatch):
-                watch.disconnected()
-
-    def on_message_begin(self) -> None:
-        super().on_message_begin()
-        self.scope[DISCONNECT_SCOPE_KEY] = True  # type: ignore[literal-required]
-
-    def on_headers_complete(self) -> None:
-        super().on_headers_complete()
-        if self._kvrelay_draining and self.cycle is not None:
-            self.cycle.keep_alive = False
-
-    def shutdown(self) -> None:
-        """The drain begins (``RouterServer.shutdown``). uvicorn closes every connection not
-        serving a request, which also resets one whose client has just connected or has sent
-        part of its next request: that request would be lost rather than answered 503.
-        Close only a kept-alive connection with nothing of a next request in; every other
-        one is served, and closed after its response (``Connection: close``)."""
-        self._kvrelay_draining = True
-        cycle = self.cycle
-        if cycle is not None and cycle.response_complete and not self._kvrelay_head:
-            self.transport.close()
-        elif cycle is not None and not cycle.response_complete:
-            cycle.keep_alive = False
-
-    def data_received(self, data: bytes) -> None:
-        if self._kvrelay_rejected:
-            return
-        if self._kvrelay_head is not None and not self._kvrelay_head_ok(data):
-            return
-        super().data_received(data)
-
-    def _kvrelay_unread(self) -> bool:
-        """Whether the client may still be sending: a rejected head, or a body not read to
-        its end."""
-        cycle = self.cycle
-        return self._kvrelay_rejected or (cycle is not None and bool(cycle.more_body))
-
-    def _kvrelay_head_ok(self, data: bytes) -> bool:
-        head = self._kvrelay_head
-        assert head is not None
-        start = max(0, len(head) - 3)
-        head += data
-        end = head.find(b"\r\n\r\n", start)
-        size = end + 4 if end >= 0 else len(head)
-        lines = bytes(head[: end if end >= 0 else len(head)]).split(b"\r\n")
-        if (
-            size > self.max_head_bytes
-            or len(lines) - 1 > self.max_headers
-            or any(len(line) > self.max_line_bytes for line in lines)
-        ):
-            self._kvrelay_reject()
-            return False
-        if end >= 0:
-            self._kvrelay_head = None
-        return True
-
-    def _kvrelay_reject(self) -> None:
-        self._kvrelay_rejected = True
-        self._kvrelay_head = None
-        self._kvrelay_disarm()
-        body = error_json(431, "Request header fields too large")
-        self.transport.write(
-            b"HTTP/1.1 431 Request Header Fields Too Large\r\ncontent-type: application/json"
-            b"\r\ncontent-length: %d\r\nconnection: close\r\n\r\n" % len(body) + body
-        )
-        self.transport.close()
-
-    def _kvrelay_arm(self) -> None:
-        self._kvrelay_disarm()
-        self._kvrelay_timer = self.loop.call_later(self.header_timeout_s, self._kvrelay_expired)
-
-    def _kvrelay_disarm(self) -> None:
-        if self._kvrelay_timer is not None:
-            self._kvrelay_timer.cancel()
-            self._kvrelay_timer = None
-
-    def _kvrelay_expired(self) -> None:
-        self._kvrelay_timer = None
-        cycle = self.cycle
-        if cycle is not None and not cycle.response_complete:
-            return  # a request is being served: its body has its own deadline
-        if not self.transport.is_closing():
-            self.transport.close()
 
 
 def protocol_class(config: RouterConfig) -> type[Any]:
     """uvicorn's ``http`` protocol class with ``config``'s head limits and deadline."""
-    return type("KVRelayHttpProtocol", (_GuardedProtocol,), {
-        "header_timeout_s": config.header_timeout_s,
-        "max_head_bytes": config.max_header_bytes,
-        "max_line_bytes": config.max_header_line_bytes,
-        "max_headers": config.max_headers,
-    })
+    return connection.protocol_class(
+        header_timeout_s=config.header_timeout_s,
+        max_head_bytes=config.max_header_bytes,
+        max_line_bytes=config.max_header_line_bytes,
+        max_headers=config.max_headers,
+    )
 
 
 class RouterServer(uvicorn.Server):
@@ -259,8 +100,8 @@ class RouterServer(uvicorn.Server):
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         admission = self.app.ctx.admission
         admission.draining = True
-        for connection in list(self.server_state.connections):
-            connection.shutdown()
+        for conn in list(self.server_state.connections):
+            conn.shutdown()
         drain_s = self.app.ctx.config.drain_timeout_s
         if not await self._settled(drain_s) and not self.force_exit:
             still = admission.cut_all()
@@ -306,6 +147,7 @@ def make_server(
         "access_log": False,
         "timeout_keep_alive": 30,
         "http": protocol_class(config),
+        "ws": "none",  # HTTP only: an upgrade reaches the app, which refuses it (400)
         "lifespan": "on",
     }
     options.update(uvicorn_options)

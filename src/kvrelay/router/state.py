@@ -12,6 +12,7 @@ from kvrelay.router.index import ConversationIndex
 from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.stats import RouterStats
 from kvrelay.router.turnlog import TurnLogWriter
 from kvrelay.router.upstream import Upstream
@@ -32,4 +33,5 @@ class RouterContext:
     stats: RouterStats
     admission: Admission
     auth: Authenticator
+    retention: RetentionDesk
     turn_log: TurnLogWriter | None = None

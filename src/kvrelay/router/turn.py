@@ -45,7 +45,8 @@ class Turn:
     ``prompt_tokens`` is P's count once P answered (the estimate before); ``cached_tokens``
     the prompt tokens P did not compute (pulled from D or local prefix hits), as P reported
     them; ``verified_tokens`` the prefix P's connector proved (``None``: not reported).
-    ``gap_s`` is the time since the continued turn ended; ``pending`` the D request whose
+    ``gap_s`` is the time since the continued turn ended; ``retain_s`` how long D was asked
+    to keep this turn (``kvrelay_retain_s``, ``None``: D's TTL); ``pending`` the D request whose
     entry the report desk is settling.
     """
 
@@ -66,6 +67,7 @@ class Turn:
     ttft_s: float | None = None
     duration_s: float | None = None
     gap_s: float | None = None
+    retain_s: float | None = None
     pending: PendingTurn | None = None
     decided_at_s: float = 0.0
     arrived_wall_s: float = field(default_factory=time.time)

@@ -22,10 +22,9 @@ from kvrelay.core.costs import (
     DEFAULT_PREFILL_S_PER_TOKEN,
     DEFAULT_TRANSFER_OVERHEAD_S,
     DEFAULT_TRANSFER_S_PER_TOKEN,
-    BoundedEwma,
     CostEstimates,
-    PrefillEstimate,
-    TransferEstimate,
+    CostLine,
+    CostLines,
 )
 
 
@@ -51,16 +50,12 @@ class CostValues:
             raise CostSourceError("attention_knee_tokens must be >= 1")
 
     def estimates(self) -> CostEstimates:
-        """``CostEstimates`` holding exactly these values (bounds widened to admit them)."""
-        return CostEstimates(
-            prefill=PrefillEstimate(
-                seconds_per_token=_fixed(self.prefill_s_per_token),
-                attention_knee_tokens=self.attention_knee_tokens,
-            ),
-            transfer=TransferEstimate(
-                seconds_per_token=_fixed(self.transfer_s_per_token),
-                overhead_s=_fixed(self.transfer_overhead_s),
-            ),
+        """``CostEstimates`` holding exactly these values (bounds widened to admit them;
+        the prefill's fixed per-call cost plays no part in what a pull saves)."""
+        return CostEstimates.from_lines(
+            CostLines(prefill=CostLine(0.0, self.prefill_s_per_token),
+                      pull=CostLine(self.transfer_overhead_s, self.transfer_s_per_token)),
+            attention_knee_tokens=self.attention_knee_tokens,
         )
 
     def with_overrides(self, **values: float | int | None) -> CostValues:
@@ -117,7 +112,3 @@ def _weighted(costs: Sequence[Mapping[str, Any]], value: str, weight: str) -> fl
     if total <= 0:
         return sum(v for v, _ in pairs) / len(pairs)
     return sum(v * w for v, w in pairs) / total
-
-
-def _fixed(value: float) -> BoundedEwma:
-    return BoundedEwma(value=value, floor=value, ceiling=value)

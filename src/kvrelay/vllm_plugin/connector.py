@@ -69,6 +69,30 @@ Report: D's retained params to the router (``kvrelay_report_url`` in a request's
     router replicas that report their pod IP (one per replica, assigned by Kubernetes) are
     allowed by the pod network's CIDR (docs/deploy.md). Reports queued together are posted
     together (one JSON list), over one keep-alive connection.
+
+Retention: D's retained turns accounted and released (``kvrelay.vllm_plugin.retention``)
+    Each turn vLLM keeps on D for a P to read (``request_finished`` delays its free) is in
+    the connector's ledger until vLLM frees it. Its retention time is the router's
+    ``kvrelay_retain_s`` clamped to ``decoder_kv_blocks_ttl``; when shorter, the connector
+    gives vLLM that deadline for this request and stamps it in the params it returns
+    (``remote_blocks_expiry_time``), so vLLM's own TTL sweep frees it and P declines a read
+    near it, as for the global TTL. Early releases go through the same sweep: the connector
+    hands vLLM's scheduler an expiry in the past for the request (``_reqs_need_send``, sent
+    to the worker, whose ``_reap_expired_send_leases`` frees it in that step). D releases
+    (managed mode, ``kvrelay_retention``):
+
+    * under pressure, when a waiting decode request does not fit
+      (``get_num_new_matched_tokens`` answers ``None``: the scheduler skips it this step)
+      or a running one cannot grow (``has_pending_block_frees`` answers ``True``: the
+      scheduler waits instead of preempting), least valuable first;
+    * over ``kvrelay_retention_headroom``;
+    * on the router's orders.
+
+    Pressure and headroom releases are asked of the turn's router first and made only once
+    it answers (``kvrelay.core.retention_sync``: P's read is invisible to D until it ends);
+    a router that does not answer in time gets its turns back and D falls back to vLLM's own
+    waiting and preemption. The sync thread (``kvrelay.vllm_plugin.retention_client``)
+    talks to the routers; this class applies their answers on the scheduler thread.
 """
 
 from __future__ import annotations
@@ -76,9 +100,11 @@ from __future__ import annotations
 import contextlib
 import http.client
 import json
+import math
 import os
 import queue
 import threading
+import time
 import urllib.parse
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -98,9 +124,25 @@ from kvrelay.core.report import (
     report_posts,
     report_target,
 )
+from kvrelay.core.retention_sync import (
+    RETAIN_S_KEY,
+    RETAIN_VALUE_KEY,
+    RETENTION_URL_KEY,
+    clamp_retain_s,
+)
 from kvrelay.vllm_plugin.contract import fix_facts, installed_context
 from kvrelay.vllm_plugin.fixes import FixFacts, FixPlan, FixSettings, plan_fixes
-from kvrelay.vllm_plugin.settings import PROGRESS_DELAY_KEY, REPORT_HOSTS_KEY, RESTORE_AFFINITY_KEY
+from kvrelay.vllm_plugin.retention import RetentionLedger, blocks_needed
+from kvrelay.vllm_plugin.retention_client import Engine, RetentionSyncClient
+from kvrelay.vllm_plugin.settings import (
+    PROGRESS_DELAY_KEY,
+    REPORT_HOSTS_KEY,
+    RESTORE_AFFINITY_KEY,
+    RETENTION_HEADROOM_KEY,
+    RETENTION_KEY,
+    retention_headroom,
+    retention_mode,
+)
 
 # Under "vllm." so vLLM's logging configuration (handler, format, level) applies: a logger
 # outside that namespace has no handler in a vLLM process and its info lines are dropped.
@@ -109,6 +151,9 @@ logger = init_logger(f"vllm.{__name__}")
 
 class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     """vLLM's ``NixlConnector`` (pull mode) plus the CPU fixes in the module docstring."""
+
+    _retention: _Retention | None = None
+    """D's retention (scheduler role only; ``None`` in the worker)."""
 
     def __init__(self, vllm_config: Any, role: Any, kv_cache_config: Any = None) -> None:
         transfer_config = vllm_config.kv_transfer_config
@@ -129,6 +174,18 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         hosts = transfer_config.get_from_extra_config(REPORT_HOSTS_KEY, DEFAULT_REPORT_HOSTS)
         self._reporter = _Reporter(hosts) if not is_worker else None
         self._block_size = int(vllm_config.cache_config.block_size)
+        if not is_worker:
+            mode = retention_mode(transfer_config.get_from_extra_config(RETENTION_KEY, "managed"))
+            headroom = retention_headroom(
+                transfer_config.get_from_extra_config(RETENTION_HEADROOM_KEY, 0.0))
+            engine = Engine(engine_id=str(transfer_config.engine_id),
+                            block_size=self._block_size,
+                            bytes_per_block=_bytes_per_block(kv_cache_config),
+                            num_blocks_total=int(getattr(kv_cache_config, "num_blocks", 0) or 0))
+            self._retention = _Retention(
+                RetentionLedger(managed=mode == "managed", headroom=headroom),
+                RetentionSyncClient(hosts, engine, logger=logger), engine)
+            logger.info("kvrelay retention: %s, headroom %.2f", mode, headroom)
 
     def get_num_new_matched_tokens(
         self, request: Any, num_computed_tokens: int
@@ -143,6 +200,13 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             return 0, False
         if params and params.get(FINGERPRINT_KEY) is not None:
             self._guard(request, params)
+        if (
+            self._retention is not None
+            and params
+            and params.get("do_remote_prefill")
+            and self._retention.waits_for_release(request)
+        ):
+            return None, False  # skipped this step: retained blocks are being freed for it
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
             request, num_computed_tokens
         )
@@ -151,14 +215,64 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished(request, block_ids)
         self._mark(request, params)
+        self._retain(request, (block_ids,), delay, params)
         self._report(request, params)
         return delay, params
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished_all_groups(request, block_ids)
         self._mark(request, params)
+        self._retain(request, block_ids, delay, params)
         self._report(request, params)
         return delay, params
+
+    def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
+        super().bind_gpu_block_pool(gpu_block_pool)
+        if self._retention is not None:
+            self._retention.block_pool = gpu_block_pool
+
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        if self._retention is not None:
+            self._retention.watermark_blocks = int(kv_cache_manager.watermark_blocks)
+
+    def has_pending_block_frees(self) -> bool:
+        """Asked by vLLM's scheduler before it preempts a running request for blocks."""
+        return self._retention is not None and self._retention.frees_for_running()
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        super().update_connector_output(connector_output)
+        if self._retention is not None:
+            self._retention.freed(connector_output.finished_sending or ())
+
+    def build_connector_meta(self, scheduler_output: Any) -> Any:
+        if self._retention is not None:
+            scheduler = self.connector_scheduler
+            for request_id in self._retention.step():
+                # vLLM's TTL path: the worker takes this deadline for the request and its
+                # expiry sweep frees the blocks in this step (module docstring).
+                scheduler._reqs_need_send[request_id] = time.perf_counter() - 1.0
+        return super().build_connector_meta(scheduler_output)
+
+    def _retain(self, request: Any, block_ids: Any, delay: bool,
+                params: dict[str, Any] | None) -> None:
+        """Account a turn vLLM now keeps on D; give vLLM its own, shorter deadline."""
+        if self._retention is None or not delay or not params or \
+                not params.get("do_remote_decode"):
+            return
+        sent = request.kv_transfer_params or {}
+        ttl_s = float(self.connector_scheduler.decoder_kv_blocks_ttl)
+        managed = self._retention.ledger.managed
+        retain_s = clamp_retain_s(sent.get(RETAIN_S_KEY), ttl_s) if managed else ttl_s
+        now_s = time.perf_counter()
+        if retain_s < ttl_s:
+            deadline = now_s + retain_s
+            self.connector_scheduler._reqs_need_send[request.request_id] = deadline
+            params["remote_blocks_expiry_time"] = deadline
+        self._retention.retain(
+            request.request_id, num_blocks=sum(len(group) for group in block_ids),
+            num_tokens=int(params.get("remote_num_tokens") or 0), now_s=now_s,
+            retain_s=retain_s, value=sent.get(RETAIN_VALUE_KEY), url=sent.get(RETENTION_URL_KEY))
 
     def _guard(self, request: Any, params: dict[str, Any]) -> None:
         """Cut a pull of D's blocks to the prefix proven equal to this engine's prompt."""
@@ -201,6 +315,108 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 turn_id, params, int(request.num_prompt_tokens), int(request.num_output_tokens),
             ),
         )
+
+
+class _Retention:
+    """The connector's retention on the scheduler thread: the ledger, vLLM's block pool, and
+    the sync thread's client (module docstring, "Retention")."""
+
+    def __init__(self, ledger: RetentionLedger, client: RetentionSyncClient,
+                 engine: Engine) -> None:
+        self.ledger = ledger
+        self.client = client
+        self.engine = engine
+        self.block_pool: Any = None
+        self.watermark_blocks = 0
+
+    def _free_blocks(self) -> int:
+        return int(self.block_pool.get_num_free_blocks()) if self.block_pool is not None else 0
+
+    def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
+               retain_s: float, value: object, url: object) -> None:
+        known_url = url if isinstance(url, str) and self.client.add_url(url) else None
+        worth = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
+            and math.isfinite(value) else 0.0
+        self.ledger.retain(request_id, num_blocks=num_blocks, num_tokens=num_tokens,
+                           now_s=now_s, retain_s=retain_s, value=worth, url=known_url)
+        self._publish(urgent=False)
+
+    def waits_for_release(self, request: Any) -> bool:
+        """Whether a waiting request should wait for retained blocks being freed for it
+        (asking for them when it does not fit)."""
+        if self.block_pool is None or not self.ledger.managed:
+            return False
+        now_s = time.perf_counter()
+        self._apply_orders()
+        needed = blocks_needed(int(request.num_tokens), self.engine.block_size,
+                               self.watermark_blocks)
+        free = self._free_blocks()
+        if needed <= free or needed > self.engine.num_blocks_total:
+            return False
+        release = self.ledger.ask_under_pressure(num_blocks_free=free,
+                                                 num_blocks_needed=needed, now_s=now_s)
+        if release.request_ids:
+            logger.info("kvrelay: request %s needs %d blocks, %d free: asking to release %s",
+                        request.request_id, needed, free, ", ".join(release.request_ids))
+            self._publish(urgent=True)
+        return self.ledger.has_pending()
+
+    def frees_for_running(self) -> bool:
+        """``has_pending_block_frees``: a running request cannot grow; ask for the least
+        valuable retained turn unless a release is already under way."""
+        if self.block_pool is None or not self.ledger.managed:
+            return False
+        self._apply_orders()
+        if self.ledger.has_pending():
+            return True
+        free = self._free_blocks()
+        release = self.ledger.ask_under_pressure(num_blocks_free=free,
+                                                 num_blocks_needed=free + 1,
+                                                 now_s=time.perf_counter())
+        if not release.request_ids:
+            return False
+        logger.info("kvrelay: a running request needs a block: asking to release %s",
+                    ", ".join(release.request_ids))
+        self._publish(urgent=True)
+        return True
+
+    def freed(self, request_ids: Iterable[str]) -> None:
+        """vLLM freed these requests' blocks (``finished_sending``)."""
+        now_s = time.perf_counter()
+        changed = False
+        for request_id in request_ids:
+            if request_id not in self.ledger:
+                continue
+            changed = True
+            released = self.ledger.freed(request_id, now_s)
+            if released is not None:
+                logger.info("kvrelay: released retained request %s (%s)", request_id,
+                            released.cause)
+        if changed:
+            self._publish(urgent=False)
+
+    def step(self) -> list[str]:
+        """Once per scheduler step: apply the routers' answers, give back turns no router
+        answered for, ask over headroom; the ids to free now."""
+        now_s = time.perf_counter()
+        self._apply_orders()
+        for request_id in self.ledger.time_out(now_s):
+            logger.warning("kvrelay: no router answered the release of %s in time; kept",
+                           request_id)
+        asked = self.ledger.ask_over_headroom(num_blocks_total=self.engine.num_blocks_total,
+                                              now_s=now_s)
+        due = self.ledger.take_to_free()
+        self._publish(urgent=bool(asked.request_ids))
+        return due
+
+    def _apply_orders(self) -> None:
+        for answer in self.client.take_orders():
+            self.ledger.confirmed(answer.url, answer.orders.dropped)
+            self.ledger.ordered(answer.orders.release)
+
+    def _publish(self, *, urgent: bool) -> None:
+        self.client.publish(self.ledger.view(self._free_blocks()), self.ledger.take_released(),
+                            urgent=urgent)
 
 
 class _Reporter:
@@ -289,6 +505,14 @@ def _fix_plan(transfer_config: Any) -> FixPlan:
         logger.warning("kvrelay: cannot read vLLM's sources (%s); every fix stays on", exc)
         facts = FixFacts(device_type, None, None, None)
     return plan_fixes(facts, settings)
+
+
+def _bytes_per_block(kv_cache_config: Any) -> int:
+    """KV bytes one block holds across layers (0 when the config does not tell)."""
+    num_blocks = int(getattr(kv_cache_config, "num_blocks", 0) or 0)
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or ()
+    total = sum(int(getattr(tensor, "size", 0) or 0) for tensor in tensors)
+    return total // num_blocks if num_blocks > 0 else 0
 
 
 def _thread_affinity() -> set[int] | None:

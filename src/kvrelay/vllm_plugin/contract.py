@@ -89,6 +89,13 @@ ROLE = ClassRef("vllm.distributed.kv_transfer.kv_connector.v1.base", "KVConnecto
 REQUEST = ClassRef("vllm.v1.request", "Request")
 TRANSFER_CONFIG = ClassRef("vllm.config.kv_transfer", "KVTransferConfig")
 FACTORY = ClassRef("vllm.distributed.kv_transfer.kv_connector.factory", "KVConnectorFactory")
+CONNECTOR_BASE = ClassRef("vllm.distributed.kv_transfer.kv_connector.v1.base",
+                          "KVConnectorBase_V1")
+CORE_SCHEDULER = ClassRef("vllm.v1.core.sched.scheduler", "Scheduler")
+KV_CACHE_MANAGER = ClassRef("vllm.v1.core.kv_cache_manager", "KVCacheManager")
+BLOCK_POOL = ClassRef("vllm.v1.core.block_pool", "BlockPool")
+CONNECTOR_OUTPUT = ClassRef("vllm.v1.outputs", "KVConnectorOutput")
+V1_CONNECTORS = "vllm.distributed.kv_transfer.kv_connector.v1"
 NIXL_UTILS = "vllm.distributed.nixl_utils"
 NIXL_AGENT = ClassRef("nixl._api", "nixl_agent", tree="nixl")
 
@@ -471,6 +478,50 @@ CONTRACT: tuple[Requirement, ...] = (
                     "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
                     "remote_num_tokens")
     ),
+    # Retention on D (docs/vllm-versions.md, "Retention hooks"): accounting.
+    Hook(CONNECTOR, "bind_kv_cache_manager", ("kv_cache_manager",),
+         "retention reads the watermark and the block pool", V1_CONNECTORS),
+    Hook(CONNECTOR, "bind_gpu_block_pool", ("gpu_block_pool",),
+         "retention reads D's free blocks", V1_CONNECTORS),
+    Calls(method(CORE_SCHEDULER, "__init__"), "self.connector.bind_kv_cache_manager",
+          "the scheduler hands the connector its cache manager"),
+    Calls(method(CONNECTOR_BASE, "bind_kv_cache_manager"), "self.bind_gpu_block_pool",
+          "binding the cache manager binds its block pool"),
+    Attribute(KV_CACHE_MANAGER, "block_pool", "retention reads D's free blocks"),
+    Attribute(KV_CACHE_MANAGER, "watermark_blocks", "a waiting request needs the watermark too"),
+    Hook(BLOCK_POOL, "get_num_free_blocks", (), "retention reads D's free blocks", "vllm.v1"),
+    Hook(CONNECTOR, "update_connector_output", ("connector_output",),
+         "retention forgets a turn whose blocks vLLM freed"),
+    Calls(method(CORE_SCHEDULER, "_update_from_kv_xfer_finished"),
+          "self.connector.update_connector_output",
+          "the connector sees finished_sending before the scheduler frees the blocks"),
+    Attribute(CONNECTOR_OUTPUT, "finished_sending", "retention forgets freed turns"),
+    Attribute(REQUEST, "request_id", "retention keys turns by D's request id"),
+    Attribute(REQUEST, "num_tokens", "retention sizes a waiting request's blocks"),
+    # Retention: a turn's own deadline, and releases through vLLM's TTL path.
+    Attribute(SCHEDULER, "decoder_kv_blocks_ttl", "kvrelay_retain_s is clamped to D's TTL"),
+    Attribute(SCHEDULER, "_reqs_need_send", "a turn's deadline and a release are set here"),
+    ParamsKey(method(SCHEDULER, "request_finished"), "remote_blocks_expiry_time", "writes",
+              "D stamps a turn's own deadline in the params it returns"),
+    Hook(CONNECTOR, "build_connector_meta", ("scheduler_output",),
+         "releases are handed to vLLM before the step's metadata is built"),
+    Mentions(method(SCHEDULER, "build_connector_meta"), "reqs_to_send",
+             "the scheduler sends each deadline to the worker"),
+    Mentions(method(WORKER, "start_load_kv"), "reqs_to_send",
+             "the worker takes the latest deadline of each request"),
+    Calls(method(BASE_WORKER, "get_transfer_results"), "self._reap_expired_send_leases",
+          "the worker's expiry sweep frees a released turn"),
+    Mentions(method(WORKER, "_is_turn2_read_expired"), "blocks_expiry_time",
+             "P declines a read near the deadline stamped in the params"),
+    # Retention: pressure makes the scheduler wait instead of preempting.
+    Hook(CONNECTOR, "has_pending_block_frees", (),
+         "a running request waits for a release instead of being preempted", V1_CONNECTORS),
+    Calls(method(CORE_SCHEDULER, "schedule"), "self.connector.has_pending_block_frees",
+          "the scheduler asks before it preempts"),
+    Calls(method(CORE_SCHEDULER, "schedule"), "self.connector.get_num_new_matched_tokens",
+          "a waiting request is sized before its allocation"),
+    Mentions(method(CORE_SCHEDULER, "schedule"), "ext_tokens",
+             "a None answer skips the waiting request for this step"),
 )
 
 

@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from kvrelay.router.errors import ClientError
+from kvrelay.router.request_limits import RequestLimits, check_counts
 
 MAX_CONVERSATION_ID_BYTES = 256
 MAX_JSON_DEPTH = 128
@@ -32,8 +33,9 @@ def encode(obj: object) -> bytes:
     return _ENCODER.encode(obj)
 
 
-def load_json(raw: bytes) -> Any:
-    """Strict JSON (module docstring); ``ClientError`` 400 if not."""
+def load_json(raw: bytes, limits: RequestLimits | None = None) -> Any:
+    """Strict JSON (module docstring); ``ClientError`` 400 if not, or if an object body
+    carries more than ``limits`` allow (counted before the depth walk)."""
     try:
         body = _DECODER.decode(raw)
     except RecursionError:
@@ -42,6 +44,8 @@ def load_json(raw: bytes) -> Any:
         raise ClientError(f"Invalid JSON body: {exc}") from None
     except msgspec.DecodeError as exc:
         raise ClientError(f"Invalid JSON body: {exc}") from None
+    if limits is not None and isinstance(body, dict):
+        check_counts(body, limits)
     if raw.count(b"{") + raw.count(b"[") > MAX_JSON_DEPTH and _too_deep(body, MAX_JSON_DEPTH):
         raise ClientError(f"Invalid JSON body: nested deeper than {MAX_JSON_DEPTH} levels")
     return body

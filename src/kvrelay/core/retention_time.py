@@ -1,0 +1,160 @@
+"""How long D keeps each turn (``kvrelay_retain_s``), learned from the gaps between turns.
+
+vLLM keeps every finished turn for one global TTL (480 s by default), whether its
+conversation comes back in 2 s or never. The gaps between a conversation's turns (a user's
+think time, an agent's tool call) are heavy-tailed, and many conversations never come back,
+so most of that retention pins blocks nobody reads. ``decide_retain_s`` picks a turn's
+retention from what the router has seen:
+
+* **The rule is ``kvrelay tune``'s** (``tune.model``, the offline form of this decision):
+  a follow-up after a gap ``g`` can pull only when ``g <= retain_s - router_margin_s``,
+  where ``router_margin_s`` is the router's ``ttl_safety_margin_s + near_expiry_s``. So
+  catching a share ``q`` of the follow-ups that come back takes
+  ``retain_s = quantile_q(gaps) + router_margin_s``.
+* **Learned online, per scope.** ``GapHistogram`` counts observed gaps in log-spaced bins
+  (bounded memory, heavy tails kept; older samples decay so a changed workload is followed).
+  ``decide_retain_s`` uses the narrowest of the histograms it is given (say a conversation
+  id's, then its tenant's, then all traffic's) that holds ``min_samples``; with none, the
+  prior: D's TTL (what stock vLLM does).
+* **D's headroom.** When D's last sync shows less than ``low_free_fraction`` of its KV cache
+  free, the time shrinks in proportion (to ``min_scale`` of it at worst): retention yields
+  before live work has to wait.
+* **Bounds.** Never above D's TTL (D clamps too: ``core.retention_sync.clamp_retain_s``),
+  never below ``router_margin_s + min_window_s`` (a shorter one could never be pulled).
+
+Pure: gaps and D's free share are passed in; values are frozen (``observe`` returns a new
+histogram).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import msgspec
+
+from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S
+from kvrelay.core.policy import PolicyConfig
+
+GAP_MIN_S = 0.25
+GAP_MAX_S = 7200.0
+NUM_BINS = 48
+_LOG_MIN = math.log(GAP_MIN_S)
+_LOG_SPAN = math.log(GAP_MAX_S) - _LOG_MIN
+
+RetainReason = Literal["prior", "learned", "headroom"]
+"""Where a retention time came from: D's TTL (too few gaps seen), the gaps' quantile, or
+the quantile shortened because D is short of free blocks."""
+
+
+def bin_upper_s(index: int) -> float:
+    """The largest gap bin ``index`` holds (bins are log-spaced over [GAP_MIN_S,
+    GAP_MAX_S]; the first also holds shorter gaps, the last longer ones)."""
+    return math.exp(_LOG_MIN + _LOG_SPAN * (index + 1) / NUM_BINS)
+
+
+def bin_of(gap_s: float) -> int:
+    if gap_s <= GAP_MIN_S:
+        return 0
+    at = (math.log(gap_s) - _LOG_MIN) / _LOG_SPAN * NUM_BINS
+    return min(NUM_BINS - 1, max(0, math.ceil(at) - 1))
+
+
+class GapHistogram(msgspec.Struct, frozen=True):
+    """Observed gaps between turns, weighted (each sample 1, times ``decay`` per later
+    sample: an effective window of ``1 / (1 - decay)`` samples)."""
+
+    counts: tuple[float, ...] = (0.0,) * NUM_BINS
+    total: float = 0.0
+    samples: int = 0
+
+    def observe(self, gap_s: float, *, decay: float = 0.998) -> GapHistogram:
+        """The histogram after one more gap (a negative or non-finite one is ignored)."""
+        if not math.isfinite(gap_s) or gap_s < 0:
+            return self
+        hit = bin_of(gap_s)
+        counts = tuple(c * decay + (1.0 if i == hit else 0.0)
+                       for i, c in enumerate(self.counts))
+        return GapHistogram(counts, self.total * decay + 1.0, self.samples + 1)
+
+    def quantile_s(self, q: float) -> float:
+        """The smallest bin edge at or below which a share ``q`` of the weight lies (an
+        upper bound of the true quantile: retention errs long)."""
+        if not 0.0 < q <= 1.0:
+            raise ValueError(f"q is a share in (0, 1], got {q}")
+        if self.total <= 0:
+            return GAP_MAX_S
+        need = q * self.total
+        seen = 0.0
+        for i, count in enumerate(self.counts):
+            seen += count
+            if seen >= need - 1e-9:
+                return bin_upper_s(i)
+        return bin_upper_s(NUM_BINS - 1)
+
+
+@dataclass(frozen=True)
+class RetentionTimeConfig:
+    """Operator knobs (module docstring). ``router_margin_s`` must be the router's
+    ``ttl_safety_margin_s + near_expiry_s`` (the defaults: ``tune.model``'s
+    ``DEFAULT_ROUTER_MARGIN_S``)."""
+
+    quantile: float = 0.95
+    min_samples: int = 32
+    router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + PolicyConfig().near_expiry_s
+    min_window_s: float = 5.0
+    low_free_fraction: float = 0.2
+    min_scale: float = 0.25
+
+    def __post_init__(self) -> None:
+        if not 0.0 < self.quantile <= 1.0:
+            raise ValueError("quantile must be in (0, 1]")
+        if self.min_samples < 1:
+            raise ValueError("min_samples must be >= 1")
+        if self.router_margin_s < 0 or self.min_window_s <= 0:
+            raise ValueError("router_margin_s must be >= 0 and min_window_s > 0")
+        if not 0.0 <= self.low_free_fraction < 1.0 or not 0.0 < self.min_scale <= 1.0:
+            raise ValueError("low_free_fraction in [0, 1), min_scale in (0, 1]")
+
+    @property
+    def floor_s(self) -> float:
+        """The shortest retention that can still be pulled at all."""
+        return self.router_margin_s + self.min_window_s
+
+
+class RetainTime(msgspec.Struct, frozen=True):
+    """How long D keeps one turn, and why; ``gap_quantile_s`` is the learned quantile used
+    (``None`` for the prior)."""
+
+    retain_s: float
+    reason: RetainReason
+    gap_quantile_s: float | None = None
+
+
+def decide_retain_s(
+    histograms: Sequence[GapHistogram | None],
+    *,
+    ttl_s: float,
+    free_fraction: float | None,
+    config: RetentionTimeConfig,
+) -> RetainTime:
+    """A turn's retention time on a D whose TTL is ``ttl_s`` (module docstring).
+    ``histograms`` go narrowest first; ``free_fraction`` is the share of D's KV cache free
+    at its last sync (``None``: unknown)."""
+    if ttl_s <= 0:
+        raise ValueError(f"ttl_s must be positive, got {ttl_s}")
+    floor_s = min(config.floor_s, ttl_s)
+    chosen = next((h for h in histograms if h is not None and h.samples >= config.min_samples),
+                  None)
+    reason: RetainReason = "prior"
+    retain_s, quantile_s = ttl_s, None
+    if chosen is not None:
+        quantile_s = chosen.quantile_s(config.quantile)
+        retain_s, reason = quantile_s + config.router_margin_s, "learned"
+    low = config.low_free_fraction
+    if free_fraction is not None and low > 0 and free_fraction < low:
+        scale = max(config.min_scale, max(0.0, free_fraction) / low)
+        retain_s, reason = retain_s * scale, "headroom"
+    return RetainTime(min(ttl_s, max(floor_s, retain_s)), reason, quantile_s)

@@ -1,0 +1,271 @@
+"""kvrelay's managed retention on a fake D: each retained turn accounted, released early.
+
+Stock vLLM keeps every finished D turn for one global TTL (``decoder_kv_blocks_ttl``) and
+frees it only when P's read completes or the TTL runs out. kvrelay's connector accounts each
+retained turn and releases it earlier; this is the fake's version of that accounting, driven
+by the same pure policy (``kvrelay.core.retention``) and the same wire contract and release
+handshake (``kvrelay.core.retention_sync``) as the real connector
+(``kvrelay.vllm_plugin.retention``):
+
+* **deadline**: the decode request's ``kvrelay_retain_s``, clamped to the TTL
+  (``clamp_retain_s``), is the turn's own expiry, stamped in the params D returns (so P
+  declines reads near it); ``expire`` frees turns past it (cause ``expired``);
+* **pressure**: when a waiting or running request cannot get blocks, ``relieve`` picks the
+  least valuable turns, enough for the allocation, and *asks* the router each turn came
+  from (``releasing`` in its next sync, sent at once); the turn stays held until that router
+  answers it in ``dropped`` (``obey``), then it is freed (cause ``pressure``). Meanwhile the
+  scheduler waits for those blocks instead of preempting (``has_pending``: vLLM's
+  ``has_pending_block_frees``). A router that does not answer within ``CONFIRM_TIMEOUT_S``
+  gets its turns back (held again) and is not asked again for ``ASK_BACKOFF_S``; a turn
+  that came without a retention URL is never asked. Either way D then waits or preempts as
+  stock vLLM does: it never frees a turn a router may still send a P to read;
+* **headroom**: ``trim`` asks the same way for what retention holds above ``1 - headroom``
+  of the cache, after each new turn (cause ``headroom``);
+* **router orders** (``RetentionOrders.release``): the router dropped the entry already, so
+  the turn is freed at once (cause ``router``).
+
+A turn a P is reading is never freed (the fake can tell; vLLM cannot, which is why the
+handshake exists). A freed turn's hold is gone and remembered, so a later read is declined
+like an expired lease. Each release is queued for every known sync URL until a sync to it
+succeeds; ``urgent`` says a sync is due at once (a release, an ask, a new URL).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+from msgspec.structs import replace
+
+from kvrelay.core.retention import (
+    NOTHING,
+    Release,
+    RetainedTurn,
+    release_expired,
+    release_over_headroom,
+    release_under_pressure,
+)
+from kvrelay.core.retention_sync import (
+    MAX_RELEASED_PER_SYNC,
+    MAX_SYNC_URLS,
+    RELEASE_CAUSES,
+    ReleaseCause,
+    Released,
+    RetentionOrders,
+    RetentionSync,
+)
+from kvrelay.fakevllm.kv import BlockPool, HoldTable
+from kvrelay.fakevllm.latency import Clock
+
+_CauseOf = Callable[[str], ReleaseCause]
+"""Why a freed id was freed."""
+
+CONFIRM_TIMEOUT_S = 2.0
+"""How long D waits for a router to answer a ``releasing`` id (as kvrelay's connector)."""
+ASK_BACKOFF_S = 30.0
+"""How long a router that let an ask time out is not asked again (as kvrelay's connector)."""
+
+
+@dataclass
+class _Held:
+    turn: RetainedTurn
+    url: str | None
+    asked: ReleaseCause | None = None
+    asked_at_s: float = 0.0
+
+
+class Retention:
+    """The retained turns of one D engine incarnation and the releases to tell routers."""
+
+    def __init__(self, pool: BlockPool, holds: HoldTable, clock: Clock, *, headroom: float,
+                 bytes_per_block: int) -> None:
+        if not 0.0 <= headroom <= 1.0:
+            raise ValueError(f"retention headroom is a fraction in [0, 1], got {headroom}")
+        self._pool = pool
+        self._holds = holds
+        self._clock = clock
+        self.headroom = headroom
+        self.bytes_per_block = bytes_per_block
+        self._held: dict[str, _Held] = {}
+        self._pending: OrderedDict[str, list[Released]] = OrderedDict()
+        self._backoff_until_s: dict[str, float] = {}
+        self.releases_total: dict[str, int] = dict.fromkeys(RELEASE_CAUSES, 0)
+        self.declined_reads = 0
+        self.urgent = False
+
+    # -- what D holds -----------------------------------------------------------------------
+
+    def retain(self, turn: RetainedTurn, url: str | None) -> None:
+        """A finished D turn whose blocks are held (``HoldTable``) for a P to read; ``url``:
+        the retention URL its request carried (the router to ask before freeing it)."""
+        self._held[turn.request_id] = _Held(turn, url)
+
+    def _live(self) -> dict[str, _Held]:
+        """The turns still held, each with ``reading`` as the hold table has it now."""
+        for request_id in [rid for rid in self._held if self._holds.get(rid) is None]:
+            del self._held[request_id]  # P read it (or it expired while read) meanwhile
+        for held in self._held.values():
+            reading = self._holds.reading(held.turn.request_id)
+            if held.turn.reading != reading:
+                held.turn = replace(held.turn, reading=reading)
+        return self._held
+
+    def turns(self) -> list[RetainedTurn]:
+        return [held.turn for held in self._live().values()]
+
+    def holds_any(self) -> bool:
+        return bool(self._live())
+
+    def has_pending(self) -> bool:
+        """Blocks are on their way: a router was asked and has not answered yet."""
+        return any(held.asked is not None for held in self._live().values())
+
+    def releasing(self, url: str) -> tuple[str, ...]:
+        """The ids D asks ``url``'s router to let it free."""
+        return tuple(rid for rid, held in self._live().items()
+                     if held.asked is not None and held.url == url)
+
+    # -- releases ---------------------------------------------------------------------------
+
+    def expire(self, now_s: float) -> Release:
+        """Free the turns whose deadline has passed (no ask: P declines reads near it)."""
+        return self._free(release_expired(self.turns(), now_s).request_ids,
+                          lambda rid: "expired")
+
+    def relieve(self, num_blocks_needed: int) -> Release:
+        """Ask for enough turns to give ``num_blocks_needed`` free blocks, least valuable
+        first; blocks already asked for count as on their way."""
+        live = self._live()
+        now = self._clock()
+        on_the_way = sum(h.turn.num_blocks for h in live.values() if h.asked is not None)
+        release = release_under_pressure(
+            self._askable(now), num_blocks_free=self._pool.num_free + on_the_way,
+            num_blocks_needed=num_blocks_needed)
+        self._ask(release.request_ids, "pressure", now)
+        return release
+
+    def trim(self) -> Release:
+        """Ask for what retention holds above its share of the cache (``headroom``)."""
+        if self.headroom <= 0.0:
+            return NOTHING
+        now = self._clock()
+        held = [h.turn for h in self._live().values() if h.asked is None]
+        over = release_over_headroom(held, num_blocks_total=self._pool.num_usable,
+                                     headroom=self.headroom)
+        askable = {turn.request_id for turn in self._askable(now)}
+        chosen = tuple(rid for rid in over.request_ids if rid in askable)
+        self._ask(chosen, "headroom", now)
+        return Release(request_ids=chosen, num_blocks=over.num_blocks, reason=over.reason)
+
+    def obey(self, url: str, orders: RetentionOrders) -> Release:
+        """``url``'s answer: free what it orders released (entries it dropped), and what D
+        asked it for that it answers ``dropped``. Unknown, busy or unasked ids are ignored
+        (the next sync says what D holds)."""
+        live = self._live()
+        ordered = self._free([rid for rid in dict.fromkeys(orders.release) if rid in live],
+                             lambda rid: "router")
+        confirmed = [rid for rid in dict.fromkeys(orders.dropped)
+                     if rid in live and live[rid].asked is not None and live[rid].url == url]
+        asked = {rid: live[rid].asked for rid in confirmed}
+        done = self._free(confirmed, lambda rid: asked[rid] or "pressure")
+        self._backoff_until_s.pop(url, None)
+        return Release(request_ids=ordered.request_ids + done.request_ids,
+                       num_blocks=ordered.num_blocks + done.num_blocks,
+                       reason="router" if ordered.request_ids else done.reason)
+
+    def time_out(self, now_s: float) -> list[str]:
+        """Asks older than ``CONFIRM_TIMEOUT_S`` are given up: the turns are held again and
+        their routers are not asked for ``ASK_BACKOFF_S``."""
+        late = [rid for rid, held in self._live().items()
+                if held.asked is not None and now_s - held.asked_at_s >= CONFIRM_TIMEOUT_S]
+        for rid in late:
+            held = self._held[rid]
+            held.asked = None
+            if held.url is not None:
+                self._backoff_until_s[held.url] = now_s + ASK_BACKOFF_S
+        return late
+
+    def _askable(self, now_s: float) -> list[RetainedTurn]:
+        return [h.turn for h in self._live().values()
+                if h.asked is None and not h.turn.reading and h.url is not None
+                and self._backoff_until_s.get(h.url, float("-inf")) <= now_s
+                and h.url in self._pending]
+
+    def _ask(self, request_ids: Iterable[str], cause: ReleaseCause, now_s: float) -> None:
+        for rid in request_ids:
+            held = self._held[rid]
+            held.asked, held.asked_at_s = cause, now_s
+            self.urgent = True
+
+    def _free(self, request_ids: Iterable[str], cause_of: _CauseOf) -> Release:
+        """Drop the holds named (never one being read); returns what was freed."""
+        done: list[str] = []
+        freed = 0
+        for rid in request_ids:
+            hold = self._holds.drop(rid)
+            if hold is None:
+                continue
+            held = self._held.pop(rid, None)
+            cause = cause_of(rid)
+            freed += held.turn.num_blocks if held is not None else len(hold.block_ids)
+            done.append(rid)
+            self.releases_total[cause] += 1
+            self._tell(Released(request_id=rid, cause=cause))
+        if not done:
+            return NOTHING
+        self.urgent = True
+        return Release(request_ids=tuple(done), num_blocks=freed, reason="released")
+
+    # -- sync -------------------------------------------------------------------------------
+
+    def add_url(self, url: str) -> None:
+        """A retention URL a decode request carried; the ``MAX_SYNC_URLS`` most recent are
+        synced with, a new one at once. Releases before a URL was known are not told to it."""
+        if url in self._pending:
+            self._pending.move_to_end(url)
+            return
+        self._pending[url] = []
+        self.urgent = True
+        while len(self._pending) > MAX_SYNC_URLS:
+            self._pending.popitem(last=False)
+
+    @property
+    def urls(self) -> list[str]:
+        return list(self._pending)
+
+    def pending(self, url: str) -> tuple[Released, ...]:
+        return tuple(self._pending.get(url, ()))
+
+    def has_news(self) -> bool:
+        """Whether a sync is due on the interval: turns held, or releases not yet told."""
+        return self.holds_any() or any(self._pending.values())
+
+    def told(self, url: str, released: tuple[Released, ...]) -> None:
+        """A sync carrying ``released`` reached ``url``: those need not be sent again."""
+        queue = self._pending.get(url)
+        if queue is not None:
+            sent = set(released)
+            self._pending[url] = [item for item in queue if item not in sent]
+
+    def sync_body(self, engine_id: str, url: str) -> RetentionSync:
+        turns = self.turns()
+        return RetentionSync(
+            engine_id=engine_id,
+            block_size=self._pool.block_size,
+            bytes_per_block=self.bytes_per_block,
+            num_blocks_total=self._pool.num_usable,
+            num_blocks_free=self._pool.num_free,
+            retained_requests=len(turns),
+            retained_blocks=min(sum(t.num_blocks for t in turns), self._pool.num_usable),
+            retained_tokens=sum(t.num_tokens for t in turns),
+            releases_total=dict(self.releases_total),
+            released=self.pending(url),
+            releasing=self.releasing(url)[:MAX_RELEASED_PER_SYNC],
+        )
+
+    def _tell(self, released: Released) -> None:
+        for queue in self._pending.values():
+            queue.append(released)
+            del queue[:-MAX_RELEASED_PER_SYNC]
+

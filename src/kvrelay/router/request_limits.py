@@ -1,0 +1,75 @@
+"""How many messages, content parts, tools, tool calls and stop sequences one request may
+carry: the things the router's parse (and P's chat template, and D's stop checks) costs
+grow with, beyond what the body-size limit bounds.
+
+A body under ``max_body_bytes`` can still hold 150 000 tiny messages or 80 000 tools, each
+a Python object the router digests on its event loop (2.3 s and 1.1 s of router CPU, issue
+#23) and P renders. The defaults are far above what real agents send (Claude Code ~12 tools,
+Codex ~9; long agent sessions reach a few thousand messages), and beyond any of them the
+request is refused with 400 before anything is digested, with OpenAI's wording for an array
+that is too long.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvrelay.router.errors import ClientError
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """The per-request count limits (``RouterConfig``'s ``max_messages`` and friends)."""
+
+    max_messages: int = 10_000
+    max_content_parts: int = 1_000
+    max_content_parts_total: int = 20_000
+    max_tools: int = 1_000
+    max_tool_calls: int = 10_000
+    max_stop_sequences: int = 64
+
+    def __post_init__(self) -> None:
+        for name, value in vars(self).items():
+            if value < 1:
+                raise ValueError(f"{name} must be >= 1")
+
+
+def check_counts(body: Mapping[str, Any], limits: RequestLimits) -> None:
+    """``ClientError`` 400 when ``body`` carries more than ``limits`` allow: messages, content
+    parts in one message or in all, tools, tool calls in the history, stop sequences. Only
+    counts lists: their shape is judged later (by the router or by vLLM)."""
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        _at_most("messages", len(messages), limits.max_messages)
+        parts = calls = 0
+        for message in messages:
+            if not isinstance(message, dict):
+                continue
+            content = message.get("content")
+            if isinstance(content, list):
+                _at_most("messages[].content", len(content), limits.max_content_parts)
+                parts += len(content)
+            tool_calls = message.get("tool_calls")
+            if isinstance(tool_calls, list):
+                calls += len(tool_calls)
+        _at_most("messages[].content (all messages)", parts, limits.max_content_parts_total,
+                 param="messages")
+        _at_most("messages[].tool_calls (all messages)", calls, limits.max_tool_calls,
+                 param="messages")
+    for name, limit in (("tools", limits.max_tools), ("functions", limits.max_tools),
+                        ("stop", limits.max_stop_sequences),
+                        ("stop_token_ids", limits.max_stop_sequences)):
+        value = body.get(name)
+        if isinstance(value, list):
+            _at_most(name, len(value), limit)
+
+
+def _at_most(what: str, count: int, limit: int, param: str | None = None) -> None:
+    if count > limit:
+        raise ClientError(
+            f"Invalid '{what}': array too long. Expected an array with maximum length "
+            f"{limit}, but got an array with length {count} instead.",
+            param or what.split("[", 1)[0],
+        )

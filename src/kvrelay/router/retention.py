@@ -1,0 +1,192 @@
+"""D's retention as the router sees it: D's syncs in, the router's release orders out.
+
+kvrelay's connector on D (and the fake engine) POSTs a ``core.retention_sync.RetentionSync``
+to ``RETENTION_PATH`` on the internal listener every ``SYNC_INTERVAL_S`` while it holds
+retained turns, and at once after a release. ``RetentionDesk.accept``:
+
+1. decodes the body (``decode_sync``; a bad one is a 400, never a 5xx) and finds the D it is
+   from by its engine id (``NodeRegistry.decode_node_for_engine``: only an engine id this
+   router learned from that D's own answers or checked reports; an unknown one is a 404, so
+   a forged or stale engine id changes nothing);
+2. marks every entry of that D whose request id D released as released
+   (``ConversationIndex.mark_released``): it is never claimed again, and the conversation's
+   next turn recomputes with reason ``released``;
+3. keeps D's own numbers (retained requests, blocks, tokens, bytes; free and total blocks;
+   releases by cause since D started) for ``/stats`` (``snapshot``) and the metrics, and
+   counts the releases the sync told of by cause;
+4. for the turns D asks to free itself (``releasing``: pressure, headroom), marks their
+   entries released so no claim takes them, and answers in ``dropped`` those no P leg is
+   reading (``ConversationIndex.release_requested``; a claim counts as a read until the P
+   leg ends, ``prefill``); D frees exactly those;
+5. answers ``RetentionOrders``: the release orders the index queued for that D and engine
+   (``take_releases``): entries the router dropped while D still held them. With Redis the
+   queue and the reads in progress are shared, so whichever replica D syncs with answers
+   for all of them.
+
+``decode_params`` gives a decode request to a D that runs kvrelay's connector
+(``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
+learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
+D keeps the turn, ``core.retention_time.decide_retain_s`` from the gaps between turns seen
+(``router.retain_times``, fed by ``observe_gap``) and D's free share at its last sync.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+
+from kvrelay.core.retention_sync import (
+    RELEASE_CAUSES,
+    RETAIN_S_KEY,
+    RETENTION_PATH,
+    RETENTION_URL_KEY,
+    RetentionOrders,
+    RetentionSync,
+    RetentionSyncError,
+    decode_sync,
+)
+from kvrelay.core.retention_time import RetentionTimeConfig, decide_retain_s
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.errors import ClientError
+from kvrelay.router.index import ConversationIndex
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.request import TurnRequest
+from kvrelay.router.retain_times import RetainTimes
+from kvrelay.router.turn import Turn
+
+log = logging.getLogger("kvrelay.router")
+
+
+@dataclass(frozen=True)
+class DRetention:
+    """The latest sync of one D (its own numbers) and when the router got it (router
+    clock)."""
+
+    node_id: str
+    sync: RetentionSync
+    synced_at_s: float
+
+    @property
+    def free_fraction(self) -> float:
+        """D's KV cache not in use (neither live work nor retention), 0..1."""
+        total = self.sync.num_blocks_total
+        return self.sync.num_blocks_free / total if total > 0 else 0.0
+
+
+class RetentionDesk:
+    """D's syncs and the router's orders for one router app (module docstring).
+    ``learned``: how per-turn retention times are learned (``None``: none are sent)."""
+
+    def __init__(
+        self,
+        index: ConversationIndex,
+        nodes: NodeRegistry,
+        metrics: RouterMetrics,
+        clock: Callable[[], float],
+        *,
+        base_url: str,
+        learned: RetentionTimeConfig | None,
+    ) -> None:
+        self._index = index
+        self._nodes = nodes
+        self._metrics = metrics
+        self._clock = clock
+        self.url = base_url.rstrip("/") + RETENTION_PATH
+        self._learned = learned
+        self._gaps = RetainTimes()
+        self._latest: dict[str, DRetention] = {}
+
+    def observe_gap(self, req: TurnRequest, gap_s: float) -> None:
+        """A turn arrived ``gap_s`` after the turn it continues ended."""
+        self._gaps.observe(req, gap_s)
+
+    def decode_params(
+        self, turn: Turn, node: NodeConfig
+    ) -> tuple[Mapping[str, object] | None, float]:
+        """kvrelay's retention keys for ``turn``'s decode request to ``node`` (``None`` for
+        a D without kvrelay's connector), and how long D keeps the turn (what the entry's
+        expiry on the router clock follows)."""
+        if not self._nodes.manages_retention(node.node_id):
+            return None, node.ttl_s
+        if self._learned is None:
+            return {RETENTION_URL_KEY: self.url}, node.ttl_s
+        state = self.latest(node.node_id)
+        decided = decide_retain_s(
+            self._gaps.histograms(turn.request), ttl_s=node.ttl_s,
+            free_fraction=state.free_fraction if state is not None else None,
+            config=self._learned,
+        )
+        self._metrics.child(self._metrics.retain_decisions, decided.reason).inc()
+        self._metrics.retain_seconds.observe(decided.retain_s)
+        turn.retain_s = decided.retain_s
+        return {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}, decided.retain_s
+
+    def latest(self, node_id: str) -> DRetention | None:
+        """D's latest sync (``None`` before its first, or once D went down or restarted)."""
+        state = self._latest.get(node_id)
+        if state is None:
+            return None
+        if self._nodes.trusted_identity(node_id)[0] != state.sync.engine_id:
+            return None
+        return state
+
+    async def accept(self, raw: bytes) -> RetentionOrders:
+        """Handle one sync body (module docstring); ``ClientError`` 400 / 404."""
+        try:
+            sync = decode_sync(raw)
+        except RetentionSyncError as exc:
+            self._metrics.child(self._metrics.retention_syncs, "invalid").inc()
+            raise ClientError(str(exc)) from None
+        node_id = self._nodes.decode_node_for_engine(sync.engine_id)
+        if node_id is None:
+            self._metrics.child(self._metrics.retention_syncs, "unknown_engine").inc()
+            raise ClientError("no decode node of this router runs that engine", status=404)
+        self._metrics.child(self._metrics.retention_syncs, "ok").inc()
+        self._latest[node_id] = DRetention(node_id, sync, self._clock())
+        if sync.released:
+            marked = await self._index.mark_released(node_id, sync.engine_id, sync.released)
+            for cause in RELEASE_CAUSES:
+                n = sum(1 for r in sync.released if r.cause == cause)
+                if n:
+                    self._metrics.child(self._metrics.releases_seen, node_id, cause).inc(n)
+            if marked:
+                self._metrics.child(self._metrics.entries_released, node_id).inc(marked)
+        dropped: tuple[str, ...] = ()
+        if sync.releasing:
+            dropped = await self._index.release_requested(node_id, sync.engine_id,
+                                                          sync.releasing)
+            reading = len(sync.releasing) - len(dropped)
+            for answer, n in (("dropped", len(dropped)), ("reading", reading)):
+                if n:
+                    self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
+        orders = await self._index.take_releases(node_id, sync.engine_id)
+        if orders:
+            self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
+        return RetentionOrders(release=orders, dropped=dropped)
+
+    def snapshot(self) -> dict[str, dict[str, object]]:
+        """``/stats``' ``retention``: per D, its latest numbers (D's own counts)."""
+        now = self._clock()
+        out: dict[str, dict[str, object]] = {}
+        for node_id in sorted(self._latest):
+            state = self.latest(node_id)
+            if state is None:
+                continue
+            sync = state.sync
+            out[node_id] = {
+                "retained_requests": sync.retained_requests,
+                "retained_blocks": sync.retained_blocks,
+                "retained_tokens": sync.retained_tokens,
+                "retained_bytes": sync.retained_bytes,
+                "free_blocks": sync.num_blocks_free,
+                "total_blocks": sync.num_blocks_total,
+                "releases_total": dict(sync.releases_total),
+                "synced_s_ago": round(max(0.0, now - state.synced_at_s), 3),
+            }
+        return out
+
+    def gauges(self) -> list[tuple[str, RetentionSync]]:
+        """Each D's latest sync, for the metrics collector."""
+        return [(n, s.sync) for n in sorted(self._latest) if (s := self.latest(n)) is not None]

@@ -1,0 +1,354 @@
+"""Retention through the router on fake engines (no latency, one ``ManualClock``): identical
+conversations each keep their entry, entries the router drops are released on D, D's
+releases reach the router (and the next turn recomputes, ``released``), and D's retention
+numbers show in ``/stats`` and ``/metrics``."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import replace
+from typing import Any
+
+import httpx
+import pytest
+
+from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.retention_sync import (
+    RETAIN_S_KEY,
+    RETENTION_PATH,
+    RETENTION_URL_KEY,
+    Released,
+    RetentionSync,
+    encode,
+)
+from kvrelay.router.request import parse_request
+from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
+
+SILENT_D = replace(ENGINE_CONFIG, kvrelay_retention=False)
+"""Engines that do not sync their retention themselves: the tests below are D, posting the
+syncs by hand (test_router_fake_retention_sync.py runs the fake's own)."""
+SYSTEM = "You are a careful agent that fixes failing tests. " * 8
+FIRST = "The test test_parse fails on main. Find out why and fix it."
+
+
+def first_turn() -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM}, {"role": "user", "content": FIRST}]
+
+
+async def chat(c: httpx.AsyncClient, messages: list[dict[str, Any]]) -> httpx.Response:
+    resp = await c.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "max_tokens": 16})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+async def identical_first_turns(r: Routed, n: int) -> list[list[dict[str, Any]]]:
+    """``n`` id-free conversations with the same history, their first turns sent at once;
+    returns each one's history with its answer and a follow-up question."""
+    async with r.client() as c:
+        replies = await asyncio.gather(*(chat(c, first_turn()) for _ in range(n)))
+    await r.settle()
+    answers = {x.json()["choices"][0]["message"]["content"] for x in replies}
+    assert len(answers) == 1  # greedy: the same answer n times (the case under test)
+    answer = answers.pop()
+    return [[*first_turn(), {"role": "assistant", "content": answer},
+             {"role": "user", "content": f"Now run the tests. ({i})"}] for i in range(n)]
+
+
+@pytest.mark.parametrize("num_decode", [1, 2])
+async def test_identical_conversations_finishing_together_all_pull(num_decode: int) -> None:
+    """8 identical id-free conversations whose first turns finish together: each first
+    follow-up pulls an entry of its own (an index keeping one entry per anchor and answer
+    lost 6 of 8); no D block is read twice."""
+    async with routed(num_prefill=2, num_decode=num_decode) as r:
+        histories = await identical_first_turns(r, 8)
+        assert len(r.ctx.index) == 8
+        async with r.client() as c:
+            follow_ups = await asyncio.gather(*(chat(c, h) for h in histories))
+        assert [x.headers["x-kvrelay-reason"] for x in follow_ups] == ["pull"] * 8
+        pulls = [rec for p in r.cluster.prefill for rec in p.records if rec.plan == "pull"]
+        assert len(pulls) == 8
+        assert len({(rec.pulled_from_engine, tuple(rec.pulled_block_ids)) for rec in pulls}) == 8
+        assert all(not rec.wrong_reuse and not rec.read_freed_blocks for rec in pulls)
+        for reply, history in zip(follow_ups, histories, strict=True):
+            assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
+                {"model": "tiny", "messages": history, "max_tokens": 16})
+
+
+def sync_body(engine_id: str, *, released: tuple[tuple[str, str], ...] = (),
+              retained_blocks: int = 4, num_blocks_free: int = 100) -> bytes:
+    """A sync as D's connector sends it (``core.retention_sync``), written here by hand."""
+    return encode(RetentionSync(
+        engine_id=engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+        num_blocks_free=num_blocks_free, retained_requests=1, retained_blocks=retained_blocks,
+        retained_tokens=retained_blocks * 16,
+        releases_total={cause: sum(1 for _, c in released if c == cause)
+                        for cause in ("pressure", "router", "expired")},
+        released=tuple(Released(rid, cause) for rid, cause in released),  # type: ignore[arg-type]
+    ))
+
+
+def metric(samples: dict[str, float], name: str, **labels: str) -> float:
+    """The sample ``name{labels}`` whatever the order of its labels; missing is an error."""
+    want = {f'{k}="{v}"' for k, v in labels.items()}
+    for key, value in samples.items():
+        base, _, rest = key.partition("{")
+        if base == name and set(filter(None, rest.rstrip("}").split(","))) == want:
+            return value
+    raise AssertionError((name, labels, sorted(k for k in samples if k.startswith(name))))
+
+
+async def post_sync(r: Routed, body: bytes) -> httpx.Response:
+    async with httpx.AsyncClient(trust_env=False, timeout=10.0) as c:
+        return await c.post(r.ctx.retention.url, content=body)
+
+
+def follow_up(answer: str) -> list[dict[str, Any]]:
+    return [*first_turn(), {"role": "assistant", "content": answer},
+            {"role": "user", "content": "Now run the tests."}]
+
+
+async def one_first_turn(r: Routed) -> tuple[list[dict[str, Any]], ConversationEntry]:
+    async with r.client() as c:
+        reply = await chat(c, first_turn())
+    await r.settle()
+    history = follow_up(reply.json()["choices"][0]["message"]["content"])
+    found = await r.find({"model": "tiny", "messages": history})
+    assert found is not None
+    return history, found.entry
+
+
+@pytest.mark.parametrize("guard", list(GUARD_CONFIGS))
+async def test_decode_requests_tell_a_connector_d_where_to_sync(guard: str) -> None:
+    """kvrelay's connector on D gets the router's retention URL and a retention time (never
+    above D's TTL); stock D gets neither (vLLM passes unknown keys through, but nobody
+    would read them)."""
+    async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
+        async with r.client() as c:
+            await chat(c, first_turn())
+            await chat(c, first_turn())  # D's capabilities are known after its first answer
+        params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+        assert params is not None
+        if guard == "connector":
+            assert params[RETENTION_URL_KEY] == (
+                f"http://127.0.0.1:{r.ctx.config.listen_internal_port}{RETENTION_PATH}")
+            retain_s = params[RETAIN_S_KEY]
+            assert isinstance(retain_s, float)
+            assert 0 < retain_s <= ENGINE_CONFIG.decoder_kv_blocks_ttl
+        else:
+            assert RETENTION_URL_KEY not in params and RETAIN_S_KEY not in params
+
+
+async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> None:
+    """D released a retained turn (memory pressure): its sync tells the router, the entry
+    is never pulled, and the next turn recomputes with reason ``released`` (headers,
+    ``/stats``, metrics), its answer equal to a recompute."""
+    async with routed(engine_config=SILENT_D) as r:
+        d, d_id = r.cluster.decode[0], r.ctx.config.decode[0].node_id
+        history, entry = await one_first_turn(r)
+        resp = await post_sync(r, sync_body(d.engine_id, released=(
+            (entry.request_id, "pressure"), ("unknown-request", "expired"))))
+        assert resp.status_code == 200, resp.text
+        assert resp.json() == {"release": [], "dropped": []}
+        found = await r.find({"model": "tiny", "messages": history})
+        assert found is not None and found.entry.released == "pressure"
+        async with r.client() as c:
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-action"] == "recompute"
+        assert reply.headers["x-kvrelay-reason"] == "released"
+        assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
+            {"model": "tiny", "messages": history, "max_tokens": 16})
+        assert not any(rec.plan == "pull" for rec in r.cluster.prefill[0].records)
+        stats = await r.stats()
+        assert stats["decisions"]["by_reason"]["released"] == 1
+        assert stats["retention"][d_id]["retained_blocks"] == 4
+        assert stats["retention"][d_id]["releases_total"]["pressure"] == 1
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_d_retained_bytes", node=d_id) == 4 * 4096
+        assert metric(metrics, "kvrelay_router_d_releases_total", node=d_id,
+                      cause="pressure") == 1
+        assert metric(metrics, "kvrelay_router_retention_releases_seen_total", node=d_id,
+                      cause="expired") == 1
+        assert metric(metrics, "kvrelay_router_entries_released_total", node=d_id) == 1
+        assert metric(metrics, "kvrelay_router_turn_decisions_total", action="recompute",
+                      reason="released") == 1
+
+
+async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_nothing(
+) -> None:
+    async with routed(engine_config=SILENT_D) as r:
+        history, entry = await one_first_turn(r)
+        forged = await post_sync(r, sync_body("not-an-engine", released=(
+            (entry.request_id, "pressure"),)))
+        assert forged.status_code == 404 and forged.json()["error"]["message"]
+        for bad in (b"{", b"[]", b'{"engine_id": "x"}',
+                    sync_body(r.cluster.decode[0].engine_id).replace(b'"block_size":16',
+                                                                      b'"block_size":-1')):
+            resp = await post_sync(r, bad)
+            assert resp.status_code == 400, (bad, resp.text)
+            assert resp.json()["error"]["message"]
+        found = await r.find({"model": "tiny", "messages": history})
+        assert found is not None and found.entry.released is None
+        async with r.client() as c:
+            assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
+        public = await r.post(RETENTION_PATH, sync_body(r.cluster.decode[0].engine_id))
+        assert public.status_code == 404  # the internal listener only
+
+
+def conversation(i: int) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": SYSTEM},
+            {"role": "user", "content": f"Conversation {i}: " + FIRST}]
+
+
+async def orders_for(r: Routed) -> list[str]:
+    """What the router answers D's next sync (an empty one: D released nothing)."""
+    resp = await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
+    assert resp.status_code == 200, resp.text
+    release: list[str] = resp.json()["release"]
+    return release
+
+
+async def test_an_entry_evicted_for_capacity_is_released_on_d() -> None:
+    """``--max-entries 1``: the second conversation's entry evicts the first's, whose D
+    request id the router orders released in its answer to D's next sync (once)."""
+    async with routed(engine_config=SILENT_D, max_entries=1) as r:
+        async with r.client() as c:
+            first = await chat(c, conversation(1))
+            await r.settle()
+            history = [*conversation(1), first.json()["choices"][0]["message"],
+                       {"role": "user", "content": "go on"}]
+            evicted = await r.find({"model": "tiny", "messages": history})
+            assert evicted is not None
+            await chat(c, conversation(2))
+            await r.settle()
+        assert await r.find({"model": "tiny", "messages": history}) is None
+        assert await orders_for(r) == [evicted.entry.request_id]
+        assert await orders_for(r) == []
+
+
+async def test_a_turn_that_did_not_pull_supersedes_and_releases_the_entry_it_continued(
+) -> None:
+    """Every follow-up recomputes (threshold above any prompt): once it commits, the entry
+    it continued is dead (the conversation moved on) and D is told to release it."""
+    async with routed(engine_config=SILENT_D, kv_recompute_threshold=100_000) as r:
+        history, entry = await one_first_turn(r)
+        async with r.client() as c:
+            reply = await chat(c, history)
+        await r.settle()
+        assert reply.headers["x-kvrelay-reason"] == "below_threshold"
+        assert await r.find({"model": "tiny", "messages": history}) is None
+        assert await orders_for(r) == [entry.request_id]
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_entries_dropped_total", reason="superseded") == 1
+        assert metric(metrics, "kvrelay_router_release_orders_total",
+                      node=r.ctx.config.decode[0].node_id) == 1
+
+
+async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
+    async with routed(engine_config=SILENT_D, admin_key="root") as r:
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": first_turn(), "max_tokens": 16,
+                "conversation_id": "flush-me"})
+            assert resp.status_code == 200
+        await r.settle()
+        (entry,) = [f.entry for f in [await r.find({
+            "model": "tiny", "messages": first_turn(), "conversation_id": "flush-me"})] if f]
+        dropped = await r.post("/admin/conversations/drop", {"conversation_id": "flush-me"},
+                               headers={"Authorization": "Bearer root"})
+        assert dropped.json() == {"dropped": True, "entries": 1}
+        assert await orders_for(r) == [entry.request_id]
+
+
+async def test_a_pulled_entry_is_never_ordered_released() -> None:
+    """A pull consumes the entry (P's read frees D's blocks): no order for it."""
+    async with routed(engine_config=SILENT_D) as r:
+        history, _ = await one_first_turn(r)
+        async with r.client() as c:
+            assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
+        await r.settle()
+        assert await orders_for(r) == []
+
+
+def learn_gaps(r: Routed, gap_s: float, n: int = 40) -> None:
+    """Tell the router ``n`` follow-ups came ``gap_s`` after their turn (as ``plan`` does
+    when it finds an entry), in the default tenant."""
+    req = parse_request("chat", json.dumps({"model": "tiny", "messages": first_turn()}).encode(),
+                        {}, "default", ())
+    for _ in range(n):
+        r.ctx.retention.observe_gap(req, gap_s)
+
+
+async def retain_s_sent(r: Routed) -> object:
+    params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+    assert params is not None
+    return params.get(RETAIN_S_KEY)
+
+
+async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_follows() -> None:
+    """Follow-ups come 20 s after their turn: D is asked to keep the next turn about 50 s
+    (the gaps' high quantile + the router's margin), not its 480 s TTL, and the router's
+    entry expires with it; a D short of free blocks is asked for less."""
+    async with routed(engine_config=SILENT_D) as r:
+        async with r.client() as c:
+            await chat(c, conversation(0))  # D's capabilities are known after its first answer
+            await r.settle()
+            await chat(c, conversation(1))
+            await r.settle()
+            assert await retain_s_sent(r) == ENGINE_CONFIG.decoder_kv_blocks_ttl  # the prior
+            learn_gaps(r, 20.0)
+            history, entry = await one_first_turn(r)
+            retain_s = await retain_s_sent(r)
+            assert isinstance(retain_s, float)
+            margin = r.ctx.config.ttl_safety_margin_s + r.ctx.config.policy.near_expiry_s
+            assert margin + 20.0 <= retain_s < margin + 20.0 * 1.25
+            assert entry.expires_at_s - entry.created_at_s == pytest.approx(
+                retain_s - r.ctx.config.ttl_safety_margin_s)
+            full = await post_sync(r, sync_body(r.cluster.decode[0].engine_id,
+                                                num_blocks_free=6))  # 6 of 128 free
+            assert full.status_code == 200
+            await chat(c, conversation(2))
+            await r.settle()
+            shorter = await retain_s_sent(r)
+            assert isinstance(shorter, float) and shorter < retain_s
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        for reason in ("prior", "learned", "headroom"):
+            assert metric(metrics, "kvrelay_router_retain_time_decisions_total",
+                          reason=reason) >= 1
+        del history
+
+
+async def test_no_learned_retention_sends_no_retain_s() -> None:
+    async with routed(engine_config=SILENT_D, learned_retention=False) as r:
+        learn_gaps(r, 3.0)
+        async with r.client() as c:
+            await chat(c, conversation(0))
+            await chat(c, conversation(1))
+        params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+        assert params is not None and RETENTION_URL_KEY in params
+        assert RETAIN_S_KEY not in params
+
+
+async def test_a_turn_d_asks_to_free_is_dropped_and_answered_then_recomputes_released(
+) -> None:
+    """D wants the blocks (pressure) and asks first (``releasing``): the router marks the
+    entry released (no pull can start), answers that D may free it (no P leg reads it), and
+    the next turn recomputes, reason ``released``."""
+    async with routed(engine_config=SILENT_D) as r:
+        d = r.cluster.decode[0]
+        history, entry = await one_first_turn(r)
+        body = encode(RetentionSync(
+            engine_id=d.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+            num_blocks_free=0, retained_requests=1, retained_blocks=4, retained_tokens=64,
+            releasing=(entry.request_id, "never-seen")))
+        resp = await post_sync(r, body)
+        assert resp.status_code == 200, resp.text
+        assert sorted(resp.json()["dropped"]) == sorted([entry.request_id, "never-seen"])
+        async with r.client() as c:
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-reason"] == "released"
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_release_requests_total",
+                      node=r.ctx.config.decode[0].node_id, answer="dropped") == 2

@@ -1,0 +1,117 @@
+"""core.retention_time: the per-turn retention time, from injected gaps and D's headroom."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from kvrelay.core.retention_time import (
+    GAP_MAX_S,
+    GapHistogram,
+    RetentionTimeConfig,
+    bin_of,
+    bin_upper_s,
+    decide_retain_s,
+)
+
+CONFIG = RetentionTimeConfig(quantile=0.9, min_samples=20, router_margin_s=25.0)
+TTL = 480.0
+
+
+def histogram(gaps: list[float], decay: float = 1.0) -> GapHistogram:
+    h = GapHistogram()
+    for gap in gaps:
+        h = h.observe(gap, decay=decay)
+    return h
+
+
+def test_too_few_gaps_keep_the_prior_d_ttl() -> None:
+    few = histogram([2.0] * 19)
+    got = decide_retain_s([few], ttl_s=TTL, free_fraction=None, config=CONFIG)
+    assert (got.retain_s, got.reason, got.gap_quantile_s) == (TTL, "prior", None)
+    assert decide_retain_s([], ttl_s=TTL, free_fraction=0.9, config=CONFIG).retain_s == TTL
+
+
+def test_short_think_times_retain_their_high_quantile_plus_the_router_margin() -> None:
+    """Agents calling tools every 1-8 s: keep turns ~33 s, not 480 s; every follow-up
+    observed (gap <= quantile) would still pull (gap <= retain_s - margin)."""
+    rng = random.Random(7)
+    gaps = [rng.uniform(1.0, 8.0) for _ in range(500)]
+    got = decide_retain_s([histogram(gaps)], ttl_s=TTL, free_fraction=0.8, config=CONFIG)
+    assert got.reason == "learned" and got.gap_quantile_s is not None
+    assert got.retain_s == pytest.approx(got.gap_quantile_s + 25.0)
+    share = sum(g <= got.retain_s - 25.0 for g in gaps) / len(gaps)
+    assert share >= 0.9
+    assert got.retain_s < 25.0 + 8.0 * 1.25  # within one bin of the true 90th percentile
+
+
+def test_a_heavy_tail_is_kept_and_the_ttl_bounds_it() -> None:
+    """10% of follow-ups come after 30 minutes: the 90th percentile sits in the tail, and D's
+    TTL caps the result."""
+    gaps = [3.0] * 850 + [1800.0] * 150
+    got = decide_retain_s([histogram(gaps)], ttl_s=TTL, free_fraction=None, config=CONFIG)
+    assert got.reason == "learned" and got.retain_s == TTL
+    tail_short = [3.0] * 950 + [1800.0] * 50
+    got = decide_retain_s([histogram(tail_short)], ttl_s=TTL, free_fraction=None,
+                          config=CONFIG)
+    assert got.retain_s < 40.0
+
+
+def test_the_narrowest_histogram_with_enough_samples_decides() -> None:
+    conversation = histogram([60.0] * 25)
+    tenant = histogram([2.0] * 200)
+    sparse = histogram([300.0] * 3)
+    narrow = decide_retain_s([conversation, tenant], ttl_s=TTL, free_fraction=None,
+                             config=CONFIG)
+    assert narrow.gap_quantile_s is not None and 60.0 <= narrow.gap_quantile_s < 75.0
+    wider = decide_retain_s([sparse, None, tenant], ttl_s=TTL, free_fraction=None,
+                            config=CONFIG)
+    assert wider.gap_quantile_s is not None and wider.gap_quantile_s < 2.5
+
+
+def test_a_d_short_of_free_blocks_retains_shorter_never_below_the_floor() -> None:
+    learned = histogram([100.0] * 100)
+    roomy = decide_retain_s([learned], ttl_s=TTL, free_fraction=0.5, config=CONFIG)
+    tight = decide_retain_s([learned], ttl_s=TTL, free_fraction=0.1, config=CONFIG)
+    full = decide_retain_s([learned], ttl_s=TTL, free_fraction=0.0, config=CONFIG)
+    assert roomy.reason == "learned" and tight.reason == full.reason == "headroom"
+    assert tight.retain_s == pytest.approx(roomy.retain_s * 0.5)
+    assert full.retain_s == pytest.approx(max(CONFIG.floor_s, roomy.retain_s * 0.25))
+    prior_tight = decide_retain_s([], ttl_s=TTL, free_fraction=0.05, config=CONFIG)
+    assert prior_tight.retain_s == pytest.approx(TTL * 0.25)
+    instant = histogram([0.1] * 100)
+    got = decide_retain_s([instant], ttl_s=TTL, free_fraction=0.0, config=CONFIG)
+    assert got.retain_s == CONFIG.floor_s == 30.0
+    assert decide_retain_s([instant], ttl_s=12.0, free_fraction=0.0, config=CONFIG
+                           ).retain_s == 12.0  # a D TTL below the floor wins
+
+
+def test_old_gaps_decay_so_a_changed_workload_is_followed() -> None:
+    h = histogram([200.0] * 300, decay=0.99)
+    before = decide_retain_s([h], ttl_s=TTL, free_fraction=None, config=CONFIG)
+    for _ in range(300):
+        h = h.observe(2.0, decay=0.99)
+    after = decide_retain_s([h], ttl_s=TTL, free_fraction=None, config=CONFIG)
+    assert before.retain_s > 200.0 and after.retain_s == CONFIG.floor_s
+
+
+@given(st.floats(min_value=0.0, max_value=1e6, allow_nan=False))
+def test_every_gap_lies_in_a_bin_whose_edge_covers_it(gap: float) -> None:
+    i = bin_of(gap)
+    assert gap <= bin_upper_s(i) * (1 + 1e-12) or bin_upper_s(i) == pytest.approx(GAP_MAX_S)
+    if i > 0:
+        assert gap > bin_upper_s(i - 1) * (1 - 1e-12)
+
+
+def test_bad_input_is_refused_or_ignored() -> None:
+    h = GapHistogram()
+    assert h.observe(-1.0) == h and h.observe(float("nan")) == h
+    with pytest.raises(ValueError):
+        h.quantile_s(0.0)
+    with pytest.raises(ValueError):
+        decide_retain_s([], ttl_s=0.0, free_fraction=None, config=CONFIG)
+    with pytest.raises(ValueError):
+        RetentionTimeConfig(quantile=1.5)

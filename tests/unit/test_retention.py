@@ -1,0 +1,101 @@
+"""core.retention: which retained turns D releases (pressure, headroom, deadline), and the
+release handshake fields of core.retention_sync that D's side relies on."""
+
+import pytest
+
+from kvrelay.core.retention import (
+    NOTHING,
+    RetainedTurn,
+    release_expired,
+    release_for,
+    release_order,
+    release_over_headroom,
+    release_under_pressure,
+    retention_cap_blocks,
+)
+from kvrelay.core.retention_sync import (
+    MAX_ORDERS,
+    MAX_RELEASED_PER_SYNC,
+    RELEASE_CAUSES,
+    Released,
+    RetentionOrders,
+    RetentionSync,
+    RetentionSyncError,
+    decode_orders,
+    decode_sync,
+    encode,
+)
+
+
+def turn(request_id: str, blocks: int, at_s: float, *, value: float = 0.0,
+         deadline_s: float = 1e9, reading: bool = False) -> RetainedTurn:
+    return RetainedTurn(request_id=request_id, num_blocks=blocks, num_tokens=blocks * 16,
+                        retained_at_s=at_s, deadline_s=deadline_s, value=value, reading=reading)
+
+
+def test_least_valuable_go_first_then_oldest_and_a_read_turn_never():
+    turns = [turn("new-cheap", 2, 30.0), turn("old-dear", 2, 10.0, value=5.0),
+             turn("old-cheap", 2, 20.0), turn("oldest-read", 9, 0.0, reading=True)]
+    assert [t.request_id for t in release_order(turns)] == ["old-cheap", "new-cheap", "old-dear"]
+
+
+def test_pressure_releases_the_fewest_turns_that_cover_the_shortfall():
+    turns = [turn("a", 4, 1.0), turn("b", 4, 2.0), turn("c", 4, 3.0)]
+    release = release_under_pressure(turns, num_blocks_free=3, num_blocks_needed=10)
+    assert release.request_ids == ("a", "b") and release.num_blocks == 8
+    assert release.reason == "pressure" and release.short_blocks == 0
+    assert release_under_pressure(turns, num_blocks_free=10, num_blocks_needed=10) is NOTHING
+
+
+def test_pressure_beyond_what_retention_holds_says_what_is_still_missing():
+    release = release_under_pressure([turn("a", 4, 1.0), turn("r", 8, 0.0, reading=True)],
+                                     num_blocks_free=0, num_blocks_needed=10)
+    assert release.request_ids == ("a",) and release.short_blocks == 6
+    nothing = release_for([turn("r", 8, 0.0, reading=True)], 3, "pressure")
+    assert nothing.request_ids == () and nothing.short_blocks == 3 and nothing.reason == "none"
+
+
+def test_headroom_caps_what_retention_may_hold():
+    assert retention_cap_blocks(24, 0.25) == 18
+    turns = [turn("a", 8, 1.0), turn("b", 8, 2.0), turn("c", 8, 3.0)]
+    release = release_over_headroom(turns, num_blocks_total=24, headroom=0.25)
+    assert release.request_ids == ("a",) and release.reason == "headroom"
+    assert release_over_headroom(turns, num_blocks_total=32, headroom=0.25) is NOTHING
+    with pytest.raises(ValueError):
+        retention_cap_blocks(24, 1.5)
+
+
+def test_deadline_releases_turns_whose_time_ran_out_unless_being_read():
+    turns = [turn("due", 2, 0.0, deadline_s=5.0), turn("later", 2, 0.0, deadline_s=50.0),
+             turn("due-read", 2, 0.0, deadline_s=5.0, reading=True)]
+    release = release_expired(turns, now_s=5.0)
+    assert release.request_ids == ("due",) and release.reason == "expired"
+    assert release_expired(turns, now_s=4.9) is NOTHING
+
+
+def sync(**changes: object) -> RetentionSync:
+    fields: dict[str, object] = dict(
+        engine_id="d0", block_size=16, bytes_per_block=4096, num_blocks_total=24,
+        num_blocks_free=4, retained_requests=1, retained_blocks=12, retained_tokens=180)
+    fields.update(changes)
+    return RetentionSync(**fields)  # type: ignore[arg-type]
+
+
+def test_releasing_and_dropped_round_trip_and_default_to_empty():
+    asked = sync(releasing=("r1", "r2"), released=(Released("r0", "headroom"),),
+                 releases_total={"headroom": 1})
+    assert decode_sync(encode(asked)) == asked
+    assert decode_sync(b'{"engine_id":"d0","block_size":16,"bytes_per_block":1,'
+                       b'"num_blocks_total":2,"num_blocks_free":1,"retained_requests":0,'
+                       b'"retained_blocks":0,"retained_tokens":0}').releasing == ()
+    assert decode_orders(b'{"release":["x"]}') == RetentionOrders(release=("x",))
+    assert decode_orders(encode(RetentionOrders(dropped=("r1",)))).dropped == ("r1",)
+    assert "headroom" in RELEASE_CAUSES
+
+
+def test_releasing_and_dropped_are_bounded():
+    too_many = tuple(f"r{i}" for i in range(max(MAX_RELEASED_PER_SYNC, MAX_ORDERS) + 1))
+    with pytest.raises(RetentionSyncError):
+        decode_sync(encode(sync(releasing=too_many)))
+    with pytest.raises(RetentionSyncError):
+        decode_orders(encode(RetentionOrders(dropped=too_many)))

@@ -1,0 +1,219 @@
+"""kvrelay's connector on D with vLLM's real NIXL scheduler side (config and engine faked):
+a turn's own deadline, a release under pressure asked of the router and made through
+vLLM's TTL path (the worker's own expiry sweep frees it), and what P's read check can and
+cannot see."""
+
+from __future__ import annotations
+
+import collections
+import queue
+import time
+import types
+from collections.abc import Iterator
+
+import pytest
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.base_worker import NixlBaseConnectorWorker
+from vllm.distributed.kv_transfer.kv_connector.v1.nixl.pull_worker import NixlPullConnectorWorker
+from vllm.v1.outputs import KVConnectorOutput
+from vllm.v1.request import RequestStatus
+
+from kvrelay.core.retention_sync import RetentionOrders
+from kvrelay.vllm_plugin.connector import NixlConnector
+from kvrelay.vllm_plugin.retention import TurnState
+from tests.retention_router import StandInRouter
+
+ns = types.SimpleNamespace
+TTL_S = 120
+BLOCK_SIZE = 128
+NUM_BLOCKS = 24
+
+
+def d_connector(**extra: object) -> NixlConnector:
+    settings = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": TTL_S, **extra}
+    transfer = ns(get_from_extra_config=lambda key, default: settings.get(key, default),
+                  kv_buffer_device="cpu", engine_id="d-engine", kv_role="kv_consumer")
+    config = ns(
+        parallel_config=ns(tensor_parallel_size=1, decode_context_parallel_size=1,
+                           data_parallel_index=0, pipeline_parallel_size=1,
+                           prefill_context_parallel_size=1),
+        cache_config=ns(block_size=BLOCK_SIZE), kv_transfer_config=transfer,
+        scheduler_config=ns(disable_hybrid_kv_cache_manager=True),
+        num_prefill_lookahead_tokens=0)
+    kv_cache_config = ns(transfer_groups=[], has_mamba_layers=False, kv_cache_groups=[],
+                         select_transfer_block_ids=lambda block_ids: block_ids,
+                         num_blocks=NUM_BLOCKS, kv_cache_tensors=[ns(size=NUM_BLOCKS * 4096)])
+    return NixlConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
+
+
+class Pool:
+    def __init__(self, free: int) -> None:
+        self.free = free
+
+    def get_num_free_blocks(self) -> int:
+        return self.free
+
+
+def finished(request_id: str, params: dict[str, object], num_tokens: int = 1500) -> object:
+    prompt = list(range(num_tokens - 10))
+    return ns(request_id=request_id, status=RequestStatus.FINISHED_STOPPED,
+              kv_transfer_params=params, num_computed_tokens=num_tokens,
+              prompt_token_ids=prompt, output_token_ids=list(range(10)),
+              num_prompt_tokens=len(prompt), num_output_tokens=10)
+
+
+def waiting(request_id: str, num_tokens: int = 1500) -> object:
+    params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
+              "remote_engine_id": "p-engine", "remote_request_id": "p1",
+              "remote_host": "127.0.0.1", "remote_port": 5600, "remote_num_tokens": num_tokens}
+    return ns(request_id=request_id, kv_transfer_params=params, num_tokens=num_tokens,
+              num_prompt_tokens=num_tokens, prompt_token_ids=list(range(num_tokens)))
+
+
+class Worker:
+    """The state vLLM's pull worker keeps for D's retained requests, driven by vLLM's own
+    ``start_load_kv`` and ``_reap_expired_send_leases``."""
+
+    def __init__(self) -> None:
+        self._ready_requests: queue.Queue[object] = queue.Queue()
+        self.pcp_rank = 0
+        self.pcp_dcp_sharded = False
+        self._reqs_to_process: set[str] = set()
+        self._reqs_to_send: dict[str, float] = {}
+        self.consumer_notification_counts_by_req: dict[str, int] = collections.defaultdict(int)
+        self.expected_consumer_notifications_by_req: dict[str, int] = {}
+        self.xfer_stats = ns(record_kv_expired_req=lambda: None)
+
+    def _send_heartbeats(self, metadata: object) -> None:
+        pass
+
+    def step(self, metadata: object) -> set[str]:
+        NixlPullConnectorWorker.start_load_kv(self, metadata)  # type: ignore[arg-type]
+        done: set[str] = set()
+        NixlBaseConnectorWorker._reap_expired_send_leases(self, done)  # type: ignore[arg-type]
+        return done
+
+
+@pytest.fixture
+def router() -> Iterator[StandInRouter]:
+    stand_in = StandInRouter()
+    yield stand_in
+    stand_in.close()
+
+
+def retained_params(url: str, **keys: object) -> dict[str, object]:
+    return {"do_remote_prefill": False, "_remote_blocks_processed": True,
+            "kvrelay_retention_url": url, **keys}
+
+
+def retain(conn: NixlConnector, request_id: str, params: dict[str, object]) -> dict:
+    conn.connector_scheduler._reqs_in_batch.add(request_id)  # admitted as vLLM does
+    delay, out = conn.request_finished(finished(request_id, params), list(range(12)))
+    assert delay
+    return out
+
+
+def test_retain_s_becomes_the_turns_own_vllm_deadline_clamped_to_the_ttl(router):
+    conn = d_connector()
+    conn.bind_kv_cache_manager(ns(block_pool=Pool(12), watermark_blocks=0))
+    before = time.perf_counter()
+    short = retain(conn, "short", retained_params(router.url, kvrelay_retain_s=30))
+    long = retain(conn, "long", retained_params(router.url, kvrelay_retain_s=10_000))
+    pending = conn.connector_scheduler._reqs_need_send
+    assert before + 30 <= short["remote_blocks_expiry_time"] == pending["short"]
+    assert pending["short"] < before + 31
+    assert pending["long"] == long["remote_blocks_expiry_time"] >= before + TTL_S
+    ledger = conn._retention.ledger
+    assert ledger.retained_blocks == 24 and ledger.retained_tokens == 3000
+
+
+def test_pressure_waits_for_the_routers_answer_then_vllms_sweep_frees_the_turn(router):
+    conn = d_connector()
+    pool = Pool(free=0)
+    conn.bind_kv_cache_manager(ns(block_pool=pool, watermark_blocks=0))
+    worker = Worker()
+    retain(conn, "old", retained_params(router.url, kvrelay_retain_s=60))
+    assert worker.step(conn.build_connector_meta(ns())) == set()
+    assert worker._reqs_to_send["old"] > time.perf_counter() + 50, "vLLM holds it ~60 s"
+
+    router.answer = RetentionOrders(dropped=("old",))
+    assert conn.get_num_new_matched_tokens(waiting("new"), 0) == (None, False), \
+        "the waiting request is skipped while its blocks are freed"
+    assert conn.has_pending_block_frees(), "and running requests wait instead of preempting"
+    assert router.got.wait(10)
+    assert router.syncs[-1]["releasing"] == ["old"]
+    assert router.syncs[-1]["engine_id"] == "d-engine"
+    assert (router.syncs[-1]["num_blocks_total"], router.syncs[-1]["bytes_per_block"]) == (
+        NUM_BLOCKS, 4096), "D's numbers come from its own KV cache config"
+
+    done: set[str] = set()
+    deadline = time.monotonic() + 10
+    while not done and time.monotonic() < deadline:  # the sync thread hands the answer over
+        done = worker.step(conn.build_connector_meta(ns()))
+        time.sleep(0.01)
+    assert done == {"old"}, "vLLM's own expiry sweep frees the released turn"
+
+    router.got.clear()
+    pool.free = 12
+    conn.update_connector_output(KVConnectorOutput(finished_sending={"old"}))
+    assert "old" not in conn._retention.ledger and not conn.has_pending_block_frees()
+    assert conn._retention.ledger.releases_total["pressure"] == 1
+    conn.build_connector_meta(ns())
+    assert router.got.wait(10)
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not any(s["released"] for s in router.syncs):
+        time.sleep(0.01)
+    told = [s for s in router.syncs if s["released"]]
+    assert told and told[0]["released"] == [{"request_id": "old", "cause": "pressure"}]
+
+
+def test_a_turn_the_router_leaves_out_stays_and_the_request_fits_once_blocks_free(router):
+    conn = d_connector()
+    pool = Pool(free=0)
+    conn.bind_kv_cache_manager(ns(block_pool=pool, watermark_blocks=0))
+    retain(conn, "being-read", retained_params(router.url))
+    conn.build_connector_meta(ns())  # the step it finished in: vLLM's TTL deadline goes out
+    router.answer = RetentionOrders()  # a P leg reads it: not dropped
+    assert conn.get_num_new_matched_tokens(waiting("new"), 0) == (None, False)
+    assert router.got.wait(10)
+    for _ in range(20):
+        assert "being-read" not in conn.build_connector_meta(ns()).reqs_to_send
+    assert conn._retention.ledger.state("being-read") is TurnState.RELEASING
+    pool.free = 13  # P's read completed elsewhere and freed enough
+    count, load_async = conn.get_num_new_matched_tokens(waiting("new"), 0)
+    assert (count, load_async) == (1500, True), "then the request goes to vLLM as usual"
+
+
+def test_turns_without_a_router_and_stock_mode_leave_pressure_to_vllm(router):
+    for conn, params in ((d_connector(), {"do_remote_prefill": False}),
+                         (d_connector(kvrelay_retention="stock"), retained_params(router.url))):
+        conn.bind_kv_cache_manager(ns(block_pool=Pool(0), watermark_blocks=0))
+        retain(conn, "old", params)
+        assert conn.get_num_new_matched_tokens(waiting("new"), 0) == (1500, True)
+        assert not conn.has_pending_block_frees()
+    stock = d_connector(kvrelay_retention="stock")
+    kept = retain(stock, "kept", retained_params(router.url, kvrelay_retain_s=5))
+    assert kept["remote_blocks_expiry_time"] >= time.perf_counter() + TTL_S - 5, \
+        "stock keeps vLLM's global TTL"
+    with pytest.raises(ValueError):
+        d_connector(kvrelay_retention="sometimes")
+    with pytest.raises(ValueError):
+        d_connector(kvrelay_retention_headroom=1.5)
+
+
+def test_p_declines_a_read_near_the_stamped_deadline_but_cannot_see_an_early_release(router):
+    """Why D asks the router before it frees a turn under pressure: vLLM's only decline of
+    a stale D->P read is P's check against the deadline stamped in the params."""
+    conn = d_connector()
+    conn.bind_kv_cache_manager(ns(block_pool=Pool(12), watermark_blocks=0))
+    near = retain(conn, "near", retained_params(router.url, kvrelay_retain_s=2))
+    far = retain(conn, "far", retained_params(router.url, kvrelay_retain_s=60))
+    p_worker = ns(_engine_clock_offset={"d-engine": 0.0})
+
+    def p_declines(params: dict) -> bool:
+        read = ns(remote=ns(blocks_expiry_time=params["remote_blocks_expiry_time"],
+                            engine_id="d-engine"), local_physical_block_ids=[[1]])
+        return NixlPullConnectorWorker._is_turn2_read_expired(p_worker, read)  # type: ignore
+
+    assert p_declines(near), "a short kvrelay_retain_s is declined by P like vLLM's TTL"
+    assert not p_declines(far), "P would read a turn D freed early: only the router can stop it"
