@@ -14,6 +14,10 @@ interleaved round by round:
   header: id-free lookup by message digests, the policy, a pull on turns 2..N (P's
   connector verifies it), byte pass-through streaming, and D's report.
 * ``router+id``: the same with a conversation id (the lookup's scope is narrowed).
+* ``responses`` / ``messages``: the same conversations through kvrelay on ``/v1/responses``
+  (``store: false``, the whole ``input`` re-sent with D's ``output`` items) and on
+  ``/v1/messages`` (the history re-sent with D's ``content``), id-free, streamed: the
+  router's cost per turn for each API beside chat's.
 
 (The router runs with ``--pull-cost-factor 0.001``: with zero-latency engines its learned
 costs would otherwise find recomputing free and stop pulling.)
@@ -36,6 +40,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import os
 import re
 import sys
@@ -43,6 +48,7 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
 
@@ -69,8 +75,58 @@ class ModeResult:
         return float(values[min(len(values) - 1, int(q * len(values)))])
 
 
+AGENT_PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}
+
+
+async def agent_turn(conn: Conn, api: str, history: list[Any], max_tokens: int
+                     ) -> tuple[list[Any], Sample]:
+    """One streamed Responses or Messages turn through the router; D's answer in the API's
+    form (to re-send) and the timings."""
+    if api == "responses":
+        body: dict[str, Any] = {"model": "tiny", "input": history, "store": False,
+                                "max_output_tokens": max_tokens, "stream": True}
+    else:
+        body = {"model": "tiny", "messages": history, "max_tokens": max_tokens,
+                "stream": True}
+    started = time.perf_counter()
+    raw, ttft, headers = await conn.stream_raw(AGENT_PATHS[api], body, started, b"delta")
+    sample = Sample(ttft, time.perf_counter() - started, headers.get("x-kvrelay-action", ""))
+    events = [json.loads(block.split(b"\ndata: ", 1)[1]) for block in raw.split(b"\n\n")
+              if b"\ndata: " in block]
+    if api == "responses":
+        final = next(e for e in events if e.get("type") == "response.completed")
+        return final["response"]["output"], sample
+    text = "".join(e["delta"].get("text", "") for e in events
+                   if e.get("type") == "content_block_delta")
+    if not any(e.get("type") == "message_stop" for e in events):
+        raise RuntimeError("messages stream ended without message_stop")
+    return [{"role": "assistant", "content": [{"type": "text", "text": text}]}], sample
+
+
+async def agent_conversation(ports: dict[str, int], api: str, idx: int, turns: int,
+                             max_tokens: int, out: ModeResult) -> None:
+    conn = Conn("127.0.0.1", ports["router"])
+    history: list[Any] = [{"role": "user", "content": f"[{idx}] " + USER}]
+    try:
+        for _ in range(turns):
+            try:
+                answer, sample = await agent_turn(conn, api, history, max_tokens)
+            except (OSError, asyncio.IncompleteReadError, RuntimeError, ValueError,
+                    StopIteration, KeyError) as exc:
+                out.errors += 1
+                print(f"  {api} client {idx}: {exc!r}", file=sys.stderr)
+                return
+            out.samples.append(sample)
+            history += [*answer, {"role": "user", "content": FOLLOW_UP}]
+    finally:
+        conn.close()
+
+
 async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, turns: int,
                        max_tokens: int, out: ModeResult) -> None:
+    if mode in AGENT_PATHS:
+        await agent_conversation(ports, mode, idx, turns, max_tokens, out)
+        return
     if mode == "direct":
         conns = {name: Conn("127.0.0.1", ports[name]) for name in ("p", "d")}
     else:
@@ -160,7 +216,7 @@ def main() -> int:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--engine-arg", action="append", default=[], metavar="ARG",
                     help="extra `kvrelay fake-engine` argument (repeatable)")
-    ap.add_argument("--modes", default="direct,bare,router,router+id",
+    ap.add_argument("--modes", default="direct,bare,router,router+id,responses,messages",
                     help="comma-separated modes to run (direct first: the baseline)")
     args = ap.parse_args()
 
@@ -194,7 +250,7 @@ def main() -> int:
             print(f"clients {args.clients}, turns {args.turns}, rounds {args.rounds}, "
                   f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
             ports = {"p": base, "d": base + 1, "router": base + 2, "router+id": base + 2,
-                     "bare": base + 4}
+                     "responses": base + 2, "messages": base + 2, "bare": base + 4}
             pids = {"router": router.process.pid, "engines": engines.process.pid,
                     "bare": bare.process.pid}
             results = asyncio.run(bench(ports, args, pids))

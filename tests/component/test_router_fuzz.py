@@ -1,5 +1,6 @@
 """Property: whatever a client sends (bodies, types, paths, methods, headers), the router
-answers below 500, and every error is an OpenAI error body. Over 10,000 requests, generated
+answers below 500, and every error is in its API's error body (OpenAI's; Anthropic's on
+``/v1/messages``). Over 10,000 requests (Responses and Messages bodies among them), generated
 deterministically by hypothesis, against the app called directly (ASGI) in front of the
 scripted mock cluster; API keys and an admin key are on, so auth paths are fuzzed too.
 
@@ -26,8 +27,11 @@ from tests.component.router_rig import Rig, stream_text
 KEYS = ["t1:fuzz-key-1", "t2:fuzz-key-2"]
 FIELDS = ["messages", "prompt", "model", "stream", "max_tokens", "n", "conversation_id",
           "stream_options", "return_token_ids", "tools", "max_completion_tokens", "role",
-          "content", "kv_transfer_params", "include_usage", "temperature"]
-PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/models", "/health", "/metrics",
+          "content", "kv_transfer_params", "include_usage", "temperature", "input",
+          "instructions", "previous_response_id", "store", "max_output_tokens", "system",
+          "metadata", "cache_control", "type", "tool_use", "tool_result", "background"]
+PATHS = ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/messages",
+         "/v1/messages/count_tokens", "/v1/models", "/health", "/metrics",
          "/stats", "/internal/kv-report", "/admin/nodes/decode-0/drain",
          "/admin/nodes/decode-0/undrain", "/admin/conversations/drop", "/", "/v1"]
 METHODS = ["GET", "POST", "PUT", "DELETE", "PATCH", "OPTIONS"]
@@ -124,7 +128,9 @@ class Harness:
         self.statuses[answer.status] = self.statuses.get(answer.status, 0) + 1
         assert 200 <= answer.status < 500, (method, path, hdrs, raw[:300], answer.body[:300])
         if answer.status >= 400 and method != "HEAD":
-            assert is_openai_error(answer), (path, answer.status, answer.body[:300])
+            shaped = is_anthropic_error if path in ANTHROPIC_PATHS and not internal \
+                and method == "POST" else is_openai_error
+            assert shaped(answer), (path, answer.status, answer.body[:300])
         if internal and path == "/internal/kv-report" and answer.status == 200:
             body = answer.json()
             for outcome in body.get("outcomes", [body.get("outcome")]):
@@ -166,6 +172,32 @@ class Harness:
 
 
 JSON_TYPE = (b"content-type", b"application/json")
+ANTHROPIC_PATHS = ("/v1/messages", "/v1/messages/count_tokens")
+
+
+def is_anthropic_error(answer: Answer) -> bool:
+    """``{"type": "error", "error": {"type": str, "message": str}}``."""
+    try:
+        body = answer.json()
+    except ValueError:
+        return False
+    inner = body.get("error") if isinstance(body, dict) else None
+    return (body.get("type") == "error" and isinstance(inner, dict)
+            and isinstance(inner.get("type"), str) and isinstance(inner.get("message"), str))
+
+
+items = st.lists(st.fixed_dictionaries(
+    {"role": st.sampled_from(["user", "assistant", "developer", "system"]),
+     "content": st.text(max_size=20) | st.lists(st.fixed_dictionaries(
+         {"type": st.sampled_from(["input_text", "output_text", "text", "tool_use",
+                                   "tool_result", "image"]),
+          "text": st.text(max_size=10) | scalars},
+         optional={"cache_control": json_values, "input": json_values,
+                   "name": scalars}), max_size=3)},
+    optional={"type": st.sampled_from(["message", "function_call", "function_call_output",
+                                       "reasoning", "web_search_call"]) | scalars,
+              "name": scalars, "arguments": scalars, "call_id": scalars}),
+    max_size=3) | json_values
 SYSTEM = {"role": "system", "content": "You are an agent under test; answer briefly. " * 4}
 
 
@@ -213,6 +245,25 @@ def fuzz(harness: Harness, examples: int) -> list[Callable[[], None]]:
     @given(body=bodies("prompt", prompts))
     def completions(body: Any) -> None:
         harness.request("POST", "/v1/completions", [auth, ctype], encode(body))
+
+    @opts
+    @given(body=bodies("input", items), extra=st.fixed_dictionaries({}, optional={
+        "previous_response_id": scalars, "store": scalars, "background": scalars,
+        "instructions": scalars, "max_output_tokens": st.integers(-1, 10) | scalars,
+        "tools": st.lists(st.fixed_dictionaries({"type": st.sampled_from(
+            ["function", "web_search", "mcp"]) | scalars}), max_size=2) | json_values}))
+    def responses(body: Any, extra: dict[str, Any]) -> None:
+        body = {**body, **extra} if isinstance(body, dict) else body
+        harness.request("POST", "/v1/responses", [auth, ctype], encode(body))
+
+    @opts
+    @given(body=bodies("messages", items), path=st.sampled_from(ANTHROPIC_PATHS),
+           extra=st.fixed_dictionaries({}, optional={
+               "system": json_values, "metadata": json_values, "thinking": json_values,
+               "tools": json_values, "output_config": json_values}))
+    def messages_api(body: Any, path: str, extra: dict[str, Any]) -> None:
+        body = {**body, **extra} if isinstance(body, dict) else body
+        harness.request("POST", path, [auth, ctype], encode(body))
 
     @opts
     @given(method=st.sampled_from(METHODS),
@@ -276,13 +327,14 @@ def fuzz(harness: Harness, examples: int) -> list[Callable[[], None]]:
         harness.request(method, path, [JSON_TYPE], raw if raw is not None else encode(report),
                         internal=True)
 
-    return [chat, completions, anything, headers_and_bytes, conversation, reports]
+    return [chat, completions, anything, headers_and_bytes, conversation, reports, responses,
+            messages_api]
 
 
 def test_fuzzed_requests_never_get_a_5xx() -> None:
     harness = Harness()
     try:
-        for i, examples in enumerate((2200, 1800, 3600, 2500, 500, 800)):
+        for i, examples in enumerate((2200, 1800, 3600, 2500, 500, 800, 700, 700)):
             fuzz(harness, examples)[i]()
         decisions = harness.conv.ctx.stats.snapshot()["by_reason"]
     finally:

@@ -93,6 +93,48 @@ async def test_malformed_bodies_are_400(raw: bytes) -> None:
         assert not any(e.received for e in rig.cluster.engines)
 
 
+def anthropic_error(answer: Any) -> bool:
+    body = answer.json()
+    return (set(body) == {"type", "error"} and body["type"] == "error"
+            and set(body["error"]) == {"type", "message"})
+
+
+@pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
+@pytest.mark.parametrize("raw", [
+    b"\xff\xfe{}", b'{"input": "\xc3\x28"}', b'{"messages": [{"role": "user", '
+    b'"content": "\\ud800"}]}', b'{"max_tokens": NaN}', b'{"max_output_tokens": -Infinity}',
+    b"[" * 100_000 + b"]" * 100_000, b"", b"null", b"[]",
+    b'{"input": [], "messages": [], "max_tokens": 1' + b"0" * 5000 + b"}",
+])
+async def test_malformed_agent_api_bodies_are_400_in_their_shape(path: str, raw: bytes) -> None:
+    async with routed() as rig:
+        answer = await call(rig.app, "POST", path, [JSON], [raw])
+        assert answer.status == 400, answer.body[:200]
+        assert (anthropic_error if path == "/v1/messages" else is_openai_error)(answer)
+        assert not any(e.received for e in rig.cluster.engines)
+
+
+async def test_agent_api_ids_and_keys_are_checked_in_their_shape(rig: Routed) -> None:
+    messages = {"model": "tiny", "max_tokens": 4, "messages": MSG}
+    resp = await rig.post("/v1/messages?beta=true", messages,
+                          headers={"X-Claude-Code-Session-Id": "h" * 257})
+    assert resp.status_code == 400 and anthropic_error(resp)
+    user = json.dumps({"session_id": "s\r\nX-Injected: 1"})
+    resp = await rig.post("/v1/messages", {**messages, "metadata": {"user_id": user}})
+    assert resp.status_code == 400 and "x-injected" not in resp.headers
+    # prompt_cache_key is no conversation id (issue #23 finding 2): forwarded, never checked
+    # as one
+    resp = await rig.post("/v1/responses", {"model": "tiny", "input": "hi",
+                                            "prompt_cache_key": "k" * 300})
+    assert resp.status_code == 200
+    async with routed(api_keys=["t:key"]) as keyed:
+        resp = await keyed.post("/v1/messages", messages)
+        assert resp.status_code == 401 and anthropic_error(resp)
+        assert resp.json()["error"]["type"] == "authentication_error"
+        resp = await keyed.post("/v1/messages/count_tokens", messages)
+        assert resp.status_code == 401 and anthropic_error(resp)
+
+
 async def test_invalid_content_length_is_400(rig: Routed) -> None:
     answer = await call(rig.app, "POST", CHAT, [(b"content-length", b"12abc")], [body()])
     assert answer.status == 400 and is_openai_error(answer)

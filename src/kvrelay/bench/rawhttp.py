@@ -106,6 +106,31 @@ class Conn:
             raise RuntimeError("stream ended without [DONE]")
         return "".join(parts), ttft, headers
 
+    async def stream_raw(
+        self, path: str, body: dict[str, Any], started: float, first: bytes
+    ) -> tuple[bytes, float, dict[str, str]]:
+        """POST and read a whole streamed response of any SSE dialect (Responses, Messages):
+        its body, the time the first chunk holding ``first`` arrived, the headers.
+        ``RuntimeError`` on a non-200 status."""
+        reader = await self._send(path, body)
+        status, headers = await self._head(reader)
+        if status != 200:
+            data = await self._body(reader, headers)
+            raise RuntimeError(f"HTTP {status}: {data[:200]!r}")
+        if headers.get("transfer-encoding") != "chunked":
+            raise RuntimeError(f"not a chunked stream: {headers}")
+        parts: list[bytes] = []
+        ttft = 0.0
+        while True:
+            size = int((await reader.readuntil(b"\r\n")).strip(), 16)
+            chunk = await reader.readexactly(size + 2)
+            if size == 0:
+                break
+            if not ttft and first in chunk:
+                ttft = time.perf_counter() - started
+            parts.append(chunk[:-2])
+        return b"".join(parts), ttft, headers
+
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()

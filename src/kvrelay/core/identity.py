@@ -11,6 +11,10 @@ router finds the entry a request continues without tokenizing anything:
   request probes every position ``i`` where it carries an assistant message, longest first:
   anchor ``h_i`` and the digest of that assistant message. A match therefore means the new
   request contains the entry's *entire* request followed by *its* answer.
+* **Responses and Messages** digest like chat, over their adapters' canonical items
+  (``History``): an assistant turn (a Responses output group, a Messages assistant message)
+  is one item with its answer digest; what does not change the prompt (Anthropic
+  ``cache_control`` markers) is left out of the items' bytes.
 * **Completions.** The prompt text is cut into ``TEXT_BLOCK_BYTES`` blocks of UTF-8; ``g_j``
   commits to the context and the first ``j`` blocks. An entry is stored under the anchor of
   the last boundary inside its prompt and the continuation ``(digest, length)`` of the rest of
@@ -177,12 +181,39 @@ def answer_digest(content: str, tool_calls: Sequence[ToolCall] = ()) -> Continua
     return Continuation(digest(*parts), 0)
 
 
+class History(msgspec.Struct, frozen=True):
+    """One request's canonical history, as an API adapter hands it to core in one piece.
+
+    ``api`` names the history's kind and is digested into ``h_0`` (a chat history and a
+    Messages history with equal bytes never meet). ``context`` is everything else that
+    changes the rendered prompt. Either ``items`` (message-like APIs: one item per message,
+    an assistant item with its ``answer_digest``) or ``text`` (completions: the prompt's
+    bytes) is the history.
+    """
+
+    api: str
+    context: bytes
+    items: tuple[ChatMessage, ...] = ()
+    text: bytes | None = None
+
+
+def identify(scope: bytes, history: History, *, explicit: bool = False) -> RequestIdentity:
+    """The digests of one request: ``text_identity`` for a text history, else
+    ``chat_identity`` over its items."""
+    if history.text is not None:
+        return text_identity(scope, history.context, history.text, explicit=explicit)
+    return chat_identity(scope, history.context, history.items, explicit=explicit,
+                         kind=history.api.encode("ascii"))
+
+
 def chat_identity(
-    scope: bytes, context: bytes, messages: Sequence[ChatMessage], *, explicit: bool = False
+    scope: bytes, context: bytes, messages: Sequence[ChatMessage], *, explicit: bool = False,
+    kind: bytes = b"chat",
 ) -> RequestIdentity:
-    """Anchors after every message; probes at assistant messages, longest first."""
+    """Anchors after every message; probes at assistant messages, longest first. ``kind``
+    separates the APIs' digest spaces (``History.api``)."""
     h = _hasher()
-    h.update(b"chat")
+    h.update(kind)
     h.update(len(context).to_bytes(8, "little"))
     h.update(context)
     anchors: list[bytes] = []

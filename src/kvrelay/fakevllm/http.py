@@ -1,7 +1,9 @@
 """The fake engine's HTTP API: vLLM's OpenAI endpoints plus a small ``/fake`` admin API.
 
-vLLM endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not),
-``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``GET /metrics``.
+vLLM endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions``, ``POST
+/v1/responses`` and ``POST /v1/messages`` (streamed or not; ``agent_http``),
+``POST /v1/messages/count_tokens``, ``GET /v1/models``, ``GET /health``, ``POST /tokenize``,
+``GET /metrics``.
 Admin: ``GET|POST /fake/faults`` (see ``faults``), ``GET /fake/info`` (engine id,
 side channel, held blocks, the waiting queue, kvrelay's retention and its syncs),
 ``GET /fake/requests/{id}`` (a ``RequestRecord`` as JSON).
@@ -27,11 +29,19 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
 
+from kvrelay.fakevllm import agent_http
+from kvrelay.fakevllm import messages_api as anthropic
 from kvrelay.fakevllm import openai as oai
 from kvrelay.fakevllm.engine import FakeEngine, Listen, Received
 from kvrelay.fakevllm.generation import Generation, KVLoadFailed, admit
 from kvrelay.fakevllm.kv import KVCacheFull
-from kvrelay.fakevllm.requests import BadRequest, ParsedRequest, parse_generation, tokenize
+from kvrelay.fakevllm.requests import (
+    BadRequest,
+    ParsedRequest,
+    agent_prompt,
+    parse_generation,
+    tokenize,
+)
 from kvrelay.fakevllm.server import HttpServer
 
 Handler = Callable[[Request], Awaitable[Response]]
@@ -44,6 +54,15 @@ def json_response(obj: object, status: int = 200) -> Response:
 
 def error_response(status: int, message: str | None = None, param: str | None = None) -> Response:
     return json_response(oai.error_body(status, message, param), status)
+
+
+def _messages_error(
+    status: int, message: str | None = None, param: str | None = None
+) -> Response:
+    """vLLM's Messages endpoint translates its errors into Anthropic's envelope."""
+    inner = oai.error_body(status, message, param)["error"]
+    assert isinstance(inner, dict)
+    return json_response(anthropic.error_body(status, str(inner["message"])), status)
 
 
 async def _receive(engine: FakeEngine, request: Request) -> bytes:
@@ -104,19 +123,26 @@ def build_app(engine: FakeEngine) -> Starlette:
         )
 
     def generation(endpoint: str) -> Handler:
+        fail = _messages_error if endpoint == "messages" else error_response
+
         async def handle(request: Request) -> Response:
             raw = await _receive(engine, request)
             await engine.faults.wait_while_hung()
             status = engine.faults.take_error()
             if status is not None:
-                return error_response(status)
+                return fail(status)
             try:
                 parsed = parse_generation(
                     engine, _json_object(raw), endpoint, request.headers.get("x-request-id")
                 )
             except BadRequest as exc:
-                return error_response(exc.status, str(exc), exc.param)
+                return fail(exc.status, str(exc), exc.param)
             client = request.scope.get("client")
+            if endpoint in ("responses", "messages"):
+                if parsed.stream:
+                    return StreamingResponse(agent_http.stream(engine, parsed, client),
+                                             media_type="text/event-stream")
+                return await _cancel_on_disconnect(request, agent_http.complete(engine, parsed))
             if parsed.stream:
                 return StreamingResponse(
                     _stream(engine, parsed, client), media_type="text/event-stream"
@@ -124,6 +150,14 @@ def build_app(engine: FakeEngine) -> Starlette:
             return await _cancel_on_disconnect(request, _complete(engine, parsed, client))
 
         return handle
+
+    async def count_tokens(request: Request) -> Response:
+        try:
+            body = await _body(engine, request)
+            return json_response(anthropic.count_body(len(agent_prompt(engine, body,
+                                                                       "messages"))))
+        except BadRequest as exc:
+            return _messages_error(exc.status, str(exc))
 
     async def faults(request: Request) -> Response:
         if request.method == "GET":
@@ -178,6 +212,9 @@ def build_app(engine: FakeEngine) -> Starlette:
             Route("/metrics", metrics, methods=["GET"]),
             Route("/v1/chat/completions", generation("chat"), methods=["POST"]),
             Route("/v1/completions", generation("completions"), methods=["POST"]),
+            Route("/v1/responses", generation("responses"), methods=["POST"]),
+            Route("/v1/messages", generation("messages"), methods=["POST"]),
+            Route("/v1/messages/count_tokens", count_tokens, methods=["POST"]),
             Route("/fake/faults", faults, methods=["GET", "POST"]),
             Route("/fake/info", info, methods=["GET"]),
             Route("/fake/requests/{request_id}", record, methods=["GET"]),

@@ -1,6 +1,8 @@
 """Parsing of the fake engine's request bodies (the subset of vLLM's OpenAI API it serves).
 
-Supported: chat ``messages`` (+ ``tools``, ``add_generation_prompt``,
+Supported: Responses ``input`` (+ ``instructions``, function ``tools``) and Anthropic
+Messages (+ ``system``, ``tools``), read into chat messages (``responses_api``,
+``messages_api``); chat ``messages`` (+ ``tools``, ``add_generation_prompt``,
 ``chat_template_kwargs``), completion ``prompt`` as a string or token ids (one prompt),
 ``max_tokens`` / ``max_completion_tokens``, ``stream`` + ``stream_options``
 (``include_usage``, ``continuous_usage_stats``), ``return_token_ids``,
@@ -15,6 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from kvrelay.fakevllm import messages_api, responses_api
 from kvrelay.fakevllm.engine import FakeEngine
 from kvrelay.fakevllm.generation import GenerationInput
 
@@ -39,19 +42,29 @@ class ParsedRequest:
     include_usage: bool
     continuous_usage: bool
     return_token_ids: bool
+    body: Mapping[str, Any]
 
 
 def parse_generation(
     engine: FakeEngine, body: Mapping[str, Any], endpoint: str, header_request_id: str | None
 ) -> ParsedRequest:
-    """Validate a ``/v1/chat/completions`` or ``/v1/completions`` body; ``BadRequest`` if bad."""
+    """Validate a generation body (``endpoint``: chat, completions, responses, messages);
+    ``BadRequest`` if bad."""
     cfg = engine.config
     model = body.get("model")
     if model is not None and model != cfg.served_model_name:
         raise BadRequest(f"The model `{model}` does not exist.", 404, "model")
     if body.get("n", 1) not in (1, None):
         raise BadRequest("the fake engine only supports n=1", param="n")
-    if endpoint == "chat":
+    if endpoint in ("responses", "messages"):
+        prompt = agent_prompt(engine, body, endpoint)
+        max_tokens = body.get("max_output_tokens" if endpoint == "responses" else "max_tokens")
+        if max_tokens is None:
+            if endpoint == "messages":
+                raise BadRequest("max_tokens: Field required", param="max_tokens")
+            default = cfg.default_max_tokens
+            max_tokens = default if default is not None else cfg.max_model_len - len(prompt)
+    elif endpoint == "chat":
         prompt = _chat_prompt(engine, body)
         max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
         default = cfg.default_max_tokens
@@ -89,7 +102,10 @@ def parse_generation(
     # vLLM: the X-Request-Id header, else the body's request_id, else a random id.
     base = header_request_id or body_id or f"{engine.rng.getrandbits(64):016x}"
     suffix = f"{engine.rng.getrandbits(32):08x}"
-    if endpoint == "chat":
+    if endpoint == "responses":
+        request_id = f"resp_{base}"
+        internal = f"{request_id}-{suffix}"
+    elif endpoint in ("chat", "messages"):
         request_id = f"chatcmpl-{base}"
         internal = f"{request_id}-{suffix}"
     else:
@@ -109,6 +125,7 @@ def parse_generation(
         stream=stream,
         include_usage=stream and bool(options.get("include_usage", False)),
         continuous_usage=stream and bool(options.get("continuous_usage_stats", False)),
+        body=body,
         return_token_ids=bool(body.get("return_token_ids", False)),
     )
 
@@ -135,6 +152,21 @@ def tokenize(engine: FakeEngine, body: Mapping[str, Any]) -> dict[str, object]:
         "tokens": tokens,
         "token_strs": strs,
     }
+
+
+def agent_prompt(engine: FakeEngine, body: Mapping[str, Any], endpoint: str) -> list[int]:
+    """The prompt of a Responses or Messages body: its chat messages rendered."""
+    api = responses_api if endpoint == "responses" else messages_api
+    try:
+        messages = api.chat_messages(body)
+        tools = api.chat_tools(body)
+    except responses_api.ResponsesInputError as exc:
+        raise BadRequest(str(exc), 404 if exc.param == "previous_response_id" else 400,
+                         exc.param) from exc
+    except messages_api.MessagesInputError as exc:
+        raise BadRequest(str(exc)) from exc
+    return _chat_prompt(engine, {"messages": messages, "tools": tools,
+                                 "chat_template_kwargs": body.get("chat_template_kwargs")})
 
 
 def _chat_prompt(engine: FakeEngine, body: Mapping[str, Any]) -> list[int]:

@@ -11,6 +11,8 @@ Who sees what (docs/security.md):
   the public listener at all with ``metrics_listener = "internal"``; always, complete, on
   the internal listener.
 * ``GET /v1/models`` – client key; answered by the first up P.
+* ``POST /v1/messages/count_tokens`` – client key; the body checked as a Messages request
+  (``apis.messages``), answered by the least loaded P; errors in Anthropic's shape.
 * ``GET /stats`` – client key: node load and learned costs, the guard mode per node, and
   the caller's own tenant's decision counts, pending reports and recent turns (keys
   hashed). The admin key (or an open router) sees every tenant's, and the index's size.
@@ -39,25 +41,33 @@ import msgspec
 from kvrelay.core.identity import scope_of
 from kvrelay.core.report import MAX_REPORT_BYTES
 from kvrelay.core.retention_sync import MAX_SYNC_BYTES, RETENTION_PATH, encode
+from kvrelay.router.apis.fields import load_json
+from kvrelay.router.apis.messages import MessagesAdapter
 from kvrelay.router.asgi import Request, Route, read_body, send_response
 from kvrelay.router.errors import ClientError, RouterError, dumps
 from kvrelay.router.metrics import CONTENT_TYPE
 from kvrelay.router.state import RouterContext
 from kvrelay.router.upstream import UpstreamError
 
+MESSAGES = MessagesAdapter()
 Endpoint = Callable[[Request], Awaitable[bytes]]
 Handler = Callable[[Request], Awaitable[None]]
 
 
-def _counted(ctx: RouterContext, name: str, handler: Endpoint) -> Handler:
-    """Run ``handler`` (which returns a JSON body), answering errors as OpenAI JSON."""
+def _counted(
+    ctx: RouterContext, name: str, handler: Endpoint,
+    render: Callable[[ClientError | RouterError], bytes] | None = None,
+) -> Handler:
+    """Run ``handler`` (which returns a JSON body), answering errors as OpenAI JSON (or as
+    ``render`` makes them)."""
 
     async def handle(request: Request) -> None:
         status, headers = 200, {}
         try:
             body = await handler(request)
         except (ClientError, RouterError) as exc:
-            status, body, headers = exc.status, exc.body(), exc.headers
+            status, headers = exc.status, exc.headers
+            body = exc.body() if render is None else render(exc)
         await send_response(request.send, status, body, headers=headers)
         ctx.metrics.request_done(name, status)
 
@@ -93,6 +103,25 @@ def public_routes(ctx: RouterContext) -> list[Route]:
             raise last.to_router_error("prefill")
         raise RouterError(503, "no prefill node is up")
 
+    async def count_tokens(request: Request) -> bytes:
+        auth.tenant(request.headers)
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        body = load_json(raw)
+        if not isinstance(body, dict):
+            raise ClientError("The request body must be a JSON object")
+        if "kv_transfer_params" in body:
+            raise ClientError("kv_transfer_params is reserved for the router",
+                              "kv_transfer_params")
+        MESSAGES.parse(body)
+        node = ctx.nodes.choose_prefill()
+        if node is None:
+            raise RouterError(503, "no prefill node is up")
+        try:
+            return await ctx.upstream.post(node, "/v1/messages/count_tokens", raw)
+        except UpstreamError as exc:
+            await ctx.nodes.request_failed(exc)
+            raise exc.to_router_error("prefill") from exc
+
     async def stats(request: Request) -> bytes:
         viewer = auth.viewer(request.headers)
         out: dict[str, object] = {
@@ -121,6 +150,8 @@ def public_routes(ctx: RouterContext) -> list[Route]:
         Route("/health", frozenset({"GET"}), _counted(ctx, "/health", health)),
         Route("/v1/models", frozenset({"GET"}), _counted(ctx, "/v1/models", models)),
         Route("/stats", frozenset({"GET"}), _counted(ctx, "/stats", stats)),
+        Route("/v1/messages/count_tokens", frozenset({"POST"}),
+              _counted(ctx, "/v1/messages/count_tokens", count_tokens, MESSAGES.error)),
     ]
     if config.metrics_listener == "public":
         routes.append(Route("/metrics", frozenset({"GET"}), metrics))

@@ -199,8 +199,8 @@ def create_app(
     metrics.track_d_retention(ctx.retention.gauges)
     generation = GenerationHandler(ctx)
     public = Routes([
-        Route("/v1/chat/completions", frozenset({"POST"}), generation.route("chat")),
-        Route("/v1/completions", frozenset({"POST"}), generation.route("completions")),
+        *(Route(path, frozenset({"POST"}), generation.route(endpoint))
+          for endpoint, path in PATHS.items()),
         *public_routes(ctx),
     ])
     return RouterApp(ctx, public, Routes(internal_routes(ctx)))

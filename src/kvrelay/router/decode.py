@@ -24,17 +24,22 @@ import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping
-from typing import Any
 
 import msgspec
 
-from kvrelay.core.identity import answer_digest, pack_token_ids
-from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_optional_remote_blocks
+from kvrelay.core.identity import ToolCall, answer_digest, pack_token_ids
+from kvrelay.core.params import (
+    REPORT_TURN_KEY,
+    REPORT_URL_KEY,
+    KVParamsError,
+    RemoteBlocks,
+    parse_optional_remote_blocks,
+)
+from kvrelay.router.apis.base import StreamScanner
 from kvrelay.router.asgi import DisconnectWatch, Send, send_response, start_stream
 from kvrelay.router.commit import DecodeAnswer, PendingTurn
 from kvrelay.router.config import NodeConfig
-from kvrelay.router.request import decode_body
-from kvrelay.router.sse import SSE_DONE, Rewrite, StreamScan, frame, rewrite_body, sse_error
+from kvrelay.router.sse import Rewrite, frame
 from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn, TurnState
 from kvrelay.router.upstream import ByteStream, UpstreamError
@@ -88,14 +93,16 @@ class Decoder:
         turn.pending = pending
         if turn.found is not None and not turn.decision.consumes_entry:
             pending.supersedes = turn.found
-        pending.awaits_report = req.stream and not ctx.nodes.streams_params(node.node_id)
+        family = req.adapter.stream_family
+        pending.awaits_report = req.stream and not ctx.nodes.streams_params(node.node_id, family)
         ids = not ctx.nodes.fingerprints(node.node_id) or req.prompt_token_ids is not None
-        body = decode_body(
-            req, params,
-            report=(ctx.config.report_url, pending.turn_id) if pending.awaits_report else None,
-            token_ids=ids,
-            retention=retention,
-        )
+        d_params = dict(params)
+        if pending.awaits_report:
+            d_params[REPORT_URL_KEY], d_params[REPORT_TURN_KEY] = \
+                ctx.config.report_url, pending.turn_id
+        if retention is not None:
+            d_params.update(retention)
+        body = req.adapter.decode_body(req.body, d_params, token_ids=ids)
         rewrite = Rewrite(
             cached_tokens=turn.cached_tokens
             if not direct and (req.include_usage or not req.stream) else None,
@@ -131,11 +138,13 @@ class Decoder:
         except UpstreamError as exc:
             await ctx.nodes.request_failed(exc)
             raise BeforeFirstByte(exc) from exc
-        params, text, calls, prompt_ids, output_ids = rewrite_body(obj, rewrite)
-        blocks = self._retained(node, params)
+        read = turn.request.adapter.rewrite_body(obj, rewrite)
+        blocks = self._retained(node, read.params)
         await ctx.desk.response_finished(
-            pending, self._answer(turn, text, calls, prompt_ids, output_ids), blocks,
-            retained=blocks is not None,
+            pending,
+            self._answer(turn, read.text, read.calls, read.prompt_token_ids,
+                         read.output_token_ids),
+            blocks, retained=blocks is not None,
         )
         watch.stop()
         await send_response(send, 200, _ENCODER.encode(obj), headers=turn.headers())
@@ -166,7 +175,8 @@ class Decoder:
         ctx = self._ctx
         chunks = stream.chunks()
         first, carry = await self._first_events(node, chunks)
-        scan = StreamScan(rewrite)
+        adapter = turn.request.adapter
+        scan = adapter.scanner(rewrite)
         await start_stream(send, turn.headers())
         turn.move(TurnState.STREAMING)
         try:
@@ -187,12 +197,12 @@ class Decoder:
             if carry:
                 await _body(send, carry)
             if not scan.done:
-                raise UpstreamError(node.node_id, "closed", "stream ended without [DONE]")
+                raise UpstreamError(node.node_id, "closed", "stream ended before its end event")
         except UpstreamError as exc:
             await ctx.nodes.request_failed(exc)
             await self._lose(turn, pending, "failed_mid_stream")
             watch.stop()
-            await _body(send, sse_error(502, "the decode node failed mid-stream") + SSE_DONE)
+            await _body(send, adapter.stream_error(502, "the decode node failed mid-stream"))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         except asyncio.CancelledError:
@@ -204,14 +214,14 @@ class Decoder:
             if watch.was_cut:
                 log.info("stream of a %s turn cut at the drain deadline", turn.action)
                 with contextlib.suppress(OSError):
-                    await _body(send, sse_error(503, "the router is shutting down") + SSE_DONE)
+                    await _body(send, adapter.stream_error(503, "the router is shutting down"))
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         watch.stop()
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _end(
-        self, turn: Turn, node: NodeConfig, scan: StreamScan, pending: PendingTurn
+        self, turn: Turn, node: NodeConfig, scan: StreamScanner, pending: PendingTurn
     ) -> None:
         """D's stream is complete: the answer (or the error it ended with) settles the turn."""
         ctx = self._ctx
@@ -222,7 +232,7 @@ class Decoder:
         text, calls = scan.answer()
         answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
         blocks = self._retained(node, scan.params) if scan.params is not None else None
-        ctx.nodes.observe_stream(node.node_id, scan.params_seen)
+        ctx.nodes.observe_stream(node.node_id, scan.params_seen, turn.request.adapter.stream_family)
         await ctx.desk.response_finished(
             pending, answer, blocks, retained=blocks is not None if scan.params_seen else None,
         )
@@ -259,9 +269,12 @@ class Decoder:
 
     @staticmethod
     def _answer(
-        turn: Turn, text: str, calls: Any, prompt_ids: list[int] | None, output_ids: list[int]
+        turn: Turn, text: str, calls: list[ToolCall], prompt_ids: list[int] | None,
+        output_ids: list[int],
     ) -> DecodeAnswer:
-        chat = turn.request.endpoint == "chat"
+        """The answer as the next turn carries it: its digest for an item history (chat,
+        Responses, Messages), else the text (or output ids) the next prompt appends."""
+        chat = turn.request.identity.text is None
         carried: bytes | None = None
         if not chat:
             ids_prompt = turn.request.prompt_token_ids is not None

@@ -22,13 +22,14 @@ import asyncio
 import logging
 
 from kvrelay.core.consequences import decode_retry
+from kvrelay.router.apis import ADAPTERS
 from kvrelay.router.asgi import DisconnectWatch, Request, read_body, send_response
 from kvrelay.router.commit import PendingTurn
 from kvrelay.router.decode import DIRECT_PARAMS, BeforeFirstByte, Decoder
-from kvrelay.router.errors import ClientError, RouterError, error_json
+from kvrelay.router.errors import ClientError, RouterError
 from kvrelay.router.plan import Planner
 from kvrelay.router.prefill import Prefiller
-from kvrelay.router.request import Endpoint, parse_request
+from kvrelay.router.request import parse_request
 from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn
 from kvrelay.router.turnlog import TurnLogWriter
@@ -41,7 +42,8 @@ would cost more); larger ones in a worker thread (module docstring)."""
 
 
 class GenerationHandler:
-    """``POST /v1/chat/completions`` and ``/v1/completions`` for one router app."""
+    """The generation endpoints (one per API adapter, ``router.apis``) of one router app;
+    every error it answers is in the endpoint's API shape (``ApiAdapter.error``)."""
 
     def __init__(self, ctx: RouterContext) -> None:
         self._ctx = ctx
@@ -51,17 +53,17 @@ class GenerationHandler:
         self._prefiller = Prefiller(ctx)
         self._decoder = Decoder(ctx)
 
-    def route(self, endpoint: Endpoint) -> RouteHandler:
+    def route(self, endpoint: str) -> RouteHandler:
         return RouteHandler(self, endpoint)
 
-    async def handle(self, request: Request, endpoint: Endpoint) -> None:
+    async def handle(self, request: Request, endpoint: str) -> None:
         ctx = self._ctx
         path = request.path
         try:
             tenant = ctx.auth.tenant(request.headers)
             ctx.admission.admit(tenant)
         except ClientError as exc:
-            await _answer_error(request, exc.status, exc.body(), exc.headers)
+            await _answer_error(request, endpoint, exc)
             ctx.metrics.request_done(path, exc.status)
             return
         status = 200
@@ -71,7 +73,7 @@ class GenerationHandler:
             ctx.admission.release(tenant)
             ctx.metrics.request_done(path, status)
 
-    async def _turn(self, request: Request, endpoint: Endpoint, tenant: str) -> int:
+    async def _turn(self, request: Request, endpoint: str, tenant: str) -> int:
         """Serve one turn; returns the status answered."""
         ctx = self._ctx
         turn: Turn | None = None
@@ -81,7 +83,7 @@ class GenerationHandler:
             req = (parse_request(*args) if len(raw) <= PARSE_INLINE_BYTES
                    else await asyncio.to_thread(parse_request, *args))
         except ClientError as exc:
-            await _answer_error(request, exc.status, exc.body(), exc.headers)
+            await _answer_error(request, endpoint, exc)
             return exc.status
         watch = DisconnectWatch(request)
         ctx.admission.opened(watch)
@@ -93,7 +95,7 @@ class GenerationHandler:
             if turn is not None:
                 turn.finish(f"error_{exc.status}")
             watch.stop()
-            await _answer_error(request, exc.status, exc.body(), exc.headers)
+            await _answer_error(request, endpoint, exc)
             return exc.status
         except asyncio.CancelledError:
             if not watch.cancelled_us:
@@ -102,8 +104,9 @@ class GenerationHandler:
             if turn is not None:
                 turn.finish("client_gone" if watch.gone else "cut")
             if watch.was_cut and not watch.gone:
-                await _answer_error(request, 503, error_json(503, "the router is shutting down"),
-                                    {"Connection": "close"})
+                cut = RouterError(503, "the router is shutting down")
+                cut.headers = {"Connection": "close"}  # the drain closes; no Retry-After
+                await _answer_error(request, endpoint, cut)
                 return 503
             return 499
         finally:
@@ -173,7 +176,7 @@ class RouteHandler:
 
     __slots__ = ("_endpoint", "_handler")
 
-    def __init__(self, handler: GenerationHandler, endpoint: Endpoint) -> None:
+    def __init__(self, handler: GenerationHandler, endpoint: str) -> None:
         self._handler = handler
         self._endpoint = endpoint
 
@@ -182,9 +185,10 @@ class RouteHandler:
 
 
 async def _answer_error(
-    request: Request, status: int, body: bytes, headers: dict[str, str]
+    request: Request, endpoint: str, exc: ClientError | RouterError
 ) -> None:
-    await send_response(request.send, status, body, headers=headers)
+    body = ADAPTERS[endpoint].error(exc)
+    await send_response(request.send, exc.status, body, headers=exc.headers)
 
 
 def _uncancel() -> None:

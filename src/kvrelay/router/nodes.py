@@ -64,7 +64,7 @@ class _Node:
     retains: bool | None = None
     """Whether D runs kvrelay's connector (its params carry ``kvrelay_guard``); ``None``
     until D's first answer."""
-    streams_params: bool = False
+    param_streams: frozenset[str] = frozenset()
     block_size: int | None = None
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
@@ -185,18 +185,20 @@ class NodeRegistry:
                 return node_id
         return None
 
-    def streams_params(self, node_id: str) -> bool:
-        """Whether D's last stream ended with its params on the final chunk (vLLM >= 0.33):
-        then its streams need no report. Learned per node, so a D that stops doing it (a
-        downgrade, a restart into another release) is asked for reports again after one
-        stream that could not commit."""
-        return self._nodes[node_id].streams_params
+    def streams_params(self, node_id: str, family: str = "chunks") -> bool:
+        """Whether D's last stream of a ``family`` of APIs (``ApiAdapter.stream_family``)
+        ended with its params on the final event (vLLM >= 0.33 chat): then its streams need
+        no report. Learned per node and family, so a D that stops doing it (a downgrade, a
+        restart into another release) is asked for reports again after one stream that
+        could not commit."""
+        return family in self._nodes[node_id].param_streams
 
-    def observe_stream(self, node_id: str, params_seen: bool) -> None:
-        """A stream of D's ended; ``params_seen``: its final chunk carried its params."""
+    def observe_stream(self, node_id: str, params_seen: bool, family: str = "chunks") -> None:
+        """A stream of D's ended; ``params_seen``: its final event carried its params."""
         node = self._nodes.get(node_id)
         if node is not None:
-            node.streams_params = params_seen
+            node.param_streams = node.param_streams | {family} if params_seen \
+                else node.param_streams - {family}
 
     def block_size(self, node_id: str) -> int | None:
         return self._nodes[node_id].block_size
@@ -257,7 +259,7 @@ class NodeRegistry:
         if node.engine_id == engine_id:
             return False
         old, node.engine_id = node.engine_id, engine_id
-        node.streams_params = False
+        node.param_streams = frozenset()
         if old is not None:
             log.warning("node %s restarted: engine %s -> %s", node_id, old, engine_id)
             return True

@@ -8,7 +8,9 @@
    (``observe_entry``): with replicas it may be news of a D restart.
 3. Pick the P (least outstanding prefill work). When that P cannot prove a pull itself
    (stock vLLM), get the prompt's exact ids from its ``/tokenize`` and let the policy run
-   the guard; otherwise decide from estimates (``core.policy.Prompt``).
+   the guard; otherwise decide from estimates (``core.policy.Prompt``). An API whose prompt
+   ``/tokenize`` cannot render (Responses, Messages: ``ApiAdapter.tokenizable``) finds no
+   entry for such a P: no pull the router could prove.
 4. ``core.policy.decide_turn``, then ``core.consequences.entry_fate``: a pull claims the
    entry before P is ever called (losing the claim to a concurrent turn makes it
    ``no_entry``); entries the decision proves useless are dropped.
@@ -23,10 +25,11 @@ import msgspec
 from kvrelay.core.consequences import entry_fate, prefill_retry
 from kvrelay.core.conversation import conversation_tag, id_tag
 from kvrelay.core.policy import Prompt, TurnDecision, decide_turn
+from kvrelay.router.apis.fields import encode
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
 from kvrelay.router.index import Found, IndexUnavailable
-from kvrelay.router.request import TurnRequest, encode, tokenize_body
+from kvrelay.router.request import TurnRequest, tokenize_body
 from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn
 from kvrelay.router.upstream import UpstreamError
@@ -69,6 +72,9 @@ class Planner:
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
             ctx.retention.observe_gap(req, gap_s)
+        if found is not None and not req.adapter.tokenizable \
+                and not ctx.nodes.verifies_pulls(p.node_id):
+            found = None  # a stock P, and no /tokenize for this API: no pull can be proven
         prompt, p = await self._prompt(req, found, p)
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")

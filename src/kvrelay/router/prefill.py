@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any
 
 import msgspec
 
@@ -38,7 +37,6 @@ from kvrelay.core.params import (
 )
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import RouterError
-from kvrelay.router.request import prefill_body
 from kvrelay.router.state import RouterContext
 from kvrelay.router.turn import Turn, TurnState
 from kvrelay.router.upstream import UpstreamError
@@ -46,18 +44,6 @@ from kvrelay.router.upstream import UpstreamError
 _RECOMPUTE: dict[str, object] = request_remote_decode()
 
 log = logging.getLogger("kvrelay.router")
-
-
-class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-
-
-class _PrefillAnswer(msgspec.Struct):
-    kv_transfer_params: dict[str, Any] | None = None
-    usage: _Usage | None = None
-
-
-_ANSWER = msgspec.json.Decoder(_PrefillAnswer)
 
 
 @dataclass(frozen=True)
@@ -121,20 +107,20 @@ class Prefiller:
         self, turn: Turn, node: NodeConfig, params: dict[str, object], *, pull: bool
     ) -> Prefilled:
         ctx = self._ctx
-        body = prefill_body(turn.request, params)
+        req = turn.request
+        body = req.adapter.prefill_body(req.body, params)
         started = ctx.clock()
         with ctx.nodes.busy(node.node_id, turn.prompt_tokens):
-            raw = await ctx.upstream.post(node, turn.request.path, body)
+            raw = await ctx.upstream.post(node, req.path, body)
         seconds = ctx.clock() - started
         try:
-            answer = _ANSWER.decode(raw)
-            blocks = parse_remote_blocks(answer.kv_transfer_params)
+            p_params, prompt = req.adapter.prefill_answer(raw)
+            blocks = parse_remote_blocks(p_params)
         except (msgspec.DecodeError, msgspec.ValidationError, KVParamsError) as exc:
             raise UpstreamError(node.node_id, "protocol", f"P's answer: {exc}") from exc
         if blocks.direction != "prefill_to_decode":
             raise UpstreamError(node.node_id, "protocol", "P returned no prefill params")
         ctx.nodes.observe_params(node.node_id, blocks)
-        prompt = answer.usage.prompt_tokens if answer.usage is not None else 0
         turn.prompt_tokens = prompt if prompt > 0 else turn.prompt_tokens
         turn.cached_tokens = min(max(blocks.prefill_cached_tokens or 0, 0), turn.prompt_tokens)
         turn.verified_tokens = blocks.verified_tokens

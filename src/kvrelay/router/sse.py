@@ -152,7 +152,7 @@ class StreamScan:
             or (rw.cached_tokens is not None and _MARK_USAGE in events)
             or ((rw.strip_ids or rw.collect_ids) and _MARK_IDS in events)
         ):
-            events = b"".join(self._event(e) for e in _split(events))
+            events = b"".join(self._event(e) for e in split_events(events))
         self._batch.append(events)
         self._batch_bytes += len(events)
         if self._batch_bytes >= BATCH_BYTES:
@@ -219,7 +219,7 @@ class StreamScan:
             except (msgspec.DecodeError, msgspec.ValidationError):
                 chunks = None
         if chunks is None:
-            payloads = [e[6:] for e in _split(data) if e.startswith(b"data: {")]
+            payloads = [e[6:] for e in split_events(data) if e.startswith(b"data: {")]
             chunks = [_safe_chunk(p) for p in payloads]
         for chunk in chunks:
             for choice in chunk.choices:
@@ -287,7 +287,7 @@ def add_cached_tokens(obj: dict[str, Any], cached_tokens: int) -> bool:
     return True
 
 
-def _split(events: bytes) -> list[bytes]:
+def split_events(events: bytes) -> list[bytes]:
     """Complete events, each with its trailing blank line."""
     parts = events.split(b"\n\n")
     return [p + b"\n\n" for p in parts if p]

@@ -1,0 +1,284 @@
+"""``POST /v1/responses``: OpenAI's Responses API (Codex, the Agents SDK) through P/D.
+
+**Canonical history.** ``input`` as a list of items (a string input is one user message).
+The items D produced for one turn (``reasoning``, an assistant ``message``, ``function_call``
+items) are re-sent together; consecutive such items form **one** history item whose answer
+digest is their ``output_text`` and function calls (``core.identity.answer_digest``), the
+same digest the router computes from D's ``output``. Every other item (user, developer and
+system messages, ``function_call_output``) is one item. The context: model, instructions,
+function tools, reasoning (its effort renders into the prompt), template kwargs.
+
+**What P/D cannot carry** is refused with a 400 in OpenAI's error shape:
+``previous_response_id`` and ``conversation`` (the router keeps no responses: send the whole
+input with ``store: false``), ``background``, and built-in tools (web search, file search,
+code interpreter, MCP, ...: vLLM runs several engine requests for one response). ``store:
+true`` is served as ``store: false`` (P and D are told ``store: false``; the response says
+so): nothing is stored, ``GET /v1/responses/{id}`` does not exist.
+
+**Stream.** vLLM's ``event: <type>`` events pass through byte for byte, except: the
+``"kv_transfer_params":null`` every response snapshot carries (cut as bytes), and the final
+``response.completed`` / ``response.incomplete`` event, parsed once: D's params taken out,
+the answer read from ``response.output``, ``usage.input_tokens_details.cached_tokens`` set
+to the prompt tokens P did not compute.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import msgspec
+
+from kvrelay.core.identity import ChatMessage, History, ToolCall, answer_digest
+from kvrelay.router.apis.base import ApiRequest, DecodeRead, StreamScanner
+from kvrelay.router.apis.chat import openai_user
+from kvrelay.router.apis.fields import (
+    JsonObject,
+    context_bytes,
+    encode,
+    message_text,
+    optional,
+    positive,
+)
+from kvrelay.router.errors import ClientError, RouterError, dumps
+from kvrelay.router.sse import Rewrite, split_events
+
+CONTEXT_FIELDS = ("model", "instructions", "tools", "reasoning", "chat_template_kwargs")
+_OUTPUT_TYPES = frozenset({"reasoning", "function_call"})
+_P_DROPPED = ("stream_options", "background", "top_logprobs")
+_NULL_PARAMS = b',"kv_transfer_params":null'
+_MARK_PARAMS = b'"kv_transfer_params"'
+_FINAL = (b"event: response.completed\n", b"event: response.incomplete\n",
+          b"event: response.failed\n")
+_ERROR = b"event: error\n"
+_DECODER = msgspec.json.Decoder()
+
+
+class _Usage(msgspec.Struct):
+    input_tokens: int = 0
+
+
+class _PrefillAnswer(msgspec.Struct):
+    kv_transfer_params: dict[str, Any] | None = None
+    usage: _Usage | None = None
+
+
+_ANSWER = msgspec.json.Decoder(_PrefillAnswer)
+
+
+class ResponsesAdapter:
+    """The Responses API (module docstring)."""
+
+    __slots__ = ()
+    endpoint = "responses"
+    path = "/v1/responses"
+    tokenizable = False
+    stream_family = "responses"
+
+    def conversation_hint(self, body: JsonObject, headers: Mapping[str, str]) -> str | None:
+        return None
+
+    def end_user(self, body: JsonObject) -> str | None:
+        return openai_user(body)
+
+    def parse(self, body: JsonObject) -> ApiRequest:
+        optional(body, "model", str)
+        optional(body, "instructions", str)
+        stream = bool(optional(body, "stream", bool))
+        optional(body, "store", bool)
+        for name in ("previous_response_id", "conversation"):
+            if body.get(name) is not None:
+                raise ClientError(
+                    f"{name} is not supported: the P/D router keeps no responses. Send the "
+                    "whole conversation in `input` every turn, with `store: false`", name)
+        if optional(body, "background", bool):
+            raise ClientError("background responses are not supported by the P/D router",
+                              "background")
+        _check_tools(body)
+        max_tokens = positive(body, "max_output_tokens")
+        history = History("responses", context_bytes(body, CONTEXT_FIELDS),
+                          tuple(_items(body.get("input"))))
+        return ApiRequest(history=history, stream=stream, include_usage=stream,
+                          wants_token_ids=False, max_output_tokens=max_tokens)
+
+    def tokenize_body(self, body: JsonObject, req: ApiRequest) -> JsonObject | None:
+        return None
+
+    def prefill_body(self, body: JsonObject, params: Mapping[str, object]) -> bytes:
+        out = dict(body)
+        for key in _P_DROPPED:
+            out.pop(key, None)
+        out["stream"] = False
+        out["store"] = False
+        out["max_output_tokens"] = 1
+        out["kv_transfer_params"] = params
+        return encode(out)
+
+    def decode_body(
+        self, body: JsonObject, params: Mapping[str, object], *, token_ids: bool
+    ) -> bytes:
+        out = dict(body)
+        out["store"] = False
+        out["kv_transfer_params"] = params
+        return encode(out)
+
+    def prefill_answer(self, raw: bytes) -> tuple[dict[str, object] | None, int]:
+        answer = _ANSWER.decode(raw)
+        return answer.kv_transfer_params, answer.usage.input_tokens if answer.usage else 0
+
+    def scanner(self, rewrite: Rewrite) -> StreamScanner:
+        return ResponsesScan(rewrite)
+
+    def rewrite_body(self, obj: JsonObject, rewrite: Rewrite) -> DecodeRead:
+        params = obj.pop("kv_transfer_params", None)
+        text, calls = output_answer(obj.get("output"))
+        if rewrite.cached_tokens is not None:
+            set_cached_tokens(obj, rewrite.cached_tokens)
+        return DecodeRead(params, text, calls, None, [])
+
+    def error(self, exc: ClientError | RouterError) -> bytes:
+        return exc.body()
+
+    def stream_error(self, status: int, message: str) -> bytes:
+        return b"event: error\ndata: " + dumps({
+            "type": "error", "code": str(status), "message": message, "param": None,
+            "sequence_number": 0,
+        }) + b"\n\n"
+
+
+def _check_tools(body: Mapping[str, Any]) -> None:
+    tools = body.get("tools")
+    if tools is None:
+        return
+    if not isinstance(tools, list):
+        raise ClientError("tools must be a list", "tools")
+    for tool in tools:
+        kind = tool.get("type") if isinstance(tool, dict) else None
+        if kind != "function":
+            raise ClientError(
+                f"tool type {kind!r} is not supported by the P/D router: built-in tools run "
+                "several engine requests for one response; only function tools go through "
+                "P/D", "tools")
+
+
+def _items(value: object) -> list[ChatMessage]:
+    """The canonical items of ``input`` (module docstring)."""
+    if isinstance(value, str):
+        if not value:
+            raise ClientError("input must not be empty", "input")
+        return [ChatMessage(encode({"role": "user", "content": value}))]
+    if not isinstance(value, list) or not value:
+        raise ClientError("input must be a string or a non-empty list of items", "input")
+    out: list[ChatMessage] = []
+    group: list[dict[str, Any]] = []
+    for item in value:
+        if not isinstance(item, dict):
+            raise ClientError("every input item must be an object", "input")
+        if _is_output(item):
+            group.append(item)
+            continue
+        if group:
+            out.append(_group_item(group))
+            group = []
+        out.append(ChatMessage(encode(item)))
+    if group:
+        out.append(_group_item(group))
+    return out
+
+
+def _is_output(item: Mapping[str, Any]) -> bool:
+    kind = item.get("type")
+    if kind in _OUTPUT_TYPES:
+        return True
+    return kind in (None, "message") and item.get("role") == "assistant"
+
+
+def _group_item(group: list[dict[str, Any]]) -> ChatMessage:
+    text, calls = output_answer(group)
+    return ChatMessage(encode(group), answer_digest(text, calls))
+
+
+def output_answer(output: object) -> tuple[str, list[ToolCall]]:
+    """The answer in Responses output items (D's ``output``, or re-sent input items): the
+    assistant messages' text and the function calls; reasoning is not part of it."""
+    texts: list[str] = []
+    calls: list[ToolCall] = []
+    for item in output if isinstance(output, list) else ():
+        if not isinstance(item, dict):
+            continue
+        kind = item.get("type")
+        if kind == "function_call":
+            name, args = item.get("name"), item.get("arguments")
+            calls.append(ToolCall(name if isinstance(name, str) else "",
+                                  args if isinstance(args, str) else ""))
+        elif kind in (None, "message") and item.get("role") == "assistant":
+            texts.append(message_text(item.get("content")))
+    return "".join(texts), calls
+
+
+def set_cached_tokens(response: Mapping[str, Any], cached_tokens: int) -> bool:
+    """``usage.input_tokens_details.cached_tokens`` = the prompt tokens P did not compute
+    (D's own count covers what it loaded from P, not what P reused)."""
+    usage = response.get("usage")
+    if not isinstance(usage, dict):
+        return False
+    prompt = usage.get("input_tokens")
+    cached = min(cached_tokens, prompt) if isinstance(prompt, int) else cached_tokens
+    details = usage.get("input_tokens_details")
+    usage["input_tokens_details"] = {
+        **(details if isinstance(details, dict) else {}), "cached_tokens": max(0, cached)
+    }
+    return True
+
+
+class ResponsesScan:
+    """The ``StreamScanner`` of a Responses stream (module docstring)."""
+
+    def __init__(self, rewrite: Rewrite) -> None:
+        self._rewrite = rewrite
+        self._text = ""
+        self._calls: list[ToolCall] = []
+        self.done = False
+        self.error: object = None
+        self.params: object = None
+        self.params_seen = False
+        self.prompt_token_ids: list[int] | None = None
+        self.output_token_ids: list[int] = []
+
+    def feed(self, events: bytes) -> bytes:
+        if _NULL_PARAMS in events:
+            events = events.replace(_NULL_PARAMS, b"")
+        if _MARK_PARAMS in events or _ERROR in events or any(m in events for m in _FINAL):
+            events = b"".join(self._event(e) for e in split_events(events))
+        return events
+
+    def answer(self) -> tuple[str, list[ToolCall]]:
+        return self._text, self._calls
+
+    def _event(self, event: bytes) -> bytes:
+        if event.startswith(_ERROR):
+            self.error = event
+            self.done = True
+            return event
+        final = event.startswith(_FINAL)
+        if not final and _MARK_PARAMS not in event:
+            return event
+        head, sep, data = event.partition(b"data: ")
+        try:
+            obj = _DECODER.decode(data.rstrip(b"\n"))
+        except msgspec.DecodeError:
+            return event
+        response = obj.get("response") if isinstance(obj, dict) else None
+        if not isinstance(response, dict):
+            return event
+        if "kv_transfer_params" in response:
+            self.params = response.pop("kv_transfer_params")
+            self.params_seen = True
+        if final:
+            self.done = True
+            if event.startswith(b"event: response.failed\n"):
+                self.error = response.get("error") or "failed"
+            self._text, self._calls = output_answer(response.get("output"))
+            if self._rewrite.cached_tokens is not None:
+                set_cached_tokens(response, self._rewrite.cached_tokens)
+        return head + sep + dumps(obj) + b"\n\n"
