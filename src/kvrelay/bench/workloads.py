@@ -53,19 +53,29 @@ class ThinkTime:
     ``exponential``: memoryless, long tail (``P(X > t) = exp(-t / mean)``); ``lognormal``:
     ``sigma`` is the log-space standard deviation, ``mu = ln(mean) - sigma**2 / 2`` so the
     mean is exact; ``uniform``: on ``[0, 2 * mean]``; ``constant``: always ``mean``.
+    ``max_s``: samples above it are cut to it (``None``: none are), so a heavy tail far
+    beyond every TTL does not stretch a benchmark's wall time (``mean_s`` is then the mean
+    before the cut).
     """
 
     kind: ThinkKind = "exponential"
     mean_s: float = 5.0
     sigma: float = 1.0
+    max_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mean_s < 0 or self.sigma < 0:
             raise WorkloadError("think time mean and sigma must be >= 0")
+        if self.max_s is not None and self.max_s < 0:
+            raise WorkloadError("think time max_s must be >= 0")
         if self.kind not in ("constant", "exponential", "lognormal", "uniform"):
             raise WorkloadError(f"unknown think-time distribution {self.kind!r}")
 
     def sample(self, rng: random.Random) -> float:
+        value = self._draw(rng)
+        return value if self.max_s is None else min(value, self.max_s)
+
+    def _draw(self, rng: random.Random) -> float:
         if self.mean_s == 0 or self.kind == "constant":
             return self.mean_s
         if self.kind == "exponential":
@@ -100,7 +110,8 @@ class Pacing:
     def params(self) -> dict[str, object]:
         """The pacing as a workload's ``params`` record it."""
         return {"think": self.think.kind, "think_mean_s": self.think.mean_s,
-                "think_sigma": self.think.sigma, "arrival_mean_s": self.arrival_mean_s}
+                "think_sigma": self.think.sigma, "arrival_mean_s": self.arrival_mean_s,
+                **({} if self.think.max_s is None else {"think_max_s": self.think.max_s})}
 
 
 @dataclass(frozen=True)
