@@ -188,3 +188,20 @@ class TestThinkTime:
             ThinkTime("exponential", -1.0)
         with pytest.raises(WorkloadError):
             ThinkTime("gamma", 1.0)  # type: ignore[arg-type]
+
+
+def test_abandoned_conversations_keep_a_prefix_of_their_turns():
+    full = agent_workload(count, conversations=200, turns=6, system_tokens=300,
+                          user_tokens=40, answer_tokens=20, seed=3)
+    cut = agent_workload(count, conversations=200, turns=6, system_tokens=300,
+                         user_tokens=40, answer_tokens=20, seed=3, abandon_p=0.3)
+    lengths = [len(c.turns) for c in cut.conversations]
+    for a, b in zip(full.conversations, cut.conversations, strict=True):
+        assert a.turns[: len(b.turns)] == b.turns and a.start_s == b.start_s
+    # P(a conversation has k turns) = 0.7**(k-1) * 0.3 below the cap: all lengths occur,
+    # and about 30% stop after their first turn (binomial, 200 draws: far from 10% or 50%)
+    assert set(lengths) == {1, 2, 3, 4, 5, 6}
+    assert 20 < lengths.count(1) < 100
+    assert cut.params["abandon_p"] == 0.3
+    with pytest.raises(WorkloadError):
+        agent_workload(count, conversations=1, abandon_p=1.0)

@@ -25,7 +25,7 @@ OPTIONS = FakeEngineOptions(
     kv_load_failure_policy="fail", bidirectional=False, prefill_prefix_caching=True,
     decode_prefix_caching=False, served_model_name="m", max_model_len=4096, vllm_version="0.33",
     model_dir=Path("/models/m"), num_gpu_blocks=77, report_delay_s=0.0,
-    kvrelay_retention=False, retention_headroom=0.125,
+    kvrelay_retention=False, retention_headroom=0.125, decode_num_gpu_blocks=21,
 )
 
 
@@ -42,6 +42,7 @@ def test_every_option_reaches_the_fake_cluster() -> None:
         "127.0.0.2", 9100, 6100)
     assert cluster.model_dir == "/models/m"
     p, d = cluster.prefill_config, cluster.decode_config
+    assert (p.num_gpu_blocks, d.num_gpu_blocks) == (77, 21)
     assert (p.enable_prefix_caching, d.enable_prefix_caching) == (True, False)
     for config in (p, d):
         assert config.latency == latency_preset("cpu")
@@ -50,7 +51,7 @@ def test_every_option_reaches_the_fake_cluster() -> None:
         assert config.kv_load_failure_policy == "fail"
         assert config.bidirectional_kv_xfer is False
         assert (config.served_model_name, config.max_model_len) == ("m", 4096)
-        assert (config.num_gpu_blocks, config.report_delay_s) == (77, 0.0)
+        assert config.report_delay_s == 0.0
         assert config.vllm_version == "0.33"
         assert (config.kvrelay_retention, config.retention_headroom) == (False, 0.125)
 
@@ -58,7 +59,7 @@ def test_every_option_reaches_the_fake_cluster() -> None:
 def test_options_left_to_the_fake_keep_its_defaults() -> None:
     defaults = parsed_cluster(dataclasses.replace(
         OPTIONS, model_dir=None, num_gpu_blocks=None, report_delay_s=None,
-        kvrelay_retention=True, retention_headroom=None))
+        kvrelay_retention=True, retention_headroom=None, decode_num_gpu_blocks=None))
     reference = cluster_from_args(build_parser().parse_args(["fake-engine"]))
     assert defaults.model_dir is None
     default_version = fake_engine_options(ClusterConfig(), "fast").vllm_version

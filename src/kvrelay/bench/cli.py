@@ -5,6 +5,7 @@
     kvrelay bench replay --file conversations.json --max-conversations 50
     kvrelay bench replay --trace trace.jsonl --time-scale 30 --ttls 60,300,1200
     kvrelay bench agent --router-url http://127.0.0.1:8000 --mode-label mine
+    kvrelay bench retention --conversations 24 --time-scale 32 --decode-kv-blocks 40
 
 Without ``--router-url`` every mode gets its own local cluster (the ``kvrelay up`` flags
 apply) and router, one after another. Results go to ``--out`` (JSON, Markdown, PNG); the
@@ -87,6 +88,125 @@ def register(sub: Any) -> None:
     for name, parser in (("sweep", sweep), ("agent", agent), ("replay", replay)):
         _common(parser)
         parser.set_defaults(func=_run, bench_kind=name)
+    _retention_parser(kinds)
+
+
+def _retention_parser(kinds: Any) -> None:
+    """``bench retention``: issue #21's benchmark (``bench.retention_bench``)."""
+    r = kinds.add_parser(
+        "retention", help="managed vs stock vs no retention on fake engines under D memory "
+        "pressure (agent sessions, heavy-tailed think times, abandoned conversations)")
+    r.add_argument("--modes", default="managed,stock,none",
+                   help="comma-separated, run in order: managed, stock, none")
+    r.add_argument("--conversations", type=int, default=24)
+    r.add_argument("--max-turns", type=int, default=8)
+    r.add_argument("--abandon-p", type=float, default=0.3,
+                   help="probability a conversation is abandoned after each turn")
+    r.add_argument("--system-tokens", type=int, default=512)
+    r.add_argument("--user-tokens", type=int, default=96, help="user/tool turn tokens")
+    r.add_argument("--answer-tokens", type=int, default=48, help="max_tokens per answer")
+    r.add_argument("--think", choices=["exponential", "lognormal", "uniform", "constant"],
+                   default="lognormal")
+    r.add_argument("--think-mean-s", type=float, default=60.0,
+                   help="mean think time, workload seconds (default 60)")
+    r.add_argument("--think-sigma", type=float, default=1.5, help="lognormal sigma")
+    r.add_argument("--think-max-s", type=float, default=600.0,
+                   help="think times above this are cut to it, workload seconds (default "
+                        "600: past every TTL, a miss in every mode; bounds the wall time)")
+    r.add_argument("--arrival-mean-s", type=float, default=32.0,
+                   help="mean gap between conversation starts, workload seconds")
+    r.add_argument("--time-scale", type=float, default=32.0,
+                   help="workload seconds per real second (think times, arrivals, TTL)")
+    r.add_argument("--ttl-s", type=float, default=480.0,
+                   help="D's global TTL (stock's, and managed's upper bound), workload seconds")
+    r.add_argument("--decode-kv-blocks", type=int, default=40,
+                   help="D's KV cache in blocks of 128 tokens")
+    r.add_argument("--retention-headroom", type=float, default=None,
+                   help="managed D's share of the cache kept free of retention")
+    r.add_argument("--fake-latency", choices=["cpu", "fast"], default="cpu")
+    r.add_argument("--fake-vllm-version", choices=VLLM_VERSIONS, default="0.32")
+    r.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                   help="extra argument for every mode's router (repeatable)")
+    r.add_argument("--model", default="tiny", help="tokenizer for sizing the prompts")
+    r.add_argument("--out", type=Path, default=None,
+                   help="results folder (default results/bench-retention-TIMESTAMP)")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--salt", default=None)
+    r.add_argument("--tenant", default="default")
+    r.add_argument("--timeout-s", type=float, default=300.0, help="per-request timeout")
+    r.set_defaults(func=_run_retention, bench_kind="retention")
+
+
+def _run_retention(args: argparse.Namespace) -> int:
+    """``bench retention``: run the modes, write JSON and Markdown, print the table."""
+    import json
+
+    from kvrelay.bench.retention_bench import (
+        RetentionBenchOptions,
+        parse_retention_modes,
+        run_retention_bench,
+    )
+    from kvrelay.bench.retention_report import (
+        RetentionSummary,
+        check_goals,
+        markdown_table,
+        summarize_retention,
+    )
+    from kvrelay.bench.tokens import default_counter
+    from kvrelay.bench.workloads import Pacing, ThinkTime, WorkloadError, agent_workload
+    from kvrelay.cluster.launcher import ServiceStartError
+
+    try:
+        modes = parse_retention_modes(args.modes)
+        if not args.time_scale > 0:
+            raise ValueError("--time-scale must be > 0")
+        scale = args.time_scale
+        salt = args.salt if args.salt is not None else secrets.token_hex(3)
+        pacing = Pacing(ThinkTime(args.think, args.think_mean_s / scale, args.think_sigma,
+                                  args.think_max_s / scale),
+                        args.arrival_mean_s / scale)
+        workload = agent_workload(
+            default_counter(args.model), conversations=args.conversations,
+            turns=args.max_turns, system_tokens=args.system_tokens,
+            user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, pacing=pacing,
+            abandon_p=args.abandon_p, seed=args.seed, salt=salt)
+        options = RetentionBenchOptions(
+            time_scale=scale, ttl_s=args.ttl_s, decode_kv_blocks=args.decode_kv_blocks,
+            retention_headroom=args.retention_headroom, latency=args.fake_latency,
+            vllm_version=args.fake_vllm_version, tenant=args.tenant, id_prefix=f"{salt}-",
+            extra_body={"ignore_eos": True}, timeout_s=args.timeout_s,
+            router_args=tuple(args.router_arg))
+    except (ValueError, WorkloadError) as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or Path("results") / f"bench-retention-{time.strftime('%Y%m%d-%H%M%S')}"
+    print(f"retention: {len(workload.conversations)} conversations, {workload.num_turns} "
+          f"turns, modes {','.join(modes)}; results in {out}", file=sys.stderr, flush=True)
+    try:
+        runs = run_retention_bench(workload, modes, out / "runs", options)
+    except ServiceStartError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+    summaries: dict[str, RetentionSummary] = {
+        r.mode: summarize_retention(r.mode, r.run.records, r.trace, scale) for r in runs}
+    goals = check_goals(summaries)
+    lines = [f"`{' '.join(sys.argv)}`", "",
+             f"{len(workload.conversations)} conversations, {workload.num_turns} turns; "
+             f"time scale {scale:g}; D {args.decode_kv_blocks} blocks; TTL {args.ttl_s:g} s",
+             "", *markdown_table(summaries, goals)]
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "retention.md").write_text("\n".join(lines) + "\n")
+    (out / "retention.json").write_text(json.dumps({
+        "command": " ".join(sys.argv), "params": workload.params,
+        "modes": {m: s.to_json() for m, s in summaries.items()},
+        "goals": [vars(g) for g in goals],
+        "runs": [{"mode": r.mode, "info": r.run.info, "trace": {
+            "samples": r.trace.samples, "end_s": r.trace.end_s,
+            "num_preemptions": r.trace.num_preemptions, "releases": dict(r.trace.releases)},
+            "records": [x.to_json() for x in r.run.records]} for r in runs],
+    }, indent=1) + "\n")
+    print("\n".join(lines))
+    return 0 if all(s.new_ttft_p99_s is not None for s in summaries.values()) else 1
 
 
 def _common(parser: argparse.ArgumentParser) -> None:

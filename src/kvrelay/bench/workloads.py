@@ -53,19 +53,29 @@ class ThinkTime:
     ``exponential``: memoryless, long tail (``P(X > t) = exp(-t / mean)``); ``lognormal``:
     ``sigma`` is the log-space standard deviation, ``mu = ln(mean) - sigma**2 / 2`` so the
     mean is exact; ``uniform``: on ``[0, 2 * mean]``; ``constant``: always ``mean``.
+    ``max_s``: samples above it are cut to it (``None``: none are), so a heavy tail far
+    beyond every TTL does not stretch a benchmark's wall time (``mean_s`` is then the mean
+    before the cut).
     """
 
     kind: ThinkKind = "exponential"
     mean_s: float = 5.0
     sigma: float = 1.0
+    max_s: float | None = None
 
     def __post_init__(self) -> None:
         if self.mean_s < 0 or self.sigma < 0:
             raise WorkloadError("think time mean and sigma must be >= 0")
+        if self.max_s is not None and self.max_s < 0:
+            raise WorkloadError("think time max_s must be >= 0")
         if self.kind not in ("constant", "exponential", "lognormal", "uniform"):
             raise WorkloadError(f"unknown think-time distribution {self.kind!r}")
 
     def sample(self, rng: random.Random) -> float:
+        value = self._draw(rng)
+        return value if self.max_s is None else min(value, self.max_s)
+
+    def _draw(self, rng: random.Random) -> float:
         if self.mean_s == 0 or self.kind == "constant":
             return self.mean_s
         if self.kind == "exponential":
@@ -100,7 +110,8 @@ class Pacing:
     def params(self) -> dict[str, object]:
         """The pacing as a workload's ``params`` record it."""
         return {"think": self.think.kind, "think_mean_s": self.think.mean_s,
-                "think_sigma": self.think.sigma, "arrival_mean_s": self.arrival_mean_s}
+                "think_sigma": self.think.sigma, "arrival_mean_s": self.arrival_mean_s,
+                **({} if self.think.max_s is None else {"think_max_s": self.think.max_s})}
 
 
 @dataclass(frozen=True)
@@ -286,6 +297,7 @@ def agent_workload(
     user_tokens: int = 150,
     answer_tokens: int = 300,
     pacing: Pacing | None = None,
+    abandon_p: float = 0.0,
     seed: int = 0,
     salt: str = "",
 ) -> Workload:
@@ -297,7 +309,15 @@ def agent_workload(
     turn ``k`` (1-based) is ``system_tokens + k * user_tokens + (k - 1) * answer_tokens``:
     each new message absorbs the template tokens, so the error never accumulates. Think
     times, arrivals and concurrency come from ``pacing`` (``Pacing()`` when ``None``).
+
+    ``abandon_p``: after each turn but the last, the conversation is abandoned (its later
+    turns are never sent) with this probability, drawn from a seeded stream of its own, so
+    conversations have ``min(turns, Geometric(abandon_p))`` turns and the turns they keep
+    are the same as with ``abandon_p = 0`` (abandoned sessions: their last turn's KV is
+    never read again, what retention has to find out).
     """
+    if not 0.0 <= abandon_p < 1.0:
+        raise WorkloadError("abandon_p is a probability in [0, 1)")
     pacing = pacing or Pacing()
     if conversations < 1 or turns < 1:
         raise WorkloadError("agent sessions need at least one conversation and one turn")
@@ -324,10 +344,16 @@ def agent_workload(
                 think_s=think.sample(rng) if k > 1 else 0.0,
                 target_tokens=target,
             ))
-        convs.append(ConversationSpec(f"agent-{index}", tuple(specs), start_s=next(starts)))
+        kept = 1
+        abandon = random.Random(f"agent-abandon/{seed}/{index}")
+        while kept < turns and not (abandon_p > 0 and abandon.random() < abandon_p):
+            kept += 1
+        convs.append(ConversationSpec(f"agent-{index}", tuple(specs[:kept]),
+                                      start_s=next(starts)))
     return Workload("agent", tuple(convs), concurrency=pacing.concurrency or conversations,
                     params={
-        "conversations": conversations, "turns": turns, "system_tokens": system_tokens,
+        "conversations": conversations, "turns": turns, "abandon_p": abandon_p,
+        "system_tokens": system_tokens,
         "user_tokens": user_tokens, "answer_tokens": answer_tokens, **pacing.params(),
         "seed": seed, "salt": salt,
     })

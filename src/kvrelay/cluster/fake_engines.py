@@ -32,7 +32,8 @@ class FakeEngineOptions:
     the connector's ~100 ms report delay). ``kvrelay_retention``: D manages its retained
     turns as kvrelay's connector does (False: stock vLLM's global TTL);
     ``retention_headroom``: the share of D's cache kept free of retention (``None``: the
-    fake's default, none).
+    fake's default, none). ``decode_num_gpu_blocks``: D's cache size when it differs from
+    P's (``None``: ``num_gpu_blocks``), so a benchmark can put D under memory pressure alone.
     """
 
     num_prefill: int
@@ -56,6 +57,7 @@ class FakeEngineOptions:
     report_delay_s: float | None = None
     kvrelay_retention: bool = True
     retention_headroom: float | None = None
+    decode_num_gpu_blocks: int | None = None
 
     @property
     def urls(self) -> list[str]:
@@ -120,6 +122,8 @@ def fake_engine_command(options: FakeEngineOptions, python: str) -> list[str]:
         cmd += ["--model", str(options.model_dir)]
     if options.num_gpu_blocks is not None:
         cmd += ["--num-gpu-blocks", str(options.num_gpu_blocks)]
+    if options.decode_num_gpu_blocks is not None:
+        cmd += ["--decode-num-gpu-blocks", str(options.decode_num_gpu_blocks)]
     if options.report_delay_s is not None:
         cmd += ["--report-delay-s", repr(options.report_delay_s)]
     if options.retention_headroom is not None:

@@ -73,6 +73,9 @@ def add_fake_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--num-gpu-blocks", type=int, default=16384,
                         help="KV cache size in blocks of 128 tokens (a request that does not "
                              "fit waits, as in vLLM)")
+    parser.add_argument("--decode-num-gpu-blocks", type=int, default=None,
+                        help="D engines' KV cache size in blocks, when it differs from P's "
+                             "(default: --num-gpu-blocks)")
     parser.add_argument("--no-kvrelay-retention", action="store_true",
                         help="D keeps retained turns for the global TTL as stock vLLM does "
                              "(default: kvrelay's managed retention)")
@@ -111,7 +114,8 @@ def cluster_from_args(args: argparse.Namespace) -> FakeCluster:
         num_prefill=args.prefill,
         num_decode=args.decode,
         prefill_config=replace(config, enable_prefix_caching=args.prefill_prefix_caching),
-        decode_config=replace(config, enable_prefix_caching=not args.no_decode_prefix_caching),
+        decode_config=replace(config, enable_prefix_caching=not args.no_decode_prefix_caching,
+                              num_gpu_blocks=args.decode_num_gpu_blocks or args.num_gpu_blocks),
         model_dir=args.model,
         host=args.host,
         base_port=args.base_port or None,

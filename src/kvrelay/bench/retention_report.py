@@ -1,0 +1,198 @@
+"""The retention benchmark's arithmetic: per-mode figures and issue #21's goals (pure).
+
+``kvrelay bench retention`` (``bench.retention_bench``) runs one workload through three
+modes (``managed``: kvrelay's retention; ``stock``: vLLM's global TTL; ``none``: no
+bidirectional transfer, D retains nothing) and records, per mode, the client's turns and a
+sampled trace of D. This module turns them into figures and checks the goals:
+
+* **new-conversation TTFT**: turn 1 of each conversation (its TTFT is where D's admission
+  waits for blocks shows: a decode request that does not fit waits); p50 and p99;
+* **follow-up hit rate**: turns >= 2 that succeeded and pulled (action ``pull`` with reused
+  tokens > 0), over all turns >= 2 that succeeded;
+* **retained block-seconds**: the integral of D's held blocks over the sampled span (a step
+  function: each sample holds until the next), times the time scale, so the figure is in
+  the workload's (unscaled) seconds;
+* **preemptions**: D's ``num_preemptions`` over the run. D's cache is sized so that live
+  work alone does not preempt; the ``none`` mode measures that, and a mode's preemptions
+  *caused by retention* are its count above ``none``'s.
+
+Goals (issue #21): managed's new-conversation TTFT p99 at most 1.1x none's; managed's hit
+rate at least stock's; managed's block-seconds at most half stock's; managed's preemptions
+caused by retention 0. A goal whose inputs are missing (a mode not run, no follow-up) is
+``met=None``, never passed.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvrelay.bench.metrics import TurnRecord, percentile
+
+TTFT_RATIO_GOAL = 1.1
+BLOCK_SECONDS_RATIO_GOAL = 0.5
+
+
+@dataclass(frozen=True)
+class DecodeTrace:
+    """What the sampler saw of one mode's D: ``(seconds since the run started, held
+    blocks, waiting requests)`` samples, when sampling ended, D's preemptions and releases
+    by cause (empty without kvrelay's retention)."""
+
+    samples: tuple[tuple[float, int, int], ...]
+    end_s: float
+    num_preemptions: int
+    releases: Mapping[str, int] = field(default_factory=dict)
+
+
+def block_seconds(samples: Sequence[tuple[float, int, int]], end_s: float) -> float:
+    """Integral of held blocks over ``[first sample, end_s]``, each sample holding until the
+    next (0 without a sample before ``end_s``)."""
+    points = sorted((t, blocks) for t, blocks, _ in samples if t < end_s)
+    total = 0.0
+    for i, (t, blocks) in enumerate(points):
+        nxt = points[i + 1][0] if i + 1 < len(points) else end_s
+        total += blocks * (nxt - t)
+    return total
+
+
+@dataclass(frozen=True)
+class RetentionSummary:
+    """One mode's figures (module docstring); times in seconds, block-seconds in workload
+    seconds (real seconds x ``time_scale``)."""
+
+    mode: str
+    conversations: int
+    failed_turns: int
+    new_ttft_p50_s: float | None
+    new_ttft_p99_s: float | None
+    followups: int
+    pulled: int
+    hit_rate: float | None
+    block_seconds: float
+    peak_blocks: int
+    peak_waiting: int
+    preemptions: int
+    releases: dict[str, int]
+    followup_reasons: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def summarize_retention(
+    mode: str, records: Sequence[TurnRecord], trace: DecodeTrace, time_scale: float
+) -> RetentionSummary:
+    """The ``RetentionSummary`` of one mode's records and D trace."""
+    if not time_scale > 0:
+        raise ValueError("time_scale must be > 0")
+    ok = [r for r in records if r.succeeded]
+    firsts = [r.ttft_s for r in ok if r.turn == 1 and r.ttft_s is not None]
+    followups = [r for r in ok if r.turn >= 2]
+    pulled = sum(1 for r in followups if _pulled(r))
+    reasons = Counter(f"{r.action}/{r.reason}" for r in followups)
+    return RetentionSummary(
+        mode=mode,
+        conversations=len({r.conversation_id for r in records}),
+        failed_turns=len(records) - len(ok),
+        new_ttft_p50_s=percentile(firsts, 50) if firsts else None,
+        new_ttft_p99_s=percentile(firsts, 99) if firsts else None,
+        followups=len(followups),
+        pulled=pulled,
+        hit_rate=pulled / len(followups) if followups else None,
+        block_seconds=block_seconds(trace.samples, trace.end_s) * time_scale,
+        peak_blocks=max((b for _, b, _ in trace.samples), default=0),
+        peak_waiting=max((w for _, _, w in trace.samples), default=0),
+        preemptions=trace.num_preemptions,
+        releases={k: v for k, v in sorted(trace.releases.items()) if v},
+        followup_reasons=dict(sorted(reasons.items())),
+    )
+
+
+def _pulled(record: TurnRecord) -> bool:
+    return record.action == "pull" and (record.reused_tokens or 0) > 0
+
+
+@dataclass(frozen=True)
+class GoalCheck:
+    """One goal: what was measured (a ratio or a count), the target, and whether it holds
+    (``None``: not measurable in this run)."""
+
+    goal: str
+    measured: float | None
+    target: str
+    met: bool | None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    if a is None or b is None or b == 0:
+        return None
+    return a / b
+
+
+def check_goals(summaries: Mapping[str, RetentionSummary]) -> list[GoalCheck]:
+    """Issue #21's four goals for ``managed`` against ``stock`` and ``none``."""
+    managed, stock, none = (summaries.get(m) for m in ("managed", "stock", "none"))
+    ttft = _ratio(managed.new_ttft_p99_s if managed else None,
+                  none.new_ttft_p99_s if none else None)
+    hit_m = managed.hit_rate if managed else None
+    hit_s = stock.hit_rate if stock else None
+    blocks = _ratio(managed.block_seconds if managed else None,
+                    stock.block_seconds if stock else None)
+    caused = (managed.preemptions - none.preemptions) if managed and none else None
+    return [
+        GoalCheck("new-conversation TTFT p99, managed / none", ttft,
+                  f"<= {TTFT_RATIO_GOAL:g}", None if ttft is None else ttft <= TTFT_RATIO_GOAL),
+        GoalCheck("follow-up hit rate, managed - stock",
+                  None if hit_m is None or hit_s is None else hit_m - hit_s, ">= 0",
+                  None if hit_m is None or hit_s is None else hit_m >= hit_s),
+        GoalCheck("retained block-seconds, managed / stock", blocks,
+                  f"<= {BLOCK_SECONDS_RATIO_GOAL:g}",
+                  None if blocks is None else blocks <= BLOCK_SECONDS_RATIO_GOAL),
+        GoalCheck("preemptions caused by retention (managed - none)",
+                  None if caused is None else float(caused), "0",
+                  None if caused is None else caused <= 0),
+    ]
+
+
+def markdown_table(summaries: Mapping[str, RetentionSummary],
+                   goals: Sequence[GoalCheck]) -> list[str]:
+    """The modes side by side, then the goals (TTFT in ms)."""
+    modes = list(summaries.values())
+
+    def ms(v: float | None) -> str:
+        return "-" if v is None else f"{v * 1000:,.0f}"
+
+    def pct(v: float | None) -> str:
+        return "-" if v is None else f"{100 * v:.1f}%"
+
+    rows: list[tuple[str, list[str]]] = [
+        ("conversations", [str(s.conversations) for s in modes]),
+        ("failed turns", [str(s.failed_turns) for s in modes]),
+        ("new-conversation TTFT p50 (ms)", [ms(s.new_ttft_p50_s) for s in modes]),
+        ("new-conversation TTFT p99 (ms)", [ms(s.new_ttft_p99_s) for s in modes]),
+        ("follow-ups", [str(s.followups) for s in modes]),
+        ("follow-up hit rate", [f"{pct(s.hit_rate)} ({s.pulled})" for s in modes]),
+        ("retained block-seconds", [f"{s.block_seconds:,.0f}" for s in modes]),
+        ("peak retained blocks", [str(s.peak_blocks) for s in modes]),
+        ("peak waiting requests on D", [str(s.peak_waiting) for s in modes]),
+        ("D preemptions", [str(s.preemptions) for s in modes]),
+        ("D releases by cause", [_counts(s.releases) for s in modes]),
+        ("follow-ups by action/reason", [_counts(s.followup_reasons) for s in modes]),
+    ]
+    lines = ["| | " + " | ".join(s.mode for s in modes) + " |",
+             "|---|" + "---|" * len(modes)]
+    lines += [f"| {name} | " + " | ".join(cells) + " |" for name, cells in rows]
+    lines += ["", "| goal | measured | target | met |", "|---|---|---|---|"]
+    for g in goals:
+        measured = "-" if g.measured is None or math.isnan(g.measured) else f"{g.measured:.3g}"
+        met = "n/a" if g.met is None else ("yes" if g.met else "**no**")
+        lines.append(f"| {g.goal} | {measured} | {g.target} | {met} |")
+    return lines
+
+
+def _counts(counts: Mapping[str, int]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in counts.items()) or "-"

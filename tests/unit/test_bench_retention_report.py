@@ -1,0 +1,95 @@
+"""The retention benchmark's arithmetic (``bench.retention_report``): block-seconds of a
+sampled step function, the per-mode figures, and issue #21's goals."""
+
+from __future__ import annotations
+
+import pytest
+
+from kvrelay.bench.metrics import TurnRecord
+from kvrelay.bench.retention_bench import parse_retention_modes
+from kvrelay.bench.retention_report import (
+    DecodeTrace,
+    RetentionSummary,
+    block_seconds,
+    check_goals,
+    markdown_table,
+    summarize_retention,
+)
+
+
+def turn(conv: str, number: int, ttft_s: float | None, action: str | None = "pull",
+         reason: str | None = "pull", reused: int | None = 512,
+         error: str | None = None) -> TurnRecord:
+    return TurnRecord(
+        mode="m", workload="agent", conversation_id=conv, turn=number, context_tokens=None,
+        target_tokens=600, measured=True, think_s=0.0, sent_at_s=0.0, prompt_tokens=600,
+        completion_tokens=8, ttft_s=ttft_s, tpot_s=None, e2e_s=1.0, action=action,
+        reason=reason, reused_tokens=reused, decision_source="header", error=error)
+
+
+def test_block_seconds_integrates_the_samples_as_steps_up_to_the_end() -> None:
+    samples = [(0.0, 10, 0), (2.0, 4, 1), (3.0, 0, 0)]
+    assert block_seconds(samples, 5.0) == 10 * 2 + 4 * 1 + 0 * 2
+    # order does not matter, samples at or after the end are ignored, the last one holds
+    assert block_seconds([(3.0, 6, 0), (1.0, 2, 0), (9.0, 100, 0)], 4.0) == 2 * 2 + 6 * 1
+    assert block_seconds([], 4.0) == 0.0
+    assert block_seconds([(5.0, 3, 0)], 4.0) == 0.0
+
+
+def test_summary_counts_new_turns_follow_ups_and_hits() -> None:
+    records = [
+        turn("a", 1, 0.10, action="recompute", reason="new_conversation", reused=None),
+        turn("a", 2, 0.05),
+        turn("a", 3, 0.30, action="recompute", reason="released", reused=0),
+        turn("b", 1, 0.20, action="recompute", reason="new_conversation", reused=None),
+        turn("b", 2, 0.04, action="pull", reason="pull", reused=0),  # pulled nothing: a miss
+        turn("c", 1, None, error="timeout"),
+    ]
+    trace = DecodeTrace(((0.0, 8, 0), (1.0, 16, 2), (2.0, 0, 0)), 4.0, 3,
+                        {"pressure": 2, "expired": 0})
+    s = summarize_retention("managed", records, trace, time_scale=10.0)
+    assert (s.conversations, s.failed_turns) == (3, 1)
+    assert s.new_ttft_p50_s == pytest.approx(0.15)
+    assert s.new_ttft_p99_s == pytest.approx(0.10 + 0.10 * 0.99)
+    assert (s.followups, s.pulled, s.hit_rate) == (3, 1, pytest.approx(1 / 3))
+    assert s.block_seconds == pytest.approx((8 + 16) * 10.0)
+    assert (s.peak_blocks, s.peak_waiting, s.preemptions) == (16, 2, 3)
+    assert s.releases == {"pressure": 2}
+    assert s.followup_reasons == {"pull/pull": 2, "recompute/released": 1}
+    with pytest.raises(ValueError):
+        summarize_retention("managed", records, trace, time_scale=0.0)
+
+
+def summary(mode: str, p99: float | None, hit: float | None, blocks: float,
+            preemptions: int) -> RetentionSummary:
+    return RetentionSummary(mode, 10, 0, p99, p99, 20, 0, hit, blocks, 0, 0, preemptions, {}, {})
+
+
+def test_goals_hold_or_fail_on_their_thresholds() -> None:
+    none = summary("none", 0.100, 0.0, 0.0, 1)
+    stock = summary("stock", 5.0, 0.6, 1000.0, 4)
+    good = check_goals({"managed": summary("managed", 0.110, 0.6, 500.0, 1), "stock": stock,
+                        "none": none})
+    assert [g.met for g in good] == [True, True, True, True]
+    assert [g.measured for g in good] == [pytest.approx(1.1), 0.0, 0.5, 0.0]
+    bad = check_goals({"managed": summary("managed", 0.111, 0.59, 501.0, 2), "stock": stock,
+                       "none": none})
+    assert [g.met for g in bad] == [False, False, False, False]
+    assert bad[3].measured == 1.0
+
+
+def test_goals_without_their_inputs_are_not_met_and_not_failed() -> None:
+    goals = check_goals({"managed": summary("managed", 0.1, None, 0.0, 0)})
+    assert [g.met for g in goals] == [None, None, None, None]
+    zero_stock = check_goals({"managed": summary("managed", None, 0.5, 0.0, 0),
+                              "stock": summary("stock", 1.0, 0.5, 0.0, 0)})
+    assert zero_stock[2].met is None  # no ratio to a stock that retained nothing
+    lines = markdown_table({"managed": summary("managed", 0.1, None, 0.0, 0)}, goals)
+    assert lines[0] == "| | managed |" and any("| n/a |" in line for line in lines)
+
+
+def test_modes_parse_in_the_order_given() -> None:
+    assert parse_retention_modes("stock, managed") == ("stock", "managed")
+    for bad in ("", "managed,managed", "pull"):
+        with pytest.raises(ValueError):
+            parse_retention_modes(bad)
