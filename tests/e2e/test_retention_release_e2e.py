@@ -122,8 +122,8 @@ def test_an_evicted_entry_is_released_on_d_and_its_next_turn_recomputes(
     """
     model = real_cluster.model
     a_id, b_id = f"evicted-{secrets.token_hex(4)}", f"evictor-{secrets.token_hex(4)}"
-    a_turn1 = opening(2101, num_words=600)  # about 1,000 tokens retained on D
-    b_turn1 = opening(2102, num_words=20)  # about 100: B's retention cannot hide A's release
+    a_turn1 = opening(2101, num_words=600)  # about 3,000 tokens retained on D
+    b_turn1 = opening(2102, num_words=20)  # about 250: B's retention cannot hide A's release
 
     a_text, action, reason = send(one_entry_router, model, a_turn1, a_id)
     assert (action, reason) == ("recompute", "no_entry")
@@ -153,7 +153,7 @@ def test_an_evicted_entry_is_released_on_d_and_its_next_turn_recomputes(
     assert router_metric(one_entry_router, "release_orders_total", node=node_id) == 1, \
         "the router ordered exactly one release: A's, the entry B's turn evicted"
     assert count(after, "retained_blocks") < count(with_a, "retained_blocks"), \
-        "A's ~1,000 tokens left D's retention, B's ~100 came in"
+        "A's ~3,000 tokens left D's retention, B's ~250 came in"
     assert router_releases(after) >= 1, "the router's /stats: D's releases on router orders"
     assert router_metric(one_entry_router, "retention_releases_seen_total",
                          node=node_id, cause="router") >= 1
