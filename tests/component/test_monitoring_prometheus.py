@@ -40,6 +40,7 @@ RATE_WINDOW = "2m"
 SCRAPE_INTERVAL_S = 1.0
 ROUNDS = 4
 DATA_DEADLINE_S = 90.0
+GATEWAY_HEADER = "x-gateway-conversation"
 RETAINED_QUERY = f"max by (node) ({RETAINED_TOKENS})"
 
 
@@ -70,10 +71,11 @@ class Rig:
 
     def turn(self, messages: list[dict[str, str]], conversation_id: str,
              stream: bool) -> tuple[int, str]:
-        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "stream": stream,
-                "conversation_id": conversation_id}
+        # The history carries a made-up answer ("ok"), so only an id bound to one caller
+        # (a gateway header) continues the conversation's entry (docs/security.md).
+        body = {"model": "tiny", "messages": messages, "max_tokens": 8, "stream": stream}
         with httpx.stream("POST", f"{self.router}/v1/chat/completions", json=body,
-                          timeout=60) as resp:
+                          headers={GATEWAY_HEADER: conversation_id}, timeout=60) as resp:
             resp.read()
             return resp.status_code, resp.headers.get("x-kvrelay-action", "")
 
@@ -98,10 +100,13 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
         router_command([prefill], [decode], host="127.0.0.1", port=router_port, ttl_s=480,
                        block_size=128, internal_port=internal_port,
                        extra=["--state", redis_server.url, "--health-interval-s", "1",
-                              "--state-timeout-ms", "500", "--fixed-costs", fixed_costs_flag()]),
+                              "--state-timeout-ms", "500", "--fixed-costs", fixed_costs_flag(),
+                              "--gateway-id-header", GATEWAY_HEADER]),
         [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
     targets = [ScrapeTarget("prefill", prefill), ScrapeTarget("decode", decode),
-               ScrapeTarget("router", router_url)]
+               # the internal listener serves the complete set (an open public /metrics
+               # leaves out the request-size series: docs/security.md)
+               ScrapeTarget("router", f"http://127.0.0.1:{internal_port}")]
     prometheus = prometheus_service(binary, targets, tmp_path / "prometheus", "127.0.0.1",
                                     prometheus_port, interval_s=SCRAPE_INTERVAL_S)
     with engines, router, prometheus:
@@ -170,7 +175,7 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(rig, redis_se
     pending = {q.expr: q for _, q in all_queries()}
     assert RETAINED_QUERY in pending
     run_traffic(rig, redis_server, pending)
-    exported = httpx.get(f"{rig.router}/metrics", timeout=10).text
+    exported = httpx.get(f"{rig.internal}/metrics", timeout=10).text
     assert RETAINED_TOKENS in exported
     drain(rig, pending)
     assert not pending, "dashboard queries without data:\n" + "\n".join(
