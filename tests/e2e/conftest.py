@@ -141,11 +141,17 @@ def real_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RealClust
             "--router-port", str(router_port), "--ttl-s", str(TTL_S),
             "--monitoring", "--prometheus-port", str(prometheus_port),
             f"--router-arg=--admin-key={ADMIN_KEY}",
-            f"--router-arg=--fixed-costs={FIXED_COSTS}"]
+            f"--router-arg=--fixed-costs={FIXED_COSTS}",
+            f"--router-arg=--gateway-id-header={GATEWAY_HEADER}"]
     with kvrelay_up(args, [base_port, base_port + 1, router_port, prometheus_port]) as up:
         yield RealCluster(up.urls["prefill-0"], up.urls["decode-0"], up.urls["router"],
                           up.model, run_dir, TTL_S, up.urls["prometheus"], up.output)
 
+
+GATEWAY_HEADER = "x-gateway-conversation"
+"""The session routers trust this header as a gateway's (``--gateway-id-header``): an id sent
+in it is bound to one caller, so an edited history continues its conversation's latest entry
+(a body ``conversation_id`` only narrows the scope: ``router.request``)."""
 
 FIXED_COSTS = fixed_costs_flag(PULL_PAYS)
 """The tiny model prefills a 1k-token prompt in milliseconds, so costs learned from this
@@ -160,25 +166,28 @@ def start_extra_router(cluster: RealCluster, port: int, log_path: Path,
     starts its own, plus ``extra`` flags); the caller stops it."""
     cmd = router_command([cluster.prefill_url], [cluster.decode_url], host="127.0.0.1",
                          port=port, ttl_s=cluster.ttl_s, block_size=CPU_BLOCK_SIZE,
-                         extra=["--fixed-costs", FIXED_COSTS, *extra])
+                         extra=["--fixed-costs", FIXED_COSTS, "--gateway-id-header", GATEWAY_HEADER,
+                                *extra])
     url = f"http://127.0.0.1:{port}"
     return ServiceProcess(log_path.stem, cmd, [f"{url}/health"], log_path, url=url).start()
 
 
-def chat(url: str, body: dict[str, object]) -> tuple[str, httpx.Headers, dict[str, int]]:
-    """POST ``body`` to ``url``'s chat endpoint, streamed when ``body["stream"]``: the answer's
-    text, the response headers and the usage (the usage chunk's when streamed; ``{}`` if the
-    stream had none). No ``kv_transfer_params`` (nor prompt ids) may reach the client."""
+def chat(url: str, body: dict[str, object], headers: dict[str, str] | None = None
+         ) -> tuple[str, httpx.Headers, dict[str, int]]:
+    """POST ``body`` (with ``headers``) to ``url``'s chat endpoint, streamed when
+    ``body["stream"]``: the answer's text, the response headers and the usage (the usage
+    chunk's when streamed; ``{}`` if the stream had none). No ``kv_transfer_params`` (nor
+    prompt ids) may reach the client."""
     endpoint = f"{url}/v1/chat/completions"
     if not body.get("stream"):
-        resp = httpx.post(endpoint, json=body, timeout=300)
+        resp = httpx.post(endpoint, json=body, headers=headers, timeout=300)
         assert resp.status_code == 200, resp.text
         data = resp.json()
         assert "kv_transfer_params" not in data and "prompt_token_ids" not in data
         return data["choices"][0]["message"]["content"] or "", resp.headers, data["usage"]
     parts: list[str] = []
     usage: dict[str, int] = {}
-    with httpx.stream("POST", endpoint, json=body, timeout=300) as resp:
+    with httpx.stream("POST", endpoint, json=body, headers=headers, timeout=300) as resp:
         assert resp.status_code == 200, resp.read()
         for chunk in line_chunks(resp.iter_lines()):
             assert "kv_transfer_params" not in chunk

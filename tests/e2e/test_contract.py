@@ -28,7 +28,7 @@ import pytest
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.fakevllm import FakeEngineConfig, latency_preset
 from tests.component.router_fake import routed
-from tests.e2e.conftest import RealCluster
+from tests.e2e.conftest import GATEWAY_HEADER, RealCluster
 
 pytestmark = pytest.mark.e2e
 
@@ -88,9 +88,9 @@ async def observe(router: str, prefill: str, decode: str, model: str) -> Observe
         for turn in range(4):
             if turn == 3:
                 msgs = [{"role": "system", "content": "Another system prompt."}, *msgs[1:]]
-            body = {"model": model, "messages": msgs, "max_tokens": 12, "temperature": 0,
-                    "conversation_id": conversation}
-            resp = await http.post(f"{router}/v1/chat/completions", json=body)
+            body = {"model": model, "messages": msgs, "max_tokens": 12, "temperature": 0}
+            resp = await http.post(f"{router}/v1/chat/completions", json=body,
+                                   headers={GATEWAY_HEADER: conversation})
             assert resp.status_code == 200, resp.text
             decisions.append((resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"]))
             answer = resp.json()["choices"][0]["message"]["content"]
@@ -110,7 +110,7 @@ async def observe(router: str, prefill: str, decode: str, model: str) -> Observe
 async def observe_fake() -> Observed:
     config = FakeEngineConfig(latency=latency_preset("cpu"), report_delay_s=0.1,
                               default_max_tokens=None, vllm_version="0.32")
-    async with routed(1, 1, config) as rig:
+    async with routed(1, 1, config, gateway_id_headers=(GATEWAY_HEADER,)) as rig:
         model = rig.cluster.prefill[0].config.served_model_name
         return await observe(rig.url, rig.cluster.prefill_urls[0], rig.cluster.decode_urls[0],
                              model)

@@ -19,7 +19,14 @@ from kvrelay.client.pd import PDClient
 from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.cluster.launcher import ServiceProcess, free_port_block
 from kvrelay.core.fingerprint import held_fingerprint
-from tests.e2e.conftest import RealCluster, chat, p_external, start_extra_router, words
+from tests.e2e.conftest import (
+    GATEWAY_HEADER,
+    RealCluster,
+    chat,
+    p_external,
+    start_extra_router,
+    words,
+)
 
 pytestmark = pytest.mark.e2e
 
@@ -39,8 +46,11 @@ class Answer:
 
 
 def send(url: str, model: str, messages: Sequence[Message], *, stream: bool = False,
-         conversation_id: str | None = None, temperature: float = 0.0, max_tokens: int = 16,
+         conversation_id: str | None = None, gateway_id: str | None = None,
+         temperature: float = 0.0, max_tokens: int = 16,
          extra: dict[str, object] | None = None) -> Answer:
+    """One chat turn; ``conversation_id`` goes in the body (it narrows the lookup),
+    ``gateway_id`` in the gateway's header (bound: an edited history continues its entry)."""
     body: dict[str, object] = {"model": model, "messages": list(messages),
                                "max_tokens": max_tokens, "temperature": temperature,
                                "stream": stream, **(extra or {})}
@@ -48,7 +58,8 @@ def send(url: str, model: str, messages: Sequence[Message], *, stream: bool = Fa
         body["stream_options"] = {"include_usage": True}
     if conversation_id is not None:
         body["conversation_id"] = conversation_id
-    return Answer(*chat(url, body))
+    headers = {GATEWAY_HEADER: gateway_id} if gateway_id is not None else None
+    return Answer(*chat(url, body, headers))
 
 
 def recompute(cluster: RealCluster, messages: Sequence[Message], stream: bool = False) -> Answer:
@@ -172,8 +183,9 @@ def alter_previous_answer(messages: list[Message]) -> None:
 def test_prefix_guard_cases_equal_recompute_in_both_modes(
     real_cluster: RealCluster, tokenize_router: str, mode: str, edit: object
 ) -> None:
-    """An explicit id's edited history continues its latest entry; the guard (P's connector,
-    or the router with P's /tokenize) lets only the prefix that still matches be reused."""
+    """A bound id's (the gateway header's) edited history continues its latest entry; the
+    guard (P's connector, or the router with P's /tokenize) lets only the prefix that still
+    matches be reused."""
     url = real_cluster.router_url if mode == "connector" else tokenize_router
     conversation_id = f"guard-{mode}-{secrets.token_hex(4)}"
     messages = opening(50)
@@ -182,13 +194,13 @@ def test_prefix_guard_cases_equal_recompute_in_both_modes(
         if i:
             messages += [{"role": "assistant", "content": turns[-1].text},
                          {"role": "user", "content": f"Next step {i}."}]
-        turns.append(send(url, real_cluster.model, messages, conversation_id=conversation_id))
+        turns.append(send(url, real_cluster.model, messages, gateway_id=conversation_id))
     assert (turns[-1].action, turns[-1].reason) == ("pull", "pull")
     edited = [*messages, {"role": "assistant", "content": turns[-1].text},
               {"role": "user", "content": "next"}]
     edit(edited)  # type: ignore[operator]
     before = p_external(real_cluster)
-    guarded = send(url, real_cluster.model, edited, conversation_id=conversation_id)
+    guarded = send(url, real_cluster.model, edited, gateway_id=conversation_id)
     pulled = p_external(real_cluster) - before
     assert guarded.text == recompute(real_cluster, edited).text
     assert guarded.reused == pulled
