@@ -19,6 +19,10 @@ interleaved round by round:
   ``/v1/messages`` (the history re-sent with D's ``content``), id-free, streamed: the
   router's cost per turn for each API beside chat's.
 
+* ``before``: with ``--before-python PATH`` (the interpreter of another checkout's venv, e.g.
+  the commit before a change), that checkout's ``kvrelay route`` with the same flags, driven
+  like ``router``, interleaved in the same rounds: before and after side by side.
+
 (The router runs with ``--pull-cost-factor 0.001``: with zero-latency engines its learned
 costs would otherwise find recomputing free and stop pulling.)
 
@@ -34,12 +38,18 @@ stream the router asks it for no report; the ``"kv_transfer_params":null`` 0.33 
 token chunk is cut as bytes):
 
     .venv/bin/python scripts/bench_router_overhead.py --engine-arg=--vllm-version=0.33
+
+Before and after a change (``git worktree add /tmp/before <commit>`` with its own venv):
+
+    .venv/bin/python scripts/bench_router_overhead.py --modes direct,bare,before,router \
+        --before-python /tmp/before/.venv/bin/python
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -76,6 +86,8 @@ class ModeResult:
 
 
 AGENT_PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}
+RELAY_OF = {"bare": "bare", "before": "before"}
+"""The process whose CPU a mode's relay column counts (the router's for every other mode)."""
 
 
 async def agent_turn(conn: Conn, api: str, history: list[Any], max_tokens: int
@@ -130,7 +142,7 @@ async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, tur
     if mode == "direct":
         conns = {name: Conn("127.0.0.1", ports[name]) for name in ("p", "d")}
     else:
-        conns = {"router": Conn("127.0.0.1", ports[mode])}
+        conns = {"router": Conn("127.0.0.1", ports[mode])}  # before: driven like router
     conversation_id = f"c{rnd}-{idx}" if mode == "router+id" else None
     messages = [{"role": "user", "content": f"[{idx}] " + USER}]
     try:
@@ -195,7 +207,7 @@ def report(results: list[ModeResult]) -> str:
             f"| {r.mode} | {len(r.samples)} | {r.errors} | {rps:.0f} | "
             f"{r.pct('ttft_s', 0.5) * ms:.1f} | {r.pct('ttft_s', 0.99) * ms:.1f} | "
             f"{r.pct('e2e_s', 0.5) * ms:.1f} | {r.pct('e2e_s', 0.99) * ms:.1f} | "
-            f"{r.cpu_s.get('bare' if r.mode == 'bare' else 'router', 0.0) * ms / n:.2f} | "
+            f"{r.cpu_s.get(RELAY_OF.get(r.mode, 'router'), 0.0) * ms / n:.2f} | "
             f"{r.cpu_s.get('engines', 0.0) * ms / n:.2f} |")
     base = results[0]
     lines += ["", "| added vs direct | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
@@ -218,9 +230,13 @@ def main() -> int:
                     help="extra `kvrelay fake-engine` argument (repeatable)")
     ap.add_argument("--modes", default="direct,bare,router,router+id,responses,messages",
                     help="comma-separated modes to run (direct first: the baseline)")
+    ap.add_argument("--before-python", type=Path, default=None,
+                    help="another checkout's venv python: its router is mode `before`")
     args = ap.parse_args()
+    if ("before" in args.modes.split(",")) != (args.before_python is not None):
+        ap.error("mode `before` and --before-python go together")
 
-    base = free_port_block(5, start=21000)
+    base = free_port_block(7, start=21000)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     urls = {"p": f"http://127.0.0.1:{base}", "d": f"http://127.0.0.1:{base + 1}",
             "router": f"http://127.0.0.1:{base + 2}", "bare": f"http://127.0.0.1:{base + 4}"}
@@ -232,27 +248,39 @@ def main() -> int:
              *args.engine_arg],
             [urls["p"] + "/health", urls["d"] + "/health"], Path(tmp) / "engines.log",
             ready_timeout_s=120, env=env)
-        router = ServiceProcess(
-            "router",
-            [sys.executable, "-m", "kvrelay.cli", "route", "--prefill", urls["p"], "--decode",
-             urls["d"], "--port", str(base + 2), "--block-size", "128",
-             # zero-latency engines make every recompute look free: keep the pull path on
-             "--pull-cost-factor", "0.001", "--log-level", "warning"],
-            [urls["router"] + "/health"], Path(tmp) / "router.log", ready_timeout_s=120,
-            env=env)
+        def route(name: str, python: str, port: int) -> ServiceProcess:
+            return ServiceProcess(
+                name,
+                [python, "-m", "kvrelay.cli", "route", "--prefill", urls["p"], "--decode",
+                 urls["d"], "--port", str(port), "--internal-port", str(port + 1),
+                 "--block-size", "128",
+                 # zero-latency engines make every recompute look free: keep pulling
+                 "--pull-cost-factor", "0.001", "--log-level", "warning"],
+                [f"http://127.0.0.1:{port}/health"], Path(tmp) / f"{name}.log",
+                ready_timeout_s=120, env=env)
+
+        router = route("router", sys.executable, base + 2)
+        before = route("before", str(args.before_python), base + 5) if args.before_python \
+            else None
         bare = ServiceProcess(
             "bare",
             [sys.executable, "-m", "kvrelay.bench.bare_relay", "--prefill", urls["p"],
              "--decode", urls["d"], "--port", str(base + 4)],
             [urls["bare"] + "/health"], Path(tmp) / "bare.log", ready_timeout_s=120, env=env)
-        with engines, router, bare:
+        with contextlib.ExitStack() as stack:
+            for service in (engines, router, bare, before):
+                if service is not None:
+                    stack.enter_context(service)
             assert engines.process and router.process and bare.process
             print(f"clients {args.clients}, turns {args.turns}, rounds {args.rounds}, "
                   f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
             ports = {"p": base, "d": base + 1, "router": base + 2, "router+id": base + 2,
-                     "responses": base + 2, "messages": base + 2, "bare": base + 4}
+                     "responses": base + 2, "messages": base + 2, "bare": base + 4,
+                     "before": base + 5}
             pids = {"router": router.process.pid, "engines": engines.process.pid,
                     "bare": bare.process.pid}
+            if before is not None and before.process:
+                pids["before"] = before.process.pid
             results = asyncio.run(bench(ports, args, pids))
             print(report(results))
             stats = httpx.get(urls["router"] + "/stats").json()["decisions"]
