@@ -40,6 +40,12 @@ def register(sub: Any) -> None:
     demo.add_argument("--recompute-first", action="store_true",
                       help="the router without reuse opens the first pair (default: the "
                            "reusing one)")
+    demo.add_argument("--system-words", type=int, default=None,
+                      help="words of the system prompt (default per model: bench 250, tiny "
+                           "100; a word is ~6 tokens)")
+    demo.add_argument("--tool-words", type=int, default=None,
+                      help="words of each turn's tool output (default per model: bench 60, "
+                           "tiny 40)")
     demo.add_argument("--out", type=Path, default=None, help="results folder")
     demo.add_argument("--bench", action="store_true",
                       help="then also the short agent benchmark and context sweep (pull mode)")
@@ -64,7 +70,9 @@ def _demo(args: argparse.Namespace) -> int:
                            startup_timeout_s=STARTUP_TIMEOUT_S)
     cluster = LocalCluster(config, out / "runs")
     routers: list[ServiceProcess] = []
-    system_words, tool_words = SIZES.get(args.model, SIZES["bench"])
+    default_system_words, default_tool_words = SIZES.get(args.model, SIZES["bench"])
+    system_words = args.system_words if args.system_words is not None else default_system_words
+    tool_words = args.tool_words if args.tool_words is not None else default_tool_words
     print(f"[1/4] starting a local vLLM P/D cluster ({args.model} model, 1 P + 1 D); "
           f"logs in {cluster.run_dir}", flush=True)
     try:
