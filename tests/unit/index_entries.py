@@ -15,7 +15,7 @@ from kvrelay.core.identity import (
     answer_digest,
     chat_identity,
     scope_of,
-    text_continuation,
+    text_entry,
     text_identity,
 )
 from kvrelay.core.params import parse_remote_blocks
@@ -61,5 +61,5 @@ def text(prompt: str, scope: bytes = SCOPE) -> RequestIdentity:
 
 
 def text_stored_at(identity: RequestIdentity, answer: str) -> EntryRef:
-    cont = text_continuation(identity, answer.encode())
-    return EntryRef(identity.scope, identity.anchor, cont.slot())
+    anchor, cont = text_entry(identity, answer.encode())
+    return EntryRef(identity.scope, anchor, cont.slot())

@@ -6,14 +6,18 @@ import json
 
 from kvrelay.core.identity import (
     TEXT_BLOCK_BYTES,
+    TEXT_FINE_BYTES,
     ChatMessage,
+    Continuation,
+    RequestIdentity,
     ToolCall,
     answer_digest,
     chat_identity,
     scope_of,
-    text_continuation,
+    text_end,
+    text_entry,
+    text_fines,
     text_identity,
-    text_matches,
 )
 
 SCOPE = scope_of("t", None)
@@ -69,24 +73,61 @@ def test_scopes_differ_by_tenant_and_id() -> None:
     assert len(set(narrowed)) == len(narrowed)  # every part narrows, none aliases another
 
 
-def test_text_anchors_every_block_and_continues_with_prompt_tail_and_answer() -> None:
+def carried(identity: RequestIdentity, anchor: bytes, cont: Continuation) -> bool:
+    """Whether ``identity`` carries the entry at (``anchor``, ``cont``), as a lookup finds it."""
+    probe = next((p for p in identity.probes if p.anchor == anchor), None)
+    return probe is not None and \
+        text_end(identity, probe, text_fines(identity, probe), cont.num_bytes) == cont
+
+
+def test_text_anchors_every_block_and_files_an_entry_at_its_end() -> None:
     prompt = ("x" * (2 * TEXT_BLOCK_BYTES + 100)).encode()
     turn1 = text_identity(SCOPE, b"ctx", prompt)
     assert turn1.tail_offset == 2 * TEXT_BLOCK_BYTES
-    cont = text_continuation(turn1, b" answer")
-    assert cont.num_bytes == 100 + len(" answer")
+    anchor, cont = text_entry(turn1, b" answer")
+    assert anchor == turn1.anchor and cont.num_bytes == 100 + len(" answer")
     follow = text_identity(SCOPE, b"ctx", prompt + b" answer and more")
-    probe = next(p for p in follow.probes if p.offset == turn1.tail_offset)
-    assert probe.anchor == turn1.anchor and probe.continuation is None
-    assert text_matches(follow, probe, cont)
-    assert not text_matches(text_identity(SCOPE, b"ctx", prompt + b" answer"), probe, cont)
-    other = text_identity(SCOPE, b"ctx", prompt + b" ANSWER and more")
-    assert not text_matches(other, probe, cont)
+    assert [p.offset for p in follow.probes] == [2048, 1024, 0]
+    assert all(p.continuation is None for p in follow.probes)
+    assert carried(follow, anchor, cont)
+    assert not carried(text_identity(SCOPE, b"ctx", prompt + b" answer"), anchor, cont)
+    assert not carried(text_identity(SCOPE, b"ctx", prompt + b" ANSWER and more"), anchor, cont)
+    assert not carried(text_identity(SCOPE, b"ctx", b"y" + prompt[1:] + b" answer and more"),
+                       anchor, cont)
+    assert not carried(text_identity(SCOPE, b"ctx2", prompt + b" answer and more"), anchor, cont)
+
+
+def test_an_answer_that_crosses_a_block_files_the_entry_in_the_next_block() -> None:
+    prompt = ("p" * (TEXT_BLOCK_BYTES - 10)).encode()
+    answer = ("a" * 300).encode()
+    turn1 = text_identity(SCOPE, b"ctx", prompt)
+    anchor, cont = text_entry(turn1, answer)
+    assert anchor != turn1.anchor and cont.num_bytes == len(prompt) + 300 - TEXT_BLOCK_BYTES
+    follow = text_identity(SCOPE, b"ctx", prompt + answer + b" next")
+    assert follow.probes[0].anchor == anchor and carried(follow, anchor, cont)
+    assert text_entry(follow, b"")[0] == anchor  # the follow-up's own prompt anchors there
+
+
+def test_ends_at_every_offset_of_a_block_are_told_apart() -> None:
+    base = bytes(range(256)) * 4
+    follow = text_identity(SCOPE, b"ctx", base + b"!")
+    probe = follow.probes[-1]  # block 0
+    fines = text_fines(follow, probe)
+    assert len(fines) == TEXT_BLOCK_BYTES // TEXT_FINE_BYTES
+    seen = set()
+    for end in range(1, TEXT_BLOCK_BYTES):
+        anchor, cont = text_entry(text_identity(SCOPE, b"ctx", base[:end]), b"")
+        assert anchor == probe.anchor
+        assert text_end(follow, probe, fines, end) == cont
+        seen.add(cont)
+    assert len(seen) == TEXT_BLOCK_BYTES - 1
+    assert text_end(follow, probe, fines, TEXT_BLOCK_BYTES) is None
 
 
 def test_a_short_prompt_anchors_at_the_context() -> None:
     turn1 = text_identity(SCOPE, b"ctx", b"hello")
     assert turn1.tail_offset == 0 and len(turn1.probes) == 1
     follow = text_identity(SCOPE, b"ctx", b"hello world, again")
-    assert follow.probes[-1].anchor == turn1.anchor
-    assert text_matches(follow, follow.probes[-1], text_continuation(turn1, b" world"))
+    anchor, cont = text_entry(turn1, b" world")
+    assert follow.probes[-1].anchor == turn1.anchor == anchor
+    assert carried(follow, anchor, cont)

@@ -7,8 +7,13 @@ import asyncio
 
 from msgspec.structs import replace
 
-from kvrelay.core.identity import scope_of
-from kvrelay.router.index import ConversationIndex, EvictReason, InMemoryIndex
+from kvrelay.core.identity import TEXT_BLOCK_BYTES, TEXT_FINE_BYTES, scope_of
+from kvrelay.router.index import (
+    MAX_TEXT_DIGESTS,
+    ConversationIndex,
+    EvictReason,
+    InMemoryIndex,
+)
 from tests.unit.index_entries import (
     BLOCKS,
     assistant,
@@ -225,3 +230,66 @@ async def test_retained_tokens_count_live_entries_per_node() -> None:
     assert index.retained_tokens(101.0) == {"d0": 2 * 2056, "d1": 2056}
     await index.claim(stored_at(turn1, "1"), entry("d0"))
     assert index.retained_tokens(101.0) == {"d0": 2056, "d1": 2056}
+
+
+STORY = "Once upon a time, in a lighthouse by the sea, the keeper wrote: "
+
+
+async def text_lookup_digests(index: InMemoryIndex, counts: list[int], prompt: str) -> int:
+    """How many digests one completions lookup of ``prompt`` computed."""
+    before = len(counts)
+    await index.lookup(text(prompt))
+    assert len(counts) == before + 1
+    return counts[-1]
+
+
+async def test_completions_lookup_work_is_the_same_with_10_or_10_000_entries_in_a_block() -> None:
+    """Issue #23, finding 4: every prompt under 1 KiB shares block 0's anchor; a lookup
+    used to hash every entry there. Now it computes the same digests however many."""
+    work: list[int] = []
+    for num_entries in (10, 10_000):
+        counts: list[int] = []
+        index = InMemoryIndex(on_text_digests=counts.append)
+        other = entry()
+        for i in range(num_entries):  # other conversations in the scope, all in block 0
+            await index.put(text_stored_at(text(f"{i:05d} {STORY}"), f" entry {i}."),
+                            replace(other, turn=i + 1), tenant="t")
+        mine = entry(node="d1")
+        await index.put(text_stored_at(text(STORY), " calm sea."), mine, tenant="t")
+        found = await index.lookup(text(STORY + " calm sea. Next day:"))
+        assert found is not None and found.entry == mine
+        assert found.probe is not None \
+            and found.probe.covered_bytes == len(STORY + " calm sea.")
+        work.append(counts[-1])
+    assert work[0] == work[1] <= MAX_TEXT_DIGESTS
+
+
+async def test_a_completions_lookup_stops_at_its_budget() -> None:
+    """Entries in every block of a long prompt, none of which it carries: the lookup tries
+    blocks longest first and stops once ``MAX_TEXT_DIGESTS`` are spent."""
+    counts: list[int] = []
+    index = InMemoryIndex(on_text_digests=counts.append)
+    prompt = "".join(f"line {i:06d} of the log\n" for i in range(2500))  # 60 blocks
+    blocks = len(prompt) // TEXT_BLOCK_BYTES
+    for j in range(blocks):
+        head = prompt[: j * TEXT_BLOCK_BYTES + 100]
+        await index.put(text_stored_at(text(head), " (edited)"), entry(turn=j + 1), tenant="t")
+    assert await index.lookup(text(prompt)) is None
+    fines_per_block = TEXT_BLOCK_BYTES // TEXT_FINE_BYTES
+    assert MAX_TEXT_DIGESTS <= counts[-1] < MAX_TEXT_DIGESTS + fines_per_block
+    assert (fines_per_block + 1) * blocks > MAX_TEXT_DIGESTS  # the budget did stop it
+
+
+async def test_completions_prefer_the_longest_end_then_the_newest() -> None:
+    index = InMemoryIndex()
+    short, long_, newer = entry(node="d0"), entry(node="d1"), entry(node="d2")
+    await index.put(text_stored_at(text(STORY), " a"), short, tenant="t")
+    await index.put(text_stored_at(text(STORY), " a storm came."), long_, tenant="t")
+    found = await index.lookup(text(STORY + " a storm came. And then?"))
+    assert found is not None and found.entry == long_
+    await index.put(text_stored_at(text(STORY + " a"), " storm came."), newer, tenant="t")
+    found = await index.lookup(text(STORY + " a storm came. And then?"))
+    assert found is not None and found.entry == newer  # the same text: one ref, newest
+    assert await index.drop(found.ref) and len(index) == 1
+    found = await index.lookup(text(STORY + " a storm came. And then?"))
+    assert found is not None and found.entry == short

@@ -15,11 +15,18 @@ router finds the entry a request continues without tokenizing anything:
   (``History``): an assistant turn (a Responses output group, a Messages assistant message)
   is one item with its answer digest; what does not change the prompt (Anthropic
   ``cache_control`` markers) is left out of the items' bytes.
-* **Completions.** The prompt text is cut into ``TEXT_BLOCK_BYTES`` blocks of UTF-8; ``g_j``
-  commits to the context and the first ``j`` blocks. An entry is stored under the anchor of
-  the last boundary inside its prompt and the continuation ``(digest, length)`` of the rest of
-  its prompt plus its answer text; a new request probes each boundary, longest first, and
-  checks a candidate's continuation against its own bytes at that offset (``text_matches``).
+* **Completions.** The prompt text is cut into ``TEXT_BLOCK_BYTES`` blocks of UTF-8; the
+  block anchors are a chain: ``g_0`` commits to the context, ``g_j`` to ``g_{j-1}`` and block
+  ``j``. An entry is filed at the *end* of its prompt plus answer (``E`` bytes): under the
+  anchor of the block holding ``E`` and a continuation naming ``E``'s place in that block
+  (``text_entry``): the fine digest ``f`` of the block's text up to the ``TEXT_FINE_BYTES``
+  boundary at or below ``E``, the digest of the few bytes from there to ``E`` (both chained
+  from the anchor, so they commit to all ``E`` bytes) and ``E``'s offset in the block. A new
+  request computes, for a block the index has entries in, its ``TEXT_FINE_BYTES`` fine
+  digests (``text_fines``, one pass over at most ``TEXT_BLOCK_BYTES``) and, for an end offset
+  the index holds under one of them, the exact continuation (``text_end``): a dict probe,
+  never a scan of what the anchor holds. A match means the request's first ``E`` bytes are
+  the entry's prompt and answer, and it has more after them.
 
 Two hazards follow from vLLM freeing D's blocks after one read. *Stealing*: a request that
 shares only a prefix with another conversation's entry (a common system prompt) never
@@ -55,8 +62,12 @@ import msgspec
 DIGEST_BYTES = 16
 TEXT_BLOCK_BYTES = 1024
 """Completions anchors sit every this many prompt bytes."""
+TEXT_FINE_BYTES = 64
+"""Inside a block, a completions entry's end is found from the fine digest at the last
+boundary of this many bytes at or below it: at most this many ends share one fine digest."""
 
 _PERSON = b"kvrelay-id-v1"
+_TEXT_PERSON = b"kvrelay-text-v2"
 
 
 def _hasher() -> hashlib.blake2b:
@@ -110,8 +121,9 @@ class Continuation(msgspec.Struct, frozen=True):
 class Probe(msgspec.Struct, frozen=True):
     """One place a request may continue an entry.
 
-    ``continuation`` is the required continuation (chat), or ``None`` when candidates must
-    be checked against the request's text at ``offset`` (completions). ``covered_bytes`` is
+    ``continuation`` is the required continuation (chat), or ``None`` for a completions
+    block starting at ``offset`` (its entries' ends found with ``text_fines`` and
+    ``text_end``). ``covered_bytes`` is
     how much of the request a match at this probe accounts for (for estimates).
     """
 
@@ -233,20 +245,31 @@ def chat_identity(
     return RequestIdentity(scope, h.digest(), probes, total, explicit=explicit)
 
 
+def _text_hasher(tag: bytes, seed: bytes) -> hashlib.blake2b:
+    """The completions chain's hasher: ``tag`` (each starts with its own letter) then a
+    16-byte digest, then text."""
+    h = hashlib.blake2b(digest_size=DIGEST_BYTES, person=_TEXT_PERSON)
+    h.update(tag)
+    h.update(seed)
+    return h
+
+
+def _block_anchor(previous: bytes, block: bytes) -> bytes:
+    h = _text_hasher(b"block", previous)
+    h.update(block)
+    return h.digest()
+
+
 def text_identity(
     scope: bytes, context: bytes, text: bytes, *, explicit: bool = False
 ) -> RequestIdentity:
-    """Anchors every ``TEXT_BLOCK_BYTES`` of a completions prompt; the own anchor is the last
-    boundary inside the prompt (always before its last byte)."""
-    h = _hasher()
-    h.update(b"completions")
-    h.update(len(context).to_bytes(8, "little"))
-    h.update(context)
-    anchors = [h.copy().digest()]
+    """Anchors every ``TEXT_BLOCK_BYTES`` of a completions prompt (a chain from the context);
+    the own anchor is the last boundary inside the prompt (always before its last byte)."""
+    anchors = [digest(b"completions", context)]
     last = max(0, (len(text) - 1) // TEXT_BLOCK_BYTES)
     for j in range(1, last + 1):
-        h.update(text[(j - 1) * TEXT_BLOCK_BYTES : j * TEXT_BLOCK_BYTES])
-        anchors.append(h.copy().digest())
+        anchors.append(_block_anchor(
+            anchors[-1], text[(j - 1) * TEXT_BLOCK_BYTES : j * TEXT_BLOCK_BYTES]))
     probes = tuple(
         Probe(anchors[j], None, j * TEXT_BLOCK_BYTES, j * TEXT_BLOCK_BYTES)
         for j in range(last, -1, -1)
@@ -262,26 +285,83 @@ def pack_token_ids(token_ids: Sequence[int]) -> bytes:
     return b"".join(t.to_bytes(4, "little") for t in token_ids)
 
 
-def text_continuation(identity: RequestIdentity, answer: bytes) -> Continuation:
-    """The continuation of a completions entry: the prompt after its anchor, then the answer
-    as the next prompt carries it (UTF-8 text, or ``pack_token_ids`` of D's output ids for a
-    token-id prompt)."""
+def _end_digest(fine: bytes, tail: bytes) -> bytes:
+    h = _text_hasher(b"end", fine)
+    h.update(tail)
+    return h.digest()
+
+
+def _end_continuation(fine: bytes, tail: bytes, end_offset: int) -> Continuation:
+    return Continuation(fine + _end_digest(fine, tail), end_offset)
+
+
+def text_fine_of(continuation: Continuation) -> bytes:
+    """The fine digest a completions continuation is filed under (``text_entry``)."""
+    return continuation.digest[:DIGEST_BYTES]
+
+
+def text_entry(identity: RequestIdentity, answer: bytes) -> tuple[bytes, Continuation]:
+    """Where a completions entry is filed: the anchor of the block holding the end of its
+    prompt plus ``answer`` (UTF-8 text, or ``pack_token_ids`` of D's output ids after a
+    token-id prompt), and the continuation that names that end (fine digest + end digest,
+    ``num_bytes`` = the end's offset in the block). Hashes at most the prompt's last block
+    and the answer."""
     assert identity.text is not None
     rest = identity.text[identity.tail_offset :] + answer
-    return Continuation(digest(b"text", rest), len(rest))
+    anchor, start = identity.anchor, 0
+    while len(rest) - start >= TEXT_BLOCK_BYTES:
+        anchor = _block_anchor(anchor, rest[start : start + TEXT_BLOCK_BYTES])
+        start += TEXT_BLOCK_BYTES
+    within = rest[start:]
+    fine_at = (len(within) // TEXT_FINE_BYTES) * TEXT_FINE_BYTES
+    h = _text_hasher(b"fine", anchor)
+    h.update(within[:fine_at])
+    return anchor, _end_continuation(h.digest(), within[fine_at:], len(within))
 
 
-def text_matches(identity: RequestIdentity, probe: Probe, continuation: Continuation) -> bool:
-    """Whether the request's text at ``probe.offset`` continues with ``continuation`` and
-    still has something after it (a request equal to the entry's prompt + answer has nothing
-    new to compute)."""
+def text_fines(identity: RequestIdentity, probe: Probe) -> tuple[bytes, ...]:
+    """The fine digests of the request's block at ``probe``: one per ``TEXT_FINE_BYTES``
+    boundary ``b`` of the block with request text after it (index ``b // TEXT_FINE_BYTES``),
+    in one pass over at most ``TEXT_BLOCK_BYTES``."""
     text = identity.text
     if text is None:
-        return False
-    end = probe.offset + continuation.num_bytes
-    if end >= len(text):
-        return False
-    return digest(b"text", text[probe.offset : end]) == continuation.digest
+        return ()
+    h = _text_hasher(b"fine", probe.anchor)
+    out: list[bytes] = []
+    for at in range(probe.offset, min(len(text), probe.offset + TEXT_BLOCK_BYTES),
+                    TEXT_FINE_BYTES):
+        if at > probe.offset:
+            h.update(text[at - TEXT_FINE_BYTES : at])
+        out.append(h.digest())
+    return tuple(out)
+
+
+def text_end(
+    identity: RequestIdentity, probe: Probe, fines: Sequence[bytes], end_offset: int
+) -> Continuation | None:
+    """The continuation an entry ending ``end_offset`` bytes into the probe's block would
+    have if the request carries it (``fines`` from ``text_fines``), or ``None`` when the
+    request has nothing after that end (nothing new to compute)."""
+    text = identity.text
+    end = probe.offset + end_offset
+    if text is None or end >= len(text) or not 0 <= end_offset < TEXT_BLOCK_BYTES:
+        return None
+    fine_index = end_offset // TEXT_FINE_BYTES
+    if fine_index >= len(fines):
+        return None
+    fine_at = probe.offset + fine_index * TEXT_FINE_BYTES
+    return _end_continuation(fines[fine_index], text[fine_at:end], end_offset)
+
+
+def text_carries(identity: RequestIdentity, anchor: bytes, continuation: Continuation) -> bool:
+    """Whether the request continues the completions entry filed at ``anchor`` with
+    ``continuation`` (``text_entry``): its text holds the entry's prompt and answer, then more."""
+    for probe in identity.probes:
+        if probe.anchor == anchor and probe.continuation is None:
+            found = text_end(identity, probe, text_fines(identity, probe),
+                             continuation.num_bytes)
+            return found == continuation
+    return False
 
 
 def _canonical_arguments(arguments: str) -> str:

@@ -222,6 +222,7 @@ def _default_index(
             max_per_tenant=config.tenant_entries,
             on_error=lambda op: metrics.state_errors.labels(op).inc(),
             on_evict=lambda why, count: metrics.dropped.labels(why).inc(count),
+            on_text_digests=metrics.text_lookup,
         )
 
     def evicted(entry: Any, why: str) -> None:
@@ -239,5 +240,6 @@ def _default_index(
         clock=clock,
         expired_retention_s=config.expired_retention_s,
         on_evict=evicted,
+        on_text_digests=metrics.text_lookup,
     )
 

@@ -37,7 +37,13 @@ from msgspec.structs import replace
 
 from kvrelay.core.conversation import new_entry, with_fingerprint
 from kvrelay.core.fingerprint import held_fingerprint
-from kvrelay.core.identity import Continuation, RequestIdentity, text_continuation
+from kvrelay.core.identity import (
+    Continuation,
+    RequestIdentity,
+    text_end,
+    text_entry,
+    text_fines,
+)
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.report import (
     ReportError,
@@ -54,7 +60,6 @@ from kvrelay.router.index import (
     EntryRef,
     Found,
     IndexUnavailable,
-    find_in_bucket,
 )
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
@@ -91,6 +96,7 @@ class PendingTurn:
     num_prompt_tokens: int | None
     max_output_tokens: int | None
     slot: Continuation | None = None
+    anchor: bytes | None = None
     num_bytes: int = 0
     token_ids: tuple[Sequence[int], Sequence[int]] | None = None
     supersedes: Found | None = None
@@ -102,6 +108,25 @@ class PendingTurn:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
     on_settle: list[Callable[[PendingTurn], None]] = field(default_factory=list)
+
+
+class TextPending:
+    """Whether a completions request carries pending turns' answers: each block's fine
+    digests computed once, then one digest per pending turn."""
+
+    def __init__(self, identity: RequestIdentity) -> None:
+        self._identity = identity
+        self._probes = {p.anchor: p for p in identity.probes if p.continuation is None}
+        self._fines: dict[bytes, tuple[bytes, ...]] = {}
+
+    def carries(self, anchor: bytes, continuation: Continuation) -> bool:
+        probe = self._probes.get(anchor)
+        if probe is None:
+            return False
+        fines = self._fines.get(anchor)
+        if fines is None:
+            fines = self._fines[anchor] = text_fines(self._identity, probe)
+        return text_end(self._identity, probe, fines, continuation.num_bytes) == continuation
 
 
 class ReportDesk:
@@ -174,14 +199,26 @@ class ReportDesk:
         none of them, every unsettled turn of that id (the request may continue the latest,
         ``index.lookup``)."""
         out: list[PendingTurn] = []
+        seen: set[tuple[bytes, bytes]] = set()
+        text = TextPending(identity) if identity.text is not None else None
         for probe in identity.probes:
             waiting = self._by_anchor.get((identity.scope, probe.anchor))
             if not waiting:
                 continue
-            slots = {p.slot.slot(): p for p in waiting if p.slot is not None}
-            slot = find_in_bucket(identity, probe, slots)
-            if slot is not None:
-                out.append(slots[slot])
+            for p in waiting:
+                if p.slot is None:
+                    continue
+                place = (p.anchor or probe.anchor, p.slot.slot())
+                if place in seen:
+                    continue
+                if probe.continuation is not None:
+                    carried = p.slot == probe.continuation
+                else:
+                    carried = text is not None and p.anchor is not None \
+                        and text.carries(p.anchor, p.slot)
+                if carried:
+                    seen.add(place)
+                    out.append(p)
         if not out and identity.explicit:
             out = [p for p in self._by_scope.get(identity.scope, ()) if p.slot is not None]
         return out
@@ -208,7 +245,7 @@ class ReportDesk:
             return
         p.response_done_s = self._clock()
         if answer.text is not None:
-            p.slot = text_continuation(p.identity, answer.text)
+            p.anchor, p.slot = text_entry(p.identity, answer.text)
         else:
             p.slot = answer.chat
         p.num_bytes = p.identity.prompt_bytes + answer.num_bytes
@@ -335,7 +372,7 @@ class ReportDesk:
             safety_margin_s=self._margin,
             block_size=block_size,
         )
-        ref = EntryRef(p.identity.scope, p.identity.anchor, slot.slot())
+        ref = EntryRef(p.identity.scope, p.anchor or p.identity.anchor, slot.slot())
         try:
             await self._index.put(ref, entry, tenant=p.tenant)
         except IndexUnavailable:

@@ -2,17 +2,20 @@
 
 ``ConversationIndex`` is the contract (``InMemoryIndex`` here, ``index_redis.RedisIndex``
 shared by router replicas); every method is async so a networked index fits. An entry lives
-at an ``EntryRef``: the request's scope, the anchor of the request that produced it and the
-slot of its continuation. Contracts:
+at an ``EntryRef``: the request's scope, the anchor of the request that produced it (a
+completions entry: of the block holding its end) and the slot of its continuation.
+Contracts:
 
 * ``lookup(identity)`` returns the entry the request continues: for each probe, longest
   first, the entry under that anchor whose continuation the request carries (chat: the
-  probe's answer digest; completions: ``core.identity.text_matches`` on the request's text);
-  failing that, for an explicit id's scope (``identity.explicit``), the scope's most
-  recently stored entry (``Found.probe`` is then ``None``: the guard proves what still
-  matches); else ``None``. Expired entries are returned (the policy reports ``expired``)
-  until purged, at most ``expired_retention_s`` after expiry. A networked index that cannot
-  answer in time raises ``IndexUnavailable`` (the turn recomputes, ``state_unavailable``).
+  probe's answer digest; completions: the ends the index holds in the probe's block under
+  the request's own fine digests, longest first, each checked by one digest,
+  ``core.identity.text_end``); failing that, for an explicit id's scope
+  (``identity.explicit``), the scope's most recently stored entry (``Found.probe`` is then
+  ``None``: the guard proves what still matches); else ``None``. Expired entries are
+  returned (the policy reports ``expired``) until purged, at most ``expired_retention_s``
+  after expiry. A networked index that cannot answer in time raises ``IndexUnavailable``
+  (the turn recomputes, ``state_unavailable``).
 * ``put(ref, entry, tenant=...)`` stores the entry beside any others at the ref (several
   entries per ref, at most ``MAX_ENTRIES_PER_REF``, the oldest pushed out first): entries
   with the same anchor and answer hold the same tokens, so N identical conversations whose
@@ -49,6 +52,11 @@ slot of its continuation. Contracts:
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
   ``now_s`` (the retention gauge; a networked index returns what its last ``refresh`` saw).
 * ``len(index)`` is the number of entries (exact in memory, last known when networked).
+* Bounded work: a lookup never scans what an anchor holds. A chat probe is one dict probe;
+  a completions lookup computes at most ``MAX_TEXT_DIGESTS`` digests (each over at most
+  ``TEXT_BLOCK_BYTES``; a block's fine digests count in full) and probes that many refs,
+  however many entries the scope holds: past the budget it stops (a miss, or an explicit
+  id's latest entry). ``on_text_digests(n)`` is told each completions lookup's count.
 
 Entries hold block locations and a token fingerprint; refs are digests: no content, no ids.
 """
@@ -65,7 +73,15 @@ import msgspec
 from msgspec.structs import replace
 
 from kvrelay.core.conversation import ConversationEntry
-from kvrelay.core.identity import Continuation, Probe, RequestIdentity, text_matches
+from kvrelay.core.identity import (
+    DIGEST_BYTES,
+    Continuation,
+    Probe,
+    RequestIdentity,
+    text_end,
+    text_fine_of,
+    text_fines,
+)
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
 
 EvictReason = Literal["expired", "capacity", "overflow"]
@@ -145,17 +161,57 @@ def continuation_of(slot: bytes) -> Continuation:
     return Continuation(slot[:-8], int.from_bytes(slot[-8:], "little"))
 
 
-def find_in_bucket(
-    identity: RequestIdentity, probe: Probe, slots: Mapping[bytes, object]
-) -> bytes | None:
-    """The slot of the bucket a probe's request continues (newest first for text)."""
-    if probe.continuation is not None:
-        slot = probe.continuation.slot()
-        return slot if slot in slots else None
-    for slot in reversed(list(slots)):
-        if text_matches(identity, probe, continuation_of(slot)):
-            return slot
-    return None
+TEXT_SLOT_BYTES = 2 * DIGEST_BYTES + 8
+"""A completions entry's slot (fine + end digest, end offset); a chat slot is shorter."""
+
+MAX_TEXT_DIGESTS = 256
+"""The most digests one completions lookup computes (and refs it probes), whatever the
+index holds: the whole lookup's budget (``TEXT_BLOCK_BYTES`` hashed per digest at most)."""
+
+
+def is_text_slot(slot: bytes) -> bool:
+    return len(slot) == TEXT_SLOT_BYTES
+
+
+class TextSearch:
+    """One completions lookup: the ends to try, longest first, within ``MAX_TEXT_DIGESTS``.
+
+    ``fines(probe)`` computes the request's fine digests of a block (``None`` once the
+    budget is spent); ``end(probe, fines, end_offset)`` the continuation an entry ending
+    there would have (``None``: the request has nothing after it, or the budget is spent).
+    ``digests`` counts what was computed.
+    """
+
+    def __init__(self, identity: RequestIdentity, budget: int = MAX_TEXT_DIGESTS) -> None:
+        self.identity = identity
+        self.budget = budget
+        self.digests = 0
+
+    @property
+    def spent(self) -> bool:
+        return self.digests >= self.budget
+
+    def fines(self, probe: Probe) -> tuple[bytes, ...] | None:
+        if self.spent:
+            return None
+        out = text_fines(self.identity, probe)
+        self.digests += len(out)
+        return out
+
+    def end(
+        self, probe: Probe, fines: tuple[bytes, ...], end_offset: int
+    ) -> Continuation | None:
+        text = self.identity.text
+        if self.spent or text is None or probe.offset + end_offset >= len(text):
+            return None
+        self.digests += 1
+        return text_end(self.identity, probe, fines, end_offset)
+
+    def found_probe(self, probe: Probe, continuation: Continuation) -> Probe:
+        """The probe a completions hit is reported with: the block's anchor, the entry's
+        continuation, and all bytes up to its end covered."""
+        end = probe.offset + continuation.num_bytes
+        return Probe(probe.anchor, continuation, probe.offset, end)
 
 
 RELEASING = "releasing"
@@ -194,7 +250,10 @@ class InMemoryIndex:
     ``expired_retention_s`` after expiry on ``clock``, the router clock).
 
     ``on_evict(entry, reason)`` is called for every entry the index removes by itself
-    (``expired``, ``capacity`` or ``overflow``), never for explicit ``drop*``/``claim``.
+    (``expired``, ``capacity`` or ``overflow``), never for explicit ``drop*``/``claim``;
+    ``on_text_digests(n)`` after each completions lookup (module docstring, bounded work).
+    A completions entry's end offset is kept per (scope, anchor, fine digest), so a lookup
+    tries only the ends that share the request's text up to their fine boundary.
     No method awaits, so each is atomic on the event loop.
     """
 
@@ -208,6 +267,7 @@ class InMemoryIndex:
         sweep_interval_s: float = 10.0,
         max_per_ref: int = MAX_ENTRIES_PER_REF,
         on_evict: Callable[[ConversationEntry, EvictReason], None] | None = None,
+        on_text_digests: Callable[[int], None] | None = None,
     ) -> None:
         if max_entries < 1 or max_per_ref < 1:
             raise ValueError("max_entries and max_per_ref must be >= 1")
@@ -219,10 +279,11 @@ class InMemoryIndex:
         self._sweep_interval = sweep_interval_s
         self._next_sweep = clock() + sweep_interval_s
         self._on_evict = on_evict
+        self._on_text_digests = on_text_digests
         self._seq = 0
         self._items: OrderedDict[_Key, _Item] = OrderedDict()
         self._refs: dict[EntryRef, dict[int, None]] = {}
-        self._buckets: dict[tuple[bytes, bytes], dict[bytes, None]] = {}
+        self._ends: dict[tuple[bytes, bytes], dict[bytes, dict[int, int]]] = {}
         self._by_tenant: dict[str, OrderedDict[_Key, None]] = {}
         self._by_scope: dict[bytes, dict[_Key, None]] = {}
         self._by_request: dict[tuple[str, str], dict[_Key, None]] = {}
@@ -249,20 +310,23 @@ class InMemoryIndex:
 
     async def lookup(self, identity: RequestIdentity) -> Found | None:
         self._maybe_sweep()
-        for probe in identity.probes:
-            bucket = self._buckets.get((identity.scope, probe.anchor))
-            if not bucket:
-                continue
-            slot = find_in_bucket(identity, probe, bucket)
-            if slot is None:
-                continue
-            ref = EntryRef(identity.scope, probe.anchor, slot)
-            key = self._best(ref)
-            if key is None:
-                continue
-            item = self._items[key]
-            self._touch(key, item.tenant)
-            return Found(ref, item.entry, probe)
+        search = TextSearch(identity) if identity.text is not None else None
+        try:
+            for probe in identity.probes:
+                if probe.continuation is not None:
+                    found = self._found(EntryRef(
+                        identity.scope, probe.anchor, probe.continuation.slot()), probe)
+                elif search is not None:
+                    found = self._text_found(search, probe)
+                else:
+                    found = None
+                if found is not None:
+                    return found
+                if search is not None and search.spent:
+                    break
+        finally:
+            if search is not None and self._on_text_digests is not None:
+                self._on_text_digests(search.digests)
         if identity.explicit:
             mine = self._by_scope.get(identity.scope)
             if mine:
@@ -270,6 +334,39 @@ class InMemoryIndex:
                 item = self._items[key]
                 self._touch(key, item.tenant)
                 return Found(key[0], item.entry, None)
+        return None
+
+    def _found(self, ref: EntryRef, probe: Probe) -> Found | None:
+        key = self._best(ref)
+        if key is None:
+            return None
+        item = self._items[key]
+        self._touch(key, item.tenant)
+        return Found(ref, item.entry, probe)
+
+    def _text_found(self, search: TextSearch, probe: Probe) -> Found | None:
+        """The newest entry of the longest end in the probe's block the request carries."""
+        scope = search.identity.scope
+        by_fine = self._ends.get((scope, probe.anchor))
+        if not by_fine:
+            return None
+        fines = search.fines(probe)
+        if fines is None:
+            return None
+        for fine in reversed(fines):
+            ends = by_fine.get(fine)
+            if not ends:
+                continue
+            for end_offset in sorted(ends, reverse=True):
+                continuation = search.end(probe, fines, end_offset)
+                if continuation is None:
+                    if search.spent:
+                        return None
+                    continue
+                ref = EntryRef(scope, probe.anchor, continuation.slot())
+                found = self._found(ref, search.found_probe(probe, continuation))
+                if found is not None:
+                    return found
         return None
 
     async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
@@ -285,7 +382,11 @@ class InMemoryIndex:
         key = (ref, self._seq)
         self._items[key] = _Item(ref, tenant, entry)
         self._refs.setdefault(ref, {})[key[1]] = None
-        self._buckets.setdefault((ref.scope, ref.anchor), {})[ref.slot] = None
+        if len(self._refs[ref]) == 1 and is_text_slot(ref.slot):
+            ends = self._ends.setdefault((ref.scope, ref.anchor), {}).setdefault(
+                text_fine_of(continuation_of(ref.slot)), {})
+            end_offset = continuation_of(ref.slot).num_bytes
+            ends[end_offset] = ends.get(end_offset, 0) + 1
         self._by_tenant.setdefault(tenant, OrderedDict())[key] = None
         self._by_scope.setdefault(ref.scope, {})[key] = None
         self._by_request.setdefault((entry.decode_node_id, entry.request_id), {})[key] = None
@@ -438,6 +539,28 @@ class InMemoryIndex:
             newest = newest or key
         return None if usable_only else newest
 
+    def _forget_end(self, ref: EntryRef) -> None:
+        """A completions ref left the index: its end offset leaves its fine digest's set
+        once no other ref there has it."""
+        bucket_key = (ref.scope, ref.anchor)
+        by_fine = self._ends.get(bucket_key)
+        if by_fine is None:
+            return
+        continuation = continuation_of(ref.slot)
+        fine = text_fine_of(continuation)
+        ends = by_fine.get(fine)
+        if ends is None:
+            return
+        left = ends.get(continuation.num_bytes, 0) - 1
+        if left > 0:
+            ends[continuation.num_bytes] = left
+            return
+        ends.pop(continuation.num_bytes, None)
+        if not ends:
+            del by_fine[fine]
+            if not by_fine:
+                del self._ends[bucket_key]
+
     def _touch(self, key: _Key, tenant: str) -> None:
         self._items.move_to_end(key)
         self._by_tenant[tenant].move_to_end(key)
@@ -474,12 +597,8 @@ class InMemoryIndex:
             members.pop(key[1], None)
             if not members:
                 del self._refs[ref]
-                bucket_key = (ref.scope, ref.anchor)
-                bucket = self._buckets.get(bucket_key)
-                if bucket is not None:
-                    bucket.pop(ref.slot, None)
-                    if not bucket:
-                        del self._buckets[bucket_key]
+                if is_text_slot(ref.slot):
+                    self._forget_end(ref)
         mine = self._by_tenant.get(item.tenant)
         if mine is not None:
             mine.pop(key, None)

@@ -12,7 +12,10 @@ load balancer picks, and pulls from the D the entry names.
   id), ``rel`` (the cause, once D released it), and the keys of the sets it is indexed in.
 * ``{ns}:r:{scope}:{anchor}:{slot}`` – the members of a ref, by when they were stored
   (at most ``MAX_ENTRIES_PER_REF``; the oldest is pushed out and released).
-* ``{ns}:b:{scope}:{anchor}`` – the slots under an anchor (completions lookups).
+* ``{ns}:b:{scope}:{anchor}`` – the slots under a chat anchor; under a completions block's
+  anchor, the fine digests (hex) that block has entries under.
+* ``{ns}:f:{scope}:{anchor}:{fine}`` – a hash: the end offsets (in the block) of the
+  completions refs under one fine digest, each with how many refs end there.
 * ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
   an explicit id's latest entry).
 * ``{ns}:node:{node_id}`` – a sorted set of a D's entries by expiry (``drop_node``,
@@ -28,9 +31,13 @@ load balancer picks, and pulls from the D the entry names.
   queues one in the same script, so whichever replica D syncs with delivers it
   (``take_releases``).
 
-A chat lookup is one round trip (one script probes every anchor in order); a completions
-lookup that finds a bucket fetches its candidates in the same call. Every set member whose
-key expired is cleaned lazily.
+A chat lookup is one round trip (one script probes every anchor in order). A completions
+lookup is at most three, each bounded whatever the scope holds: which of the request's
+blocks have entries (at most ``MAX_TEXT_DIGESTS // 16`` of them, longest first), the end
+offsets under the request's fine digests of those blocks, then the refs of the ends the
+request carries (at most ``MAX_TEXT_DIGESTS``, as a chat lookup). Every set member whose
+key expired is cleaned lazily (a completions end whose refs all expired stays, at most
+``TEXT_FINE_BYTES`` per fine digest, until its hash expires).
 
 **Clocks.** The router's ``expires_at_s`` is on its monotonic clock, meaningless in another
 process, so Redis holds wall-clock times, converted on write and read. Replicas agree on
@@ -64,17 +71,26 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvrelay.core.conversation import ConversationEntry
-from kvrelay.core.identity import RequestIdentity
+from kvrelay.core.identity import (
+    TEXT_BLOCK_BYTES,
+    TEXT_FINE_BYTES,
+    Probe,
+    RequestIdentity,
+    text_fine_of,
+)
 from kvrelay.core.params import KVParamsError, parse_remote_blocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
 from kvrelay.router.index import (
     MAX_ENTRIES_PER_REF,
     MAX_QUEUED_RELEASES,
+    MAX_TEXT_DIGESTS,
     READ_TTL_S,
     EntryRef,
     Found,
     IndexUnavailable,
-    find_in_bucket,
+    TextSearch,
+    continuation_of,
+    is_text_slot,
 )
 
 log = logging.getLogger("kvrelay.router")
@@ -82,7 +98,7 @@ log = logging.getLogger("kvrelay.router")
 T = TypeVar("T")
 
 FORMAT_VERSION = 3
-_MAX_CANDIDATES = 32
+_MAX_TEXT_BLOCKS = MAX_TEXT_DIGESTS // (TEXT_BLOCK_BYTES // TEXT_FINE_BYTES)
 RELEASE_QUEUE_TTL_MS = 600_000
 """A D that has not synced for this long has lost its queue (its orders are moot by then)."""
 
@@ -91,11 +107,18 @@ RELEASE_QUEUE_TTL_MS = 600_000
 _REMOVE = """
 local function remove(k, release)
   local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az', 'rx', 'mem', 'qx',
-                       'rid', 'rel', 'lq', 'engine')
+                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end')
   if f[1] then redis.call('ZREM', f[1], k) end
   if f[7] then
     redis.call('ZREM', f[7], f[8])
-    if f[2] and redis.call('ZCARD', f[7]) == 0 then redis.call('SREM', f[2], f[3]) end
+    if redis.call('ZCARD', f[7]) == 0 then
+      if f[14] then
+        if redis.call('HINCRBY', f[14], f[16], -1) <= 0 then redis.call('HDEL', f[14], f[16]) end
+        if f[2] and redis.call('HLEN', f[14]) == 0 then redis.call('SREM', f[2], f[15]) end
+      elseif f[2] then
+        redis.call('SREM', f[2], f[3])
+      end
+    end
   end
   if f[4] then redis.call('ZREM', f[4], k) end
   if f[5] then redis.call('ZREM', f[5], k) end
@@ -128,48 +151,29 @@ local function best(rk, ep, usable)
 end
 """.replace("@MAXQ@", str(MAX_QUEUED_RELEASES)).replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
-# lookup: KEYS = probe keys (ref sets, or bucket keys when ARGV[i] == 'b'), then the scope's
-# key; ARGV[n+1] = the namespace, ARGV[n+2] = the LRU counter's key, ARGV[n+3] = candidates
-# per bucket, ARGV[n+4] == '1' for an explicit id (its latest entry if no probe matches).
-# Returns {i, key, json, cause} for an entry (i = 0: the scope's latest), or
-# {i, bucket, slot1, key1, json1, cause1, ...} for the first non-empty bucket.
+# lookup: KEYS = ref sets in the order to try, then the scope's key; ARGV[1] = the
+# namespace, ARGV[2] = the LRU counter's key, ARGV[3] == '1' for an explicit id (its
+# latest entry if no ref has one). Returns {i, key, json, cause} for an entry (i = 0: the
+# scope's latest), else {}.
 _LOOKUP = _REMOVE + """
-local n = #ARGV - 4
-local ns = ARGV[n + 1]
+local n = #KEYS - 1
+local ns = ARGV[1]
 local plen = #ns + 3
 local function touch(k)
   local v = redis.call('HMGET', k, 'tz', 'az')
-  local seq = redis.call('INCR', ARGV[n + 2])
+  local seq = redis.call('INCR', ARGV[2])
   if v[1] then redis.call('ZADD', v[1], seq, k) end
   if v[2] then redis.call('ZADD', v[2], seq, k) end
 end
 for i = 1, n do
   local tail = string.sub(KEYS[i], plen + 1)
-  if ARGV[i] == 'e' then
-    local hit = best(KEYS[i], ns .. ':e:' .. tail .. ':', false)
-    if hit then
-      touch(hit[1])
-      return {i, hit[1], hit[2], hit[3]}
-    end
-  else
-    local slots = redis.call('SRANDMEMBER', KEYS[i], tonumber(ARGV[n + 3]))
-    local out = {i, KEYS[i]}
-    for _, s in ipairs(slots) do
-      local hit = best(ns .. ':r:' .. tail .. ':' .. s, ns .. ':e:' .. tail .. ':' .. s .. ':',
-                       false)
-      if hit then
-        table.insert(out, s)
-        table.insert(out, hit[1])
-        table.insert(out, hit[2])
-        table.insert(out, hit[3])
-      else
-        redis.call('SREM', KEYS[i], s)
-      end
-    end
-    if #out > 2 then return out end
+  local hit = best(KEYS[i], ns .. ':e:' .. tail .. ':', false)
+  if hit then
+    touch(hit[1])
+    return {i, hit[1], hit[2], hit[3]}
   end
 end
-if ARGV[n + 4] == '1' then
+if ARGV[3] == '1' then
   local latest = redis.call('ZREVRANGE', KEYS[n + 1], 0, 0)[1]
   if latest then
     local v = redis.call('HMGET', latest, 'json', 'rel')
@@ -182,10 +186,32 @@ end
 return {}
 """
 
+# completions, step 1: KEYS = the request's block keys, longest first; ARGV[1] = how many at
+# most. Returns the (1-based) indexes of those that hold entries.
+_TEXT_BLOCKS = """
+local out = {}
+for i = 1, #KEYS do
+  if redis.call('EXISTS', KEYS[i]) == 1 then
+    table.insert(out, i)
+    if #out >= tonumber(ARGV[1]) then break end
+  end
+end
+return out
+"""
+
+# completions, step 2: KEYS = fine keys; returns the end offsets stored under each.
+_TEXT_ENDS = """
+local out = {}
+for i = 1, #KEYS do table.insert(out, redis.call('HKEYS', KEYS[i])) end
+return out
+"""
+
 # put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru, LRU counter, ref set,
-# request key (D's request id -> entry key), D's release queue. ARGV = json, id, exp (wall s),
-# node, engine, tokens, ttl ms, slot, member, tenant cap, total cap, node-set score (exp ms),
-# D request id, per-ref cap. Returns {evicted for capacity, total size, pushed out of the ref}.
+# request key (D's request id -> entry key), D's release queue, a completions entry's fine key
+# (else its bucket again). ARGV = json, id, exp (wall s), node, engine, tokens, ttl ms, slot,
+# member, tenant cap, total cap, node-set score (exp ms), D request id, per-ref cap, fine
+# digest (hex) and end offset ('' for chat). Returns {evicted for capacity, total size,
+# pushed out of the ref}.
 _PUT = _REMOVE + """
 if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1], 0) end
 redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'node', ARGV[4],
@@ -201,14 +227,20 @@ if prior and string.sub(prior, 1, 1) == '!' then
   end
 end
 redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
-redis.call('SADD', KEYS[3], ARGV[8])
+if ARGV[16] ~= '' then
+  redis.call('HSET', KEYS[1], 'fk', KEYS[11], 'fine', ARGV[15], 'end', ARGV[16])
+  if redis.call('ZCARD', KEYS[8]) == 0 then redis.call('HINCRBY', KEYS[11], ARGV[16], 1) end
+  redis.call('SADD', KEYS[3], ARGV[15])
+else
+  redis.call('SADD', KEYS[3], ARGV[8])
+end
 local seq = redis.call('INCR', KEYS[7])
 redis.call('ZADD', KEYS[4], seq, KEYS[1])
 redis.call('ZADD', KEYS[5], seq, KEYS[1])
 redis.call('ZADD', KEYS[6], seq, KEYS[1])
 redis.call('ZADD', KEYS[8], seq, ARGV[9])
 redis.call('SET', KEYS[9], KEYS[1], 'PX', ARGV[7])
-for _, i in ipairs({2, 3, 4, 5, 6, 8}) do
+for _, i in ipairs({2, 3, 4, 5, 6, 8, 11}) do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then
     redis.call('PEXPIRE', KEYS[i], ARGV[7])
   end
@@ -451,6 +483,7 @@ class RedisIndex:
         claim_tolerance_s: float = 0.05,
         on_error: Callable[[str], None] | None = None,
         on_evict: Callable[[str, int], None] | None = None,
+        on_text_digests: Callable[[int], None] | None = None,
         log_interval_s: float = 10.0,
     ) -> None:
         if timeout_s <= 0:
@@ -469,6 +502,7 @@ class RedisIndex:
         self._tolerance = claim_tolerance_s
         self._on_error = on_error
         self._on_evict = on_evict
+        self._on_text_digests = on_text_digests
         self._log_interval = log_interval_s
         self._next_log = 0.0
         self._failures_unlogged = 0
@@ -477,6 +511,8 @@ class RedisIndex:
         self._nodes_seen: set[str] = set()
         self._retained: dict[str, int] = {}
         self._lookup = client.register_script(_LOOKUP)
+        self._text_blocks = client.register_script(_TEXT_BLOCKS)
+        self._text_ends = client.register_script(_TEXT_ENDS)
         self._put = client.register_script(_PUT)
         self._claim = client.register_script(_CLAIM)
         self._drop_one = client.register_script(_DROP_ONE)
@@ -534,6 +570,9 @@ class RedisIndex:
     def _bucket(self, scope: bytes, anchor: bytes) -> str:
         return f"{self._ns}:b:{scope.hex()}:{anchor.hex()}"
 
+    def _fine_key(self, scope: bytes, anchor: bytes, fine: bytes) -> str:
+        return f"{self._ns}:f:{scope.hex()}:{anchor.hex()}:{fine.hex()}"
+
     def node_set(self, node_id: str) -> str:
         return f"{self._ns}:node:{quote(node_id, safe='')}"
 
@@ -551,46 +590,78 @@ class RedisIndex:
     async def lookup(self, identity: RequestIdentity) -> Found | None:
         if not identity.probes and not identity.explicit:
             return None
-        keys: list[str] = []
-        kinds: list[str] = []
+        if identity.text is not None:
+            return await self._text_lookup(identity)
+        refs: list[tuple[EntryRef, Probe]] = []
         for probe in identity.probes:
             if probe.continuation is not None:
-                keys.append(self.ref_key(
-                    EntryRef(identity.scope, probe.anchor, probe.continuation.slot())))
-                kinds.append("e")
-            else:
-                keys.append(self._bucket(identity.scope, probe.anchor))
-                kinds.append("b")
+                refs.append((EntryRef(identity.scope, probe.anchor, probe.continuation.slot()),
+                             probe))
+        return await self._lookup_refs(identity, refs)
+
+    async def _lookup_refs(
+        self, identity: RequestIdentity, refs: list[tuple[EntryRef, Probe]]
+    ) -> Found | None:
+        """The newest entry of the first ref that has one (else an explicit id's latest)."""
+        if not refs and not identity.explicit:
+            return None
         result = await self._call("get", self._lookup(
-            keys=[*keys, self._scope_key(identity.scope)],
-            args=[*kinds, self._ns, f"{self._ns}:seq", _MAX_CANDIDATES,
-                  "1" if identity.explicit else "0"],
+            keys=[*(self.ref_key(ref) for ref, _ in refs), self._scope_key(identity.scope)],
+            args=[self._ns, f"{self._ns}:seq", "1" if identity.explicit else "0"],
         ))
         if not result:
             return None
         offset = self._offset()
-        if int(result[0]) == 0:
-            latest = self._decode(result[2], offset, result[3])
-            ref = self._ref_of(result[1])
-            return None if latest is None or ref is None else Found(ref, latest, None)
-        probe = identity.probes[int(result[0]) - 1]
-        if kinds[int(result[0]) - 1] == "e":
-            entry = self._decode(result[2], offset, result[3])
-            if entry is None:
-                return None
-            assert probe.continuation is not None
-            ref = EntryRef(identity.scope, probe.anchor, probe.continuation.slot())
-            return Found(ref, entry, probe)
-        candidates = {bytes.fromhex(result[i]): (result[i + 2], result[i + 3])
-                      for i in range(2, len(result), 4)}
-        slot = find_in_bucket(identity, probe, candidates)
-        if slot is None:
-            return None
-        raw, released = candidates[slot]
-        entry = self._decode(raw, offset, released)
+        entry = self._decode(result[2], offset, result[3])
         if entry is None:
             return None
-        return Found(EntryRef(identity.scope, probe.anchor, slot), entry, probe)
+        if int(result[0]) == 0:
+            latest = self._ref_of(result[1])
+            return None if latest is None else Found(latest, entry, None)
+        ref, probe = refs[int(result[0]) - 1]
+        return Found(ref, entry, probe)
+
+    async def _text_lookup(self, identity: RequestIdentity) -> Found | None:
+        """A completions lookup in at most three bounded round trips (module docstring)."""
+        search = TextSearch(identity)
+        try:
+            refs = await self._text_refs(identity, search)
+        finally:
+            if self._on_text_digests is not None:
+                self._on_text_digests(search.digests)
+        return await self._lookup_refs(identity, refs)
+
+    async def _text_refs(
+        self, identity: RequestIdentity, search: TextSearch
+    ) -> list[tuple[EntryRef, Probe]]:
+        """The refs of the ends the request carries, longest first, within the budget."""
+        probes = identity.probes
+        held = await self._call("get", self._text_blocks(
+            keys=[self._bucket(identity.scope, p.anchor) for p in probes],
+            args=[_MAX_TEXT_BLOCKS]))
+        blocks: list[tuple[Probe, tuple[bytes, ...]]] = []
+        for i in held or ():
+            fines = search.fines(probes[int(i) - 1])
+            if fines is None:
+                break
+            blocks.append((probes[int(i) - 1], fines))
+        if not blocks:
+            return []
+        keys = [self._fine_key(identity.scope, probe.anchor, fine)
+                for probe, fines in blocks for fine in reversed(fines)]
+        ends = iter(await self._call("get", self._text_ends(keys=keys, args=[])))
+        refs: list[tuple[EntryRef, Probe]] = []
+        for probe, fines in blocks:
+            for _ in fines:
+                for end_offset in sorted((int(e) for e in next(ends)), reverse=True):
+                    continuation = search.end(probe, fines, end_offset)
+                    if continuation is not None:
+                        refs.append((EntryRef(identity.scope, probe.anchor,
+                                              continuation.slot()),
+                                     search.found_probe(probe, continuation)))
+                    elif search.spent:
+                        return refs
+        return refs
 
     async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
         offset = self._offset()
@@ -600,16 +671,23 @@ class RedisIndex:
         expires_wall = entry.expires_at_s + offset
         node = entry.decode_node_id
         member = entry_identity(entry)
+        fine_key, fine, end = self._bucket(ref.scope, ref.anchor), "", ""
+        if is_text_slot(ref.slot):
+            continuation = continuation_of(ref.slot)
+            fine_digest = text_fine_of(continuation)
+            fine_key = self._fine_key(ref.scope, ref.anchor, fine_digest)
+            fine, end = fine_digest.hex(), str(continuation.num_bytes)
         result = await self._quiet("put", self._put(
             keys=[self._entry_prefix(ref) + member, self.node_set(node),
                   self._bucket(ref.scope, ref.anchor), self._scope_key(ref.scope),
                   self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq",
                   self.ref_key(ref), self._request_key(node, entry.request_id),
-                  self.release_queue(node)],
+                  self.release_queue(node), fine_key],
             args=[entry_to_json(entry, wall_offset_s=offset), member,
                   repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
                   ref.slot.hex(), member, self._max_tenant, self._max,
-                  math.floor(expires_wall * 1000), entry.request_id, self._max_ref],
+                  math.floor(expires_wall * 1000), entry.request_id, self._max_ref,
+                  fine, end],
         ), None)
         self._nodes_seen.add(node)
         if result is not None:

@@ -170,9 +170,22 @@ class RouterMetrics:
             _P + "retain_seconds", "Per-turn retention times sent to D (kvrelay_retain_s)",
             buckets=_GAP_BUCKETS, registry=r,
         )
+        self.text_lookups = Counter(
+            _P + "text_lookups_total", "Completions lookups in the conversation index",
+            registry=r,
+        )
+        self.text_lookup_digests = Counter(
+            _P + "text_lookup_digests_total", "Digests completions lookups computed (at most "
+            "MAX_TEXT_DIGESTS each, however many entries a scope holds)", registry=r,
+        )
         self._retained: _Retained | None = None
         self._d_retention: _DRetention | None = None
         self._children: dict[tuple[object, ...], Any] = {}
+
+    def text_lookup(self, num_digests: int) -> None:
+        """One completions lookup that computed ``num_digests`` digests."""
+        self.text_lookups.inc()
+        self.text_lookup_digests.inc(num_digests)
 
     def track_retained_tokens(self, read: Callable[[], Mapping[str, int]]) -> None:
         """Make ``retained_tokens{node}`` read ``read()`` at scrape time."""
