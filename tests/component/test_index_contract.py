@@ -15,7 +15,12 @@ from msgspec.structs import replace
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import scope_of
 from kvrelay.core.retention_sync import Released
-from kvrelay.router.index import ConversationIndex, IndexUnavailable, InMemoryIndex
+from kvrelay.router.index import (
+    MAX_TEXT_DIGESTS,
+    ConversationIndex,
+    IndexUnavailable,
+    InMemoryIndex,
+)
 from kvrelay.router.index_redis import RedisIndex
 from tests.component.redis_server import RedisServer
 from tests.unit.index_entries import (
@@ -499,3 +504,55 @@ async def test_d_may_free_what_it_asks_for_unless_a_p_leg_reads_it(
     assert await index.release_requested("d0", "A", ["busy"]) == ("busy",)
     await index.put(pulled, entry("d0", "A", request="gone"), tenant="u")  # came late
     assert await index.claim(pulled, entry("d0", "A", request="gone")) is None
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_completions_lookup_work_does_not_grow_with_the_entries_of_a_block(
+    request: pytest.FixtureRequest, kind: str,
+) -> None:
+    """Issue #23, finding 4: prompts under 1 KiB all share block 0's anchor; a lookup's
+    digests (``on_text_digests``) are the same with 10 entries there as with 2,000, and it
+    still finds its own."""
+    story = "Once upon a time, in a lighthouse by the sea, the keeper wrote: "
+    work: list[int] = []
+    for num_entries in (10, 2_000):
+        counts: list[int] = []
+        index: ConversationIndex
+        if kind == "memory":
+            index = InMemoryIndex(on_text_digests=counts.append)
+        else:
+            server: RedisServer = request.getfixturevalue("redis_server")
+            index = redis_index(server, Clock(), deployment=f"n{num_entries}",
+                                on_text_digests=counts.append)
+        try:
+            other = make_entry()
+            for i in range(num_entries):
+                await index.put(text_stored_at(text(f"{i:05d} {story}"), f" entry {i}."),
+                                replace(other, turn=i + 1), tenant="t")
+            mine = make_entry(node="d1")
+            await index.put(text_stored_at(text(story), " calm sea."), mine, tenant="t")
+            found = await index.lookup(text(story + " calm sea. Next day:"))
+            assert found is not None and found.entry == mine
+            work.append(counts[-1])
+        finally:
+            await index.aclose()
+    assert work[0] == work[1] <= MAX_TEXT_DIGESTS
+
+
+async def test_completions_keys_leave_with_their_entries(redis_server: RedisServer) -> None:
+    index = redis_index(redis_server, Clock())
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        refs = [text_stored_at(text(f"{i} " + "Once upon a time " * 80), f" answer {i}.")
+                for i in range(3)]
+        for ref in refs:
+            await index.put(ref, entry(), tenant="t")
+        assert len(await raw.keys("kvrelay:default:f:*")) == 3
+        assert len(await raw.keys("kvrelay:default:b:*")) == 3  # block 1 of each
+        for ref in refs:
+            assert await index.drop(ref)
+        assert await raw.keys("kvrelay:default:f:*") == []
+        assert await raw.keys("kvrelay:default:b:*") == []
+    finally:
+        await raw.aclose()
+        await index.aclose()

@@ -293,3 +293,15 @@ async def test_completions_prefer_the_longest_end_then_the_newest() -> None:
     assert await index.drop(found.ref) and len(index) == 1
     found = await index.lookup(text(STORY + " a storm came. And then?"))
     assert found is not None and found.entry == short
+
+
+async def test_completions_ends_leave_with_their_entries() -> None:
+    index = InMemoryIndex()
+    refs = [text_stored_at(text(f"{i} {STORY}" * 30), f" answer {i}.") for i in range(3)]
+    for ref in refs:
+        await index.put(ref, entry(), tenant="t")
+        await index.put(ref, entry(node="d1"), tenant="t")
+    assert await index.claim(refs[0], entry()) is not None
+    for ref in refs:
+        await index.drop(ref)
+    assert len(index) == 0 and index._ends == {}
