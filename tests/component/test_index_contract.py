@@ -16,6 +16,7 @@ from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import scope_of
 from kvrelay.core.retention_sync import Released
 from kvrelay.router.index import (
+    MAX_TEXT_BLOCKS,
     MAX_TEXT_DIGESTS,
     ConversationIndex,
     IndexUnavailable,
@@ -555,4 +556,35 @@ async def test_completions_keys_leave_with_their_entries(redis_server: RedisServ
         assert await raw.keys("kvrelay:default:b:*") == []
     finally:
         await raw.aclose()
+        await index.aclose()
+
+
+@pytest.mark.parametrize("kind", ["memory", "redis"])
+async def test_a_completions_lookup_looks_into_at_most_max_text_blocks(
+    request: pytest.FixtureRequest, kind: str,
+) -> None:
+    """Entries in each of 55 blocks of a long prompt, none of which it carries: both indexes
+    look into the same ``MAX_TEXT_BLOCKS`` blocks, longest first, and compute the same
+    digests; an entry it carries in a block past them is not reached."""
+    counts: list[int] = []
+    index: ConversationIndex
+    if kind == "memory":
+        index = InMemoryIndex(on_text_digests=counts.append)
+    else:
+        server: RedisServer = request.getfixturevalue("redis_server")
+        index = redis_index(server, Clock(), on_text_digests=counts.append)
+    try:
+        prompt = "".join(f"line {i:06d} of the log\n" for i in range(2500))  # 56 blocks + 156
+        for j in range(1, 56):
+            head = prompt[: j * 1024 + 100]
+            await index.put(text_stored_at(text(head), " (edited)"), make_entry(turn=j),
+                            tenant="t")
+        assert await index.lookup(text(prompt)) is None
+        assert counts[-1] == MAX_TEXT_BLOCKS * (1024 // 64 + 1)
+        await index.put(text_stored_at(text(prompt[:1024]), prompt[1024:1100]),
+                        make_entry(node="d1"), tenant="t")
+        assert await index.lookup(text(prompt)) is None  # block 1: past the 4 longest
+        found = await index.lookup(text(prompt[:3000]))  # blocks 2, 1 (and 0) with entries
+        assert found is not None and found.entry.decode_node_id == "d1"
+    finally:
         await index.aclose()

@@ -9,6 +9,7 @@ from msgspec.structs import replace
 
 from kvrelay.core.identity import TEXT_BLOCK_BYTES, TEXT_FINE_BYTES, scope_of
 from kvrelay.router.index import (
+    MAX_TEXT_BLOCKS,
     MAX_TEXT_DIGESTS,
     ConversationIndex,
     EvictReason,
@@ -265,8 +266,9 @@ async def test_completions_lookup_work_is_the_same_with_10_or_10_000_entries_in_
 
 
 async def test_a_completions_lookup_stops_at_its_budget() -> None:
-    """Entries in every block of a long prompt, none of which it carries: the lookup tries
-    blocks longest first and stops once ``MAX_TEXT_DIGESTS`` are spent."""
+    """Entries in every block of a long prompt, none of which it carries: the lookup looks
+    into ``MAX_TEXT_BLOCKS`` blocks, longest first, then stops; in one block holding an end
+    at every offset under the request's fine digests, it stops at ``MAX_TEXT_DIGESTS``."""
     counts: list[int] = []
     index = InMemoryIndex(on_text_digests=counts.append)
     prompt = "".join(f"line {i:06d} of the log\n" for i in range(2500))  # 60 blocks
@@ -276,8 +278,14 @@ async def test_a_completions_lookup_stops_at_its_budget() -> None:
         await index.put(text_stored_at(text(head), " (edited)"), entry(turn=j + 1), tenant="t")
     assert await index.lookup(text(prompt)) is None
     fines_per_block = TEXT_BLOCK_BYTES // TEXT_FINE_BYTES
-    assert MAX_TEXT_DIGESTS <= counts[-1] < MAX_TEXT_DIGESTS + fines_per_block
-    assert (fines_per_block + 1) * blocks > MAX_TEXT_DIGESTS  # the budget did stop it
+    assert counts[-1] == MAX_TEXT_BLOCKS * (fines_per_block + 1)
+
+    counts.clear()
+    index = InMemoryIndex(on_text_digests=counts.append)
+    for end in range(1, TEXT_BLOCK_BYTES):  # entries ending at every offset of block 0
+        await index.put(text_stored_at(text(prompt[:end]), "#"), entry(), tenant="t")
+    assert await index.lookup(text(prompt)) is None  # carries none ("#" is not next)
+    assert counts[-1] == MAX_TEXT_DIGESTS
 
 
 async def test_completions_prefer_the_longest_end_then_the_newest() -> None:

@@ -112,21 +112,26 @@ class PendingTurn:
 
 class TextPending:
     """Whether a completions request carries pending turns' answers: each block's fine
-    digests computed once, then one digest per pending turn."""
+    digests computed once, then one digest per end offset (at most one per byte of a
+    block, however many turns are pending)."""
 
     def __init__(self, identity: RequestIdentity) -> None:
         self._identity = identity
         self._probes = {p.anchor: p for p in identity.probes if p.continuation is None}
         self._fines: dict[bytes, tuple[bytes, ...]] = {}
+        self._ends: dict[tuple[bytes, int], Continuation | None] = {}
 
     def carries(self, anchor: bytes, continuation: Continuation) -> bool:
         probe = self._probes.get(anchor)
         if probe is None:
             return False
-        fines = self._fines.get(anchor)
-        if fines is None:
-            fines = self._fines[anchor] = text_fines(self._identity, probe)
-        return text_end(self._identity, probe, fines, continuation.num_bytes) == continuation
+        place = (anchor, continuation.num_bytes)
+        if place not in self._ends:
+            fines = self._fines.get(anchor)
+            if fines is None:
+                fines = self._fines[anchor] = text_fines(self._identity, probe)
+            self._ends[place] = text_end(self._identity, probe, fines, continuation.num_bytes)
+        return self._ends[place] == continuation
 
 
 class ReportDesk:

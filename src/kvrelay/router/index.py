@@ -53,10 +53,11 @@ Contracts:
   ``now_s`` (the retention gauge; a networked index returns what its last ``refresh`` saw).
 * ``len(index)`` is the number of entries (exact in memory, last known when networked).
 * Bounded work: a lookup never scans what an anchor holds. A chat probe is one dict probe;
-  a completions lookup computes at most ``MAX_TEXT_DIGESTS`` digests (each over at most
-  ``TEXT_BLOCK_BYTES``; a block's fine digests count in full) and probes that many refs,
-  however many entries the scope holds: past the budget it stops (a miss, or an explicit
-  id's latest entry). ``on_text_digests(n)`` is told each completions lookup's count.
+  a completions lookup looks into at most ``MAX_TEXT_BLOCKS`` blocks with entries and
+  computes at most ``MAX_TEXT_DIGESTS`` digests (each over at most ``TEXT_BLOCK_BYTES``)
+  and probes that many refs, however many entries the scope holds: past either it stops
+  (a miss, or an explicit id's latest entry). ``on_text_digests(n)`` is told each
+  completions lookup's count.
 
 Entries hold block locations and a token fingerprint; refs are digests: no content, no ids.
 """
@@ -168,6 +169,10 @@ MAX_TEXT_DIGESTS = 256
 """The most digests one completions lookup computes (and refs it probes), whatever the
 index holds: the whole lookup's budget (``TEXT_BLOCK_BYTES`` hashed per digest at most)."""
 
+MAX_TEXT_BLOCKS = 4
+"""The most blocks with entries one completions lookup looks into, longest first (each costs
+its fine digests: at most ``TEXT_BLOCK_BYTES // TEXT_FINE_BYTES``)."""
+
 
 def is_text_slot(slot: bytes) -> bool:
     return len(slot) == TEXT_SLOT_BYTES
@@ -177,7 +182,8 @@ class TextSearch:
     """One completions lookup: the ends to try, longest first, within ``MAX_TEXT_DIGESTS``.
 
     ``fines(probe)`` computes the request's fine digests of a block (``None`` once the
-    budget is spent); ``end(probe, fines, end_offset)`` the continuation an entry ending
+    budget is spent or ``MAX_TEXT_BLOCKS`` blocks were looked into);
+    ``end(probe, fines, end_offset)`` the continuation an entry ending
     there would have (``None``: the request has nothing after it, or the budget is spent).
     ``digests`` counts what was computed.
     """
@@ -186,15 +192,21 @@ class TextSearch:
         self.identity = identity
         self.budget = budget
         self.digests = 0
+        self.blocks = 0
 
     @property
     def spent(self) -> bool:
         return self.digests >= self.budget
 
+    @property
+    def blocks_spent(self) -> bool:
+        return self.spent or self.blocks >= MAX_TEXT_BLOCKS
+
     def fines(self, probe: Probe) -> tuple[bytes, ...] | None:
-        if self.spent:
+        if self.blocks_spent:
             return None
         out = text_fines(self.identity, probe)
+        self.blocks += 1
         self.digests += len(out)
         return out
 
@@ -322,7 +334,7 @@ class InMemoryIndex:
                     found = None
                 if found is not None:
                     return found
-                if search is not None and search.spent:
+                if search is not None and search.blocks_spent:
                     break
         finally:
             if search is not None and self._on_text_digests is not None:

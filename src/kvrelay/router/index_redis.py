@@ -33,7 +33,7 @@ load balancer picks, and pulls from the D the entry names.
 
 A chat lookup is one round trip (one script probes every anchor in order). A completions
 lookup is at most three, each bounded whatever the scope holds: which of the request's
-blocks have entries (at most ``MAX_TEXT_DIGESTS // 16`` of them, longest first), the end
+blocks have entries (at most ``MAX_TEXT_BLOCKS``, longest first), the end
 offsets under the request's fine digests of those blocks, then the refs of the ends the
 request carries (at most ``MAX_TEXT_DIGESTS``, as a chat lookup). Every set member whose
 key expired is cleaned lazily (a completions end whose refs all expired stays, at most
@@ -71,19 +71,13 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvrelay.core.conversation import ConversationEntry
-from kvrelay.core.identity import (
-    TEXT_BLOCK_BYTES,
-    TEXT_FINE_BYTES,
-    Probe,
-    RequestIdentity,
-    text_fine_of,
-)
+from kvrelay.core.identity import Probe, RequestIdentity, text_fine_of
 from kvrelay.core.params import KVParamsError, parse_remote_blocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
 from kvrelay.router.index import (
     MAX_ENTRIES_PER_REF,
     MAX_QUEUED_RELEASES,
-    MAX_TEXT_DIGESTS,
+    MAX_TEXT_BLOCKS,
     READ_TTL_S,
     EntryRef,
     Found,
@@ -98,7 +92,6 @@ log = logging.getLogger("kvrelay.router")
 T = TypeVar("T")
 
 FORMAT_VERSION = 3
-_MAX_TEXT_BLOCKS = MAX_TEXT_DIGESTS // (TEXT_BLOCK_BYTES // TEXT_FINE_BYTES)
 RELEASE_QUEUE_TTL_MS = 600_000
 """A D that has not synced for this long has lost its queue (its orders are moot by then)."""
 
@@ -638,7 +631,7 @@ class RedisIndex:
         probes = identity.probes
         held = await self._call("get", self._text_blocks(
             keys=[self._bucket(identity.scope, p.anchor) for p in probes],
-            args=[_MAX_TEXT_BLOCKS]))
+            args=[MAX_TEXT_BLOCKS]))
         blocks: list[tuple[Probe, tuple[bytes, ...]]] = []
         for i in held or ():
             fines = search.fines(probes[int(i) - 1])
