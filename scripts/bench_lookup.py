@@ -5,7 +5,8 @@ Every completions prompt under 1 KiB in a scope shares one anchor (block 0). For
 ``--entries`` count N, the router's in-memory index (``InMemoryIndex``) is filled with N
 conversations' first turns in one scope, filed exactly as the router commits them (prompts
 of 80-900 bytes, each with its answer), then ``--lookups`` follow-ups of those
-conversations (prompt + answer + a new line, each continuing a different entry) go through
+conversations (prompt + answer + a new line, each continuing its entry, picked with a prime
+stride so that every N sees the same mix of prompt lengths) go through
 what the router does per completions request to find its entry: the request's identity
 (``text_identity``) and ``index.lookup``. The figure is CPU seconds (``time.process_time``)
 per request; every follow-up must find its own entry.
@@ -60,6 +61,13 @@ def answer_of(i: int) -> bytes:
     return f" the {WORDS[i % len(WORDS)]} at {i % 24:02d}h.".encode()
 
 
+try:
+    from kvrelay.router.index import MAX_TEXT_DIGESTS  # noqa: F401  (bounded lookups)
+    BOUNDED = True
+except ImportError:
+    BOUNDED = False
+
+
 def filed_at(identity: RequestIdentity, answer: bytes) -> EntryRef:
     """Where the router files a completions entry (whichever version of kvrelay runs)."""
     try:
@@ -79,22 +87,24 @@ async def measure(num_entries: int, num_lookups: int, redis_url: str | None) -> 
     blocks = with_fingerprint(blocks, fingerprint_tokens(list(range(2056))))
     entry = new_entry(decode_node_id="d0", blocks=blocks, now_s=time.monotonic(), turn=1,
                       conversation="c", num_bytes=800, ttl_s=3600.0)
+    digests: list[int] = []
+    counted: dict[str, Any] = {"on_text_digests": digests.append} if BOUNDED else {}
     index: ConversationIndex
     if redis_url is None:
-        index = InMemoryIndex(max_entries=max(100_000, num_entries))
+        index = InMemoryIndex(max_entries=max(100_000, num_entries), **counted)
     else:
         from kvrelay.router.index_redis import RedisIndex
 
         index = RedisIndex.from_url(redis_url, timeout_s=5.0, deployment=f"bench{num_entries}",
-                                    max_entries=max(100_000, num_entries))
+                                    max_entries=max(100_000, num_entries), **counted)
     try:
         for i in range(num_entries):
             identity = text_identity(SCOPE, CONTEXT, prompt_of(i))
             await index.put(filed_at(identity, answer_of(i)), replace(entry, turn=i + 1),
                             tenant="tenant")
-        step = max(1, num_entries // num_lookups)
+        picked = [(k * 7919) % num_entries for k in range(num_lookups)]  # a prime stride:
         follow_ups = [prompt_of(i) + answer_of(i) + b"\nQ: and the next night?\nA:"
-                      for i in range(0, num_entries, step)][:num_lookups]
+                      for i in picked]  # the same mix of lengths at every N (lookups take nothing)
         found = 0
         start = time.process_time()
         for text in follow_ups:
@@ -106,7 +116,8 @@ async def measure(num_entries: int, num_lookups: int, redis_url: str | None) -> 
     if found != len(follow_ups):
         raise SystemExit(f"{num_entries} entries: only {found} of {len(follow_ups)} found")
     return {"entries": num_entries, "lookups": len(follow_ups),
-            "cpu_ms_per_request": cpu_s * 1000 / len(follow_ups)}
+            "cpu_ms_per_request": cpu_s * 1000 / len(follow_ups),
+            "digests_per_lookup": sum(digests) / len(digests) if digests else None}
 
 
 def run_before(python: Path, num_entries: int, num_lookups: int) -> dict[str, Any]:
@@ -123,7 +134,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--entries", default="100,1000,10000,100000",
                     help="entry counts in the scope, comma-separated")
-    ap.add_argument("--lookups", type=int, default=100,
+    ap.add_argument("--lookups", type=int, default=1000,
                     help="follow-ups timed per entry count (before: at most this many)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--before-python", type=Path, default=None,
@@ -141,29 +152,36 @@ def main() -> None:
     for n in counts:
         after: list[float] = []
         before: list[float] = []
+        work: float | None = None
         for _ in range(args.rounds):
             if args.before_python is not None:
                 # the old lookup scans the bucket: fewer follow-ups keep it to seconds
                 few = max(5, min(args.lookups, 2_000_000 // max(n, 1)))
                 before.append(run_before(args.before_python, n, few)["cpu_ms_per_request"])
-            after.append(asyncio.run(measure(n, args.lookups, args.redis))["cpu_ms_per_request"])
+            result = asyncio.run(measure(n, args.lookups, args.redis))
+            after.append(result["cpu_ms_per_request"])
+            work = result["digests_per_lookup"]
         rows.append((n, statistics.median(before) if before else None,
-                     statistics.median(after)))
+                     statistics.median(after), work))
         print(f"  {n} entries done", file=sys.stderr, flush=True)
     index = "RedisIndex" if args.redis else "InMemoryIndex"
     print(f"router CPU per completions request, lookup path ({index}, one scope; "
           f"median of {args.rounds} rounds)\n")
+    def digests(work: float | None) -> str:
+        return "-" if work is None else f"{work:.1f}"
+
     if args.before_python is not None:
-        print("| entries in the scope | before (ms) | after (ms) | before / after |")
-        print("|---:|---:|---:|---:|")
-        for n, b, a in rows:
+        print("| entries in the scope | before (ms) | after (ms) | before / after "
+              "| digests per lookup (after) |")
+        print("|---:|---:|---:|---:|---:|")
+        for n, b, a, w in rows:
             assert b is not None
-            print(f"| {n:,} | {b:.3f} | {a:.3f} | {b / a:.1f}x |")
+            print(f"| {n:,} | {b:.3f} | {a:.3f} | {b / a:.1f}x | {digests(w)} |")
     else:
-        print("| entries in the scope | CPU per request (ms) |")
-        print("|---:|---:|")
-        for n, _, a in rows:
-            print(f"| {n:,} | {a:.3f} |")
+        print("| entries in the scope | CPU per request (ms) | digests per lookup |")
+        print("|---:|---:|---:|")
+        for n, _, a, w in rows:
+            print(f"| {n:,} | {a:.3f} | {digests(w)} |")
     first = rows[0][2]
     print(f"\nafter: {rows[-1][2] / first:.2f}x the CPU per request at {rows[-1][0]:,} "
           f"entries of that at {rows[0][0]:,}")
