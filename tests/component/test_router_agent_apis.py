@@ -323,3 +323,67 @@ async def test_the_openai_and_anthropic_sdks_work_unmodified() -> None:
         finally:
             await oa.close()
             await an.close()
+
+
+WEATHER: dict[str, Any] = {"name": "get_weather", "description": "Current weather",
+                           "strict": True, "input_schema": {"type": "object", "enum": [
+                               {"city": "Oslo"}, {"city": "Rome"}]}}
+#: Per turn: (streamed, the tool_choice forcing a tool_use, or None for a text answer).
+TOOL_TURNS: list[tuple[bool, dict[str, Any] | None]] = [
+    (False, {"type": "tool", "name": "get_weather"}), (True, {"type": "any"}),
+    (False, None), (True, {"type": "tool", "name": "get_weather"}), (False, None)]
+
+
+def without_ids(content: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [{k: v for k, v in b.items() if k != "id"} for b in content]
+
+
+async def test_forced_tool_use_round_trips_pull_without_an_id() -> None:
+    """The ``anthropic`` SDK with a tool whose use ``tool_choice`` forces (``tool``, ``any``;
+    the fake answers a ``tool_use`` block as vLLM does): the client answers each call with a
+    ``tool_result`` block and the history with those blocks is found id-free, including
+    after a streamed call (its input read from ``input_json_delta`` events): turns 2..5
+    pull, ``cache_read_input_tokens`` is what P pulled, and each answer (its ``tool_use``
+    ids aside) equals the same request recomputed."""
+    async with routed() as r:
+        p = r.cluster.prefill[0]
+        client = anthropic.AsyncAnthropic(base_url=r.url, api_key="unused", max_retries=0)
+        messages: list[Any] = [{"role": "user", "content": FIRST}]
+        try:
+            for turn, (streamed, choice) in enumerate(TOOL_TURNS):
+                body: dict[str, Any] = {"model": "tiny", "max_tokens": 16 if choice is None
+                                        else 96, "tools": [WEATHER], "messages": list(messages)}
+                if choice is not None:
+                    body["tool_choice"] = choice
+                if streamed:
+                    async with client.messages.stream(**body) as stream:
+                        finals = [e async for e in stream if e.type == "message_delta"]
+                        message = await stream.get_final_message()
+                    assert len(finals) == 1
+                    cache_read = finals[0].usage.cache_read_input_tokens
+                else:
+                    message = await client.messages.create(**body)
+                    cache_read = message.usage.cache_read_input_tokens
+                await r.settle()
+                decision = await r.last_decision()
+                assert decision["reason"] == ("no_entry" if turn == 0 else "pull"), turn
+                assert cache_read == decision["reused_tokens"] == p.records[-1].pulled_tokens
+                if turn:
+                    assert cache_read > 0 and p.records[-1].pulled_matches_prompt
+                content = [b.model_dump(exclude_none=True) for b in message.content]
+                async with r_client() as c:
+                    again = await c.post(r.reference.url + "/v1/messages", json=body)
+                assert without_ids(again.json()["content"]) == without_ids(content), turn
+                if choice is None:
+                    assert [b["type"] for b in content] == ["text"], turn
+                    reply: list[dict[str, Any]] = [{"type": "text", "text": FOLLOW_UPS[0]}]
+                else:
+                    assert message.stop_reason == "tool_use", turn
+                    assert [(b["type"], b["name"]) for b in content] == [
+                        ("tool_use", "get_weather")], turn
+                    reply = [{"type": "tool_result", "tool_use_id": content[0]["id"],
+                              "content": "3 C, rain"}]
+                messages += [{"role": "assistant", "content": content},
+                             {"role": "user", "content": reply}]
+        finally:
+            await client.close()

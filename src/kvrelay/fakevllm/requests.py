@@ -1,10 +1,10 @@
 """Parsing of the fake engine's request bodies (the subset of vLLM's OpenAI API it serves).
 
 Supported: Responses ``input`` (+ ``instructions``, function ``tools``) and Anthropic
-Messages (+ ``system``, ``tools``), read into chat messages (``responses_api``,
-``messages_api``); chat ``messages`` (+ ``tools``, ``add_generation_prompt``,
-``chat_template_kwargs``), completion ``prompt`` as a string or token ids (one prompt),
-``max_tokens`` / ``max_completion_tokens``, ``stream`` + ``stream_options``
+Messages (+ ``system``, ``tools``, a ``tool_choice`` forcing a ``tool_use``), read into chat
+messages (``responses_api``, ``messages_api``); chat ``messages`` (+ ``tools``,
+``add_generation_prompt``, ``chat_template_kwargs``), completion ``prompt`` as a string or
+token ids (one prompt), ``max_tokens`` / ``max_completion_tokens``, ``stream`` + ``stream_options``
 (``include_usage``, ``continuous_usage_stats``), ``return_token_ids``,
 ``kv_transfer_params``, ``seed``, ``request_id`` (or the ``X-Request-Id`` header), ``n == 1``.
 Sampling knobs (temperature, top_p, stop, ...) are accepted and ignored: the fake's output is
