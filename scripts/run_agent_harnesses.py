@@ -290,6 +290,8 @@ def show(turn: Turn) -> None:
           f"{len(turn.decisions)} request(s): {'; '.join(parts) or '-'}", flush=True)
     if turn.rc != 0:
         print("  " + turn.tail.replace("\n", "\n  "), flush=True)
+    else:
+        print(f"  answer: {turn.tail.splitlines()[-1] if turn.tail else ''!r}", flush=True)
 
 
 # --- the cluster ---------------------------------------------------------------------

@@ -147,3 +147,15 @@ def test_the_captures_hold_what_the_harnesses_send() -> None:
         for key, value in walk_keys(turn):
             assert key.lower() not in ("authorization", "x-api-key", "cookie"), key
             assert not (isinstance(value, str) and value.startswith(("sk-", "Bearer "))), key
+
+
+async def test_the_root_answers_claude_codes_probe() -> None:
+    """Claude Code sends ``HEAD /`` before its first request: 200 without a body (and
+    ``GET /`` says only that this is kvrelay's router); other methods are a 405."""
+    async with routed() as r, r.client() as c:
+        head = await c.head("/")
+        assert head.status_code == 200 and head.content == b""
+        get = await c.get("/")
+        assert get.status_code == 200 and get.json() == {"object": "kvrelay.router"}
+        post = await c.post("/", json={})
+        assert post.status_code == 405 and post.headers["allow"] == "GET, HEAD"
