@@ -8,7 +8,7 @@ STAMP := $(VENV)/.kvrelay-setup
 SETUP_INPUTS := pyproject.toml Makefile scripts/setup-venv.sh
 
 .PHONY: setup system-packages test test-fast test-vllm-033 lint typecheck check-vllm demo up \
-	bench-pull clean
+	bench-pull harnesses clean
 
 ## The router's component tests whose engines are fake vLLM ones (the others use a mock;
 ## test_router_fake_versions.py names its versions itself, test_router_security_reports.py
@@ -69,6 +69,12 @@ up: setup
 ## Turn-2 TTFT, pull vs recompute, on the real cluster (see docs/cpu-notes.md).
 bench-pull: setup
 	$(PY) scripts/bench_pull.py
+
+## Codex CLI and Claude Code (from npm) in 3-turn sessions against `kvrelay up` (real vLLM,
+## minutes; not part of `make test`): per-turn decisions and pulled tokens (docs/router.md,
+## "The harnesses, measured").
+harnesses: setup
+	flock /tmp/kvrelay-vllm.lock $(PY) scripts/run_agent_harnesses.py $(HARNESS_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache

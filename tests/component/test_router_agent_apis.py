@@ -233,7 +233,10 @@ async def test_what_p_d_cannot_carry_is_refused_in_each_apis_shape() -> None:
         cases: list[tuple[str, dict[str, Any] | bytes, int, str]] = [
             ("/v1/responses", {**base, "previous_response_id": "resp_1"}, 400, "store: false"),
             ("/v1/responses", {**base, "conversation": "conv_1"}, 400, "whole conversation"),
-            ("/v1/responses", {**base, "tools": [{"type": "web_search"}]}, 400, "built-in"),
+            ("/v1/responses", {**base, "tools": [{"type": "web_search_preview"}]}, 400,
+             "built-in"),
+            ("/v1/responses", {**base, "tools": [{"type": "mcp", "server_label": "x"}]}, 400,
+             "tool server"),
             ("/v1/responses", {**base, "background": True}, 400, "background"),
             ("/v1/responses", {**base, "input": []}, 400, "input"),
             ("/v1/responses", {**base, "max_output_tokens": 0}, 400, "max_output_tokens"),
@@ -243,7 +246,7 @@ async def test_what_p_d_cannot_carry_is_refused_in_each_apis_shape() -> None:
         mbase = first_body("messages", False)
         mcases: list[tuple[str, dict[str, Any] | bytes, int, str]] = [
             ("/v1/messages", {**mbase, "messages": []}, 400, "messages"),
-            ("/v1/messages?beta=true", {**mbase, "messages": [{"role": "system",
+            ("/v1/messages?beta=true", {**mbase, "messages": [{"role": "tool",
                                                                "content": "x"}]},
              400, "role"),
             ("/v1/messages", {**mbase, "max_tokens": -1}, 400, "max_tokens"),

@@ -2,8 +2,11 @@
 messages, the response body, the SSE events and the error shape, like vLLM 0.32's
 ``/v1/messages`` (``vllm.entrypoints.anthropic``: a chat request underneath).
 
-Reading (``chat_messages``): ``system`` (a string or text blocks) becomes a system message;
-text blocks are joined; ``tool_use`` blocks become the assistant's tool calls (input as
+Reading (``chat_messages``): ``system`` (a string or text blocks) becomes a system message,
+and so does a ``system`` message inside ``messages``, in place (Claude Code sends them;
+vLLM merges them into the first only for a template that needs a leading system message,
+which the generated models' does not), both without Claude Code's billing header (vLLM
+strips it); text blocks are joined; ``tool_use`` blocks become the assistant's tool calls (input as
 JSON arguments); ``tool_result`` blocks tool messages; ``thinking`` and image blocks are not
 rendered. Tools (``input_schema``) become chat tools.
 
@@ -46,18 +49,22 @@ def dumps(obj: object) -> str:
 def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     """The chat messages the request renders as (module docstring)."""
     out: list[dict[str, Any]] = []
-    system = body.get("system")
-    if isinstance(system, str):
+    system = _system_text(body.get("system"))
+    if system:
         out.append({"role": "system", "content": system})
-    elif isinstance(system, list):
-        out.append({"role": "system", "content": _text(system)})
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise MessagesInputError("messages: Field required")
     for message in messages:
-        if not isinstance(message, Mapping) or message.get("role") not in ("user", "assistant"):
-            raise MessagesInputError("messages: every message needs role user or assistant")
+        if not isinstance(message, Mapping) or message.get("role") not in ROLES:
+            raise MessagesInputError("messages: every message needs role user, assistant or "
+                                     "system")
         content = message.get("content")
+        if message["role"] == "system":
+            text = _system_text(content)
+            if text:
+                out.append({"role": "system", "content": text})
+            continue
         if isinstance(content, str):
             out.append({"role": message["role"], "content": content})
             continue
@@ -178,6 +185,22 @@ class ToolCall:
             return None
         return {"type": "tool_use", "id": block_id, "name": self.name,
                 "input": json.loads(text[span[0]:span[1]])}
+
+
+ROLES = ("user", "assistant", "system")
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def _system_text(system: object) -> str:
+    """A system prompt's text as vLLM renders it: text blocks joined, Claude Code's billing
+    header (``x-anthropic-billing-header: ...``, new every request) left out."""
+    if isinstance(system, str):
+        return "" if system.startswith(BILLING_HEADER) else system
+    if not isinstance(system, list):
+        return ""
+    return "".join(b["text"] for b in system
+                   if isinstance(b, Mapping) and b.get("type") == "text"
+                   and isinstance(b.get("text"), str) and not b["text"].startswith(BILLING_HEADER))
 
 
 def _text(blocks: object) -> str:

@@ -4,8 +4,9 @@ response body and the SSE events, shaped like vLLM 0.32's ``/v1/responses``.
 Reading (``chat_messages``): ``instructions`` becomes a system message; message items keep
 their role (``developer`` as ``system``) and text; ``function_call`` items become the
 assistant's tool calls, ``function_call_output`` items tool messages; reasoning items are not
-rendered. Function tools become chat tools. Built-in tools are refused (the fake has no tool
-server), as is ``previous_response_id`` (the fake keeps no store: vLLM's default).
+rendered. Tools render as vLLM's (``chat_tools``: function, namespace and custom tools;
+others dropped); tool-server tools are refused (the fake has no tool server), as is
+``previous_response_id`` (the fake keeps no store: vLLM's default).
 
 Shapes (captured from vLLM's own pydantic models): the non-streamed body dumps every field
 (``kv_transfer_params`` among them); a stream is ``event: <type>`` / ``data: <json>``:
@@ -55,15 +56,21 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
                 raise ResponsesInputError("a message item needs a valid role", "input")
             out.append({"role": "system" if role == "developer" else role,
                         "content": _text(item.get("content"))})
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
+            name = item.get("name", "")
+            if kind == "custom_tool_call":
+                arguments = json.dumps({"input": item.get("input") or ""}, ensure_ascii=False)
+            else:
+                arguments = item.get("arguments", "")
+                if item.get("namespace"):
+                    name = f"{item['namespace']}__{name}"
             call = {"id": item.get("call_id", ""), "type": "function",
-                    "function": {"name": item.get("name", ""),
-                                 "arguments": item.get("arguments", "")}}
+                    "function": {"name": name, "arguments": arguments}}
             if out and out[-1]["role"] == "assistant":
                 out[-1].setdefault("tool_calls", []).append(call)
             else:
                 out.append({"role": "assistant", "content": "", "tool_calls": [call]})
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             output = item.get("output")
             out.append({"role": "tool", "tool_call_id": item.get("call_id", ""),
                         "content": output if isinstance(output, str) else _text(output)})
@@ -72,21 +79,61 @@ def chat_messages(body: Mapping[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
+#: The tool types vLLM's tool server runs (the fake has none; kvrelay's router refuses them).
+TOOL_SERVER_TOOLS = frozenset({
+    "web_search_preview", "web_search_preview_2025_03_11", "code_interpreter", "container",
+    "mcp",
+})
+
+#: The single-string schema vLLM shows a custom tool as (``custom_tool_parameters``).
+CUSTOM_TOOL_PARAMETERS: dict[str, Any] = {
+    "type": "object",
+    "properties": {"input": {"type": "string",
+                             "description": "The freeform text payload for this tool."}},
+    "required": ["input"], "additionalProperties": False,
+}
+
+
 def chat_tools(body: Mapping[str, Any]) -> list[dict[str, Any]] | None:
-    """Function tools as chat tools; a built-in tool is refused."""
+    """The tools as vLLM 0.32 renders them (``get_function_tools``): function tools as chat
+    tools; a namespace's function tools flattened to ``<namespace>__<name>``; a custom tool
+    as a function of one string ``input`` (refused with a grammar format, as vLLM does);
+    other types (``web_search``, ...) not rendered. A tool-server tool is refused."""
     tools = body.get("tools")
     if not tools:
         return None
     if not isinstance(tools, list):
         raise ResponsesInputError("tools must be a list", "tools")
-    out = []
+    out: list[dict[str, Any]] = []
     for tool in tools:
-        if not isinstance(tool, Mapping) or tool.get("type") != "function":
-            raise ResponsesInputError("the fake engine serves function tools only", "tools")
-        out.append({"type": "function", "function": {
-            "name": tool.get("name", ""), "description": tool.get("description"),
-            "parameters": tool.get("parameters") or {}}})
-    return out
+        kind = tool.get("type") if isinstance(tool, Mapping) else None
+        if not isinstance(tool, Mapping) or not isinstance(kind, str):
+            raise ResponsesInputError("every tool must be an object with a type", "tools")
+        if kind in TOOL_SERVER_TOOLS:
+            raise ResponsesInputError(f"the fake engine has no tool server for {kind!r}",
+                                      "tools")
+        if kind == "function":
+            out.append(_function(tool.get("name", ""), tool))
+        elif kind == "namespace":
+            for inner in tool.get("tools") or ():
+                if isinstance(inner, Mapping) and inner.get("type") == "function":
+                    out.append(_function(f"{tool.get('name', '')}__{inner.get('name', '')}",
+                                         inner))
+        elif kind == "custom":
+            fmt = tool.get("format")
+            if isinstance(fmt, Mapping) and fmt.get("type") == "grammar":
+                raise ResponsesInputError(
+                    "Custom tools with a grammar format are not supported; only free-form "
+                    "text custom tools are accepted.", "tools")
+            out.append(_function(tool.get("name", ""), {
+                "description": tool.get("description"), "parameters": CUSTOM_TOOL_PARAMETERS}))
+    return out or None
+
+
+def _function(name: object, tool: Mapping[str, Any]) -> dict[str, Any]:
+    return {"type": "function", "function": {
+        "name": name, "description": tool.get("description"),
+        "parameters": tool.get("parameters") or {}}}
 
 
 def _text(content: object) -> str:

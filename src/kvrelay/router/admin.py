@@ -50,6 +50,8 @@ from kvrelay.router.state import RouterContext
 from kvrelay.router.upstream import UpstreamError
 
 MESSAGES = MessagesAdapter()
+ROOT_BODY = b'{"object":"kvrelay.router"}'
+"""What ``GET /`` answers: only that this is kvrelay's router listening."""
 Endpoint = Callable[[Request], Awaitable[bytes]]
 Handler = Callable[[Request], Awaitable[None]]
 
@@ -146,7 +148,14 @@ def public_routes(ctx: RouterContext) -> list[Route]:
         await send_response(request.send, 200, ctx.metrics.render(sizes=allowed),
                             CONTENT_TYPE.encode())
 
+    async def root(request: Request) -> None:
+        """``GET /`` / ``HEAD /``: the listener answers (Claude Code probes ``HEAD /``
+        before its first request); nothing about the nodes (that is ``/health``)."""
+        await send_response(request.send, 200, b"" if request.method == "HEAD" else ROOT_BODY)
+        ctx.metrics.request_done("/", 200)
+
     routes = [
+        Route("/", frozenset({"GET", "HEAD"}), root),
         Route("/health", frozenset({"GET"}), _counted(ctx, "/health", health)),
         Route("/v1/models", frozenset({"GET"}), _counted(ctx, "/v1/models", models)),
         Route("/stats", frozenset({"GET"}), _counted(ctx, "/stats", stats)),

@@ -43,6 +43,8 @@ _SESSION_SUFFIX = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
 _MARK_USAGE = b'"usage":{'
 _MARK_PARAMS = b'"kv_transfer_params"'
 _STOP = b"event: message_stop\n"
+_ROLES = ("user", "assistant", "system")
+BILLING_HEADER = "x-anthropic-billing-header"
 _ERROR = b"event: error\n"
 _DECODER = msgspec.json.Decoder()
 
@@ -106,7 +108,7 @@ class MessagesAdapter:
         output_config = optional(body, "output_config", dict)
         context = encode({
             "model": body.get("model"),
-            "system": strip_markers(system),
+            "system": system_text(system),
             "tools": strip_markers(tools),
             "thinking_off": bool(thinking and thinking.get("type") == "disabled"),
             "effort": output_config.get("effort") if output_config else None,
@@ -187,14 +189,51 @@ def strip_markers(value: object) -> object:
     return value
 
 
+def is_billing_header(text: object) -> bool:
+    """Claude Code's ``x-anthropic-billing-header: ...`` text, which changes every request;
+    vLLM drops it from the prompt (top-level and inline system)."""
+    return isinstance(text, str) and text.startswith(BILLING_HEADER)
+
+
+def system_text(system: object) -> str | None:
+    """The system prompt as vLLM renders it: a string, or the text of the text blocks
+    joined, billing headers left out (markers and block boundaries do not change it)."""
+    if isinstance(system, str):
+        return None if is_billing_header(system) else system
+    if not isinstance(system, list):
+        return None
+    return "".join(b["text"] for b in system
+                   if isinstance(b, dict) and b.get("type") == "text"
+                   and isinstance(b.get("text"), str) and not is_billing_header(b["text"]))
+
+
+def _canonical(message: dict[str, Any]) -> dict[str, Any] | None:
+    """A message as its identity sees it: no ``cache_control`` markers; one text block as
+    its string (vLLM renders both alike); a system message as its text without billing
+    headers, ``None`` when nothing is left (vLLM renders no message then)."""
+    role, content = message["role"], message["content"]
+    if role == "system":
+        text = system_text(content)
+        return {"role": "system", "content": text} if text else None
+    if isinstance(content, list):
+        blocks = strip_markers(content)
+        assert isinstance(blocks, list)
+        only = blocks[0] if len(blocks) == 1 else None
+        if isinstance(only, dict) and only.get("type") == "text" \
+                and set(only) == {"type", "text"} and isinstance(only["text"], str):
+            return {"role": role, "content": only["text"]}
+        return {"role": role, "content": blocks}
+    return {"role": role, "content": content}
+
+
 def _items(messages: object) -> list[ChatMessage]:
     if not isinstance(messages, list) or not messages:
         raise ClientError("messages must be a non-empty list", "messages")
     out: list[ChatMessage] = []
     for message in messages:
-        if not isinstance(message, dict) or message.get("role") not in ("user", "assistant"):
-            raise ClientError("every message must be an object with role user or assistant",
-                              "messages")
+        if not isinstance(message, dict) or message.get("role") not in _ROLES:
+            raise ClientError("every message must be an object with role user, assistant or "
+                              "system", "messages")
         content = message.get("content")
         if not isinstance(content, str | list):
             raise ClientError("a message's content must be a string or a list of blocks",
@@ -202,10 +241,11 @@ def _items(messages: object) -> list[ChatMessage]:
         answer = None
         if message["role"] == "assistant":
             answer = answer_digest(*content_answer(content))
-        raw = encode(message)
-        if b'"cache_control"' in raw:
-            raw = encode(strip_markers(message))
-        out.append(ChatMessage(raw, answer))
+        canonical = _canonical(message)
+        if canonical is not None:
+            out.append(ChatMessage(encode(canonical), answer))
+    if not any(m["role"] != "system" for m in messages):
+        raise ClientError("messages must hold a user or assistant message", "messages")
     return out
 
 

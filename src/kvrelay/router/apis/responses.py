@@ -2,16 +2,23 @@
 
 **Canonical history.** ``input`` as a list of items (a string input is one user message).
 The items D produced for one turn (``reasoning``, an assistant ``message``, ``function_call``
-items) are re-sent together; consecutive such items form **one** history item whose answer
-digest is their ``output_text`` and function calls (``core.identity.answer_digest``), the
-same digest the router computes from D's ``output``. Every other item (user, developer and
-system messages, ``function_call_output``) is one item. The context: model, instructions,
-function tools, reasoning (its effort renders into the prompt), template kwargs.
+items, ``custom_tool_call`` items) are re-sent together; consecutive such items form **one**
+history item whose answer digest is their ``output_text`` and tool calls
+(``core.identity.answer_digest``; a namespaced call as ``<namespace>__<name>``, a custom
+call with its ``input``), the same digest the router computes from D's ``output``. Every
+other item (user, developer and system messages, ``function_call_output``) is one item. The
+context: model, instructions, tools, reasoning (its effort renders into the prompt),
+template kwargs.
+
+**Tools.** ``function``, ``namespace`` and ``custom`` tools are rendered by vLLM
+(``RENDERED_TOOLS``) and go through; Codex sends all three kinds, and a ``web_search`` tool,
+which vLLM neither renders nor runs (it goes through too). The tools vLLM's tool server runs
+(``TOOL_SERVER_TOOLS``) are refused.
 
 **What P/D cannot carry** is refused with a 400 in OpenAI's error shape:
 ``previous_response_id`` and ``conversation`` (the router keeps no responses: send the whole
-input with ``store: false``), ``background``, and built-in tools (web search, file search,
-code interpreter, MCP, ...: vLLM runs several engine requests for one response). ``store:
+input with ``store: false``), ``background``, and tool-server tools (web search preview,
+code interpreter, container, MCP: vLLM runs several engine requests for one response). ``store:
 true`` is served as ``store: false`` (P and D are told ``store: false``; the response says
 so): nothing is stored, ``GET /v1/responses/{id}`` does not exist.
 
@@ -44,7 +51,7 @@ from kvrelay.router.errors import ClientError, RouterError, dumps
 from kvrelay.router.sse import Rewrite, split_events
 
 CONTEXT_FIELDS = ("model", "instructions", "tools", "reasoning", "chat_template_kwargs")
-_OUTPUT_TYPES = frozenset({"reasoning", "function_call"})
+_OUTPUT_TYPES = frozenset({"reasoning", "function_call", "custom_tool_call"})
 _P_DROPPED = ("stream_options", "background", "top_logprobs")
 _NULL_PARAMS = b',"kv_transfer_params":null'
 _MARK_PARAMS = b'"kv_transfer_params"'
@@ -146,6 +153,21 @@ class ResponsesAdapter:
         }) + b"\n\n"
 
 
+RENDERED_TOOLS = frozenset({"function", "namespace", "custom"})
+"""Tool types vLLM renders into the prompt (0.32 and 0.33): a function; a namespace's
+functions, flattened to ``<namespace>__<name>``; a custom tool, as a function taking one
+string (``input``)."""
+
+TOOL_SERVER_TOOLS = frozenset({
+    "web_search_preview", "web_search_preview_2025_03_11", "code_interpreter", "container",
+    "mcp",
+})
+"""Tool types vLLM hands to its tool server (``--tool-server``: browser, python, container,
+MCP), running several engine requests for one response: refused. Any other type
+(``web_search``, ``file_search``, ``image_generation``, ``local_shell``, ...) vLLM neither
+renders nor runs, so it goes through (and stays in the context digest)."""
+
+
 def _check_tools(body: Mapping[str, Any]) -> None:
     tools = body.get("tools")
     if tools is None:
@@ -154,11 +176,15 @@ def _check_tools(body: Mapping[str, Any]) -> None:
         raise ClientError("tools must be a list", "tools")
     for tool in tools:
         kind = tool.get("type") if isinstance(tool, dict) else None
-        if kind != "function":
+        if not isinstance(kind, str):
+            raise ClientError("every tool must be an object with a string type", "tools")
+        if kind in TOOL_SERVER_TOOLS:
             raise ClientError(
                 f"tool type {kind!r} is not supported by the P/D router: built-in tools run "
-                "several engine requests for one response; only function tools go through "
-                "P/D", "tools")
+                "on vLLM's tool server, several engine requests for one response; function, "
+                "namespace and custom tools go through P/D", "tools")
+        if kind == "namespace" and not isinstance(tool.get("tools"), list):
+            raise ClientError("a namespace tool needs a list of tools", "tools")
 
 
 def _items(value: object) -> list[ChatMessage]:
@@ -207,10 +233,14 @@ def output_answer(output: object) -> tuple[str, list[ToolCall]]:
         if not isinstance(item, dict):
             continue
         kind = item.get("type")
-        if kind == "function_call":
-            name, args = item.get("name"), item.get("arguments")
-            calls.append(ToolCall(name if isinstance(name, str) else "",
-                                  args if isinstance(args, str) else ""))
+        if kind in ("function_call", "custom_tool_call"):
+            name = item.get("name")
+            args = item.get("arguments" if kind == "function_call" else "input")
+            namespace = item.get("namespace")
+            name = name if isinstance(name, str) else ""
+            if isinstance(namespace, str) and namespace:
+                name = f"{namespace}__{name}"
+            calls.append(ToolCall(name, args if isinstance(args, str) else ""))
         elif kind in (None, "message") and item.get("role") == "assistant":
             texts.append(message_text(item.get("content")))
     return "".join(texts), calls
