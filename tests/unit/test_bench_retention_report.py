@@ -93,3 +93,30 @@ def test_modes_parse_in_the_order_given() -> None:
     for bad in ("", "managed,managed", "pull"):
         with pytest.raises(ValueError):
             parse_retention_modes(bad)
+
+
+async def test_the_warm_up_sends_one_short_turn_and_fails_loudly() -> None:
+    import httpx
+
+    from kvrelay.bench.client import ChatClient
+    from kvrelay.bench.retention_bench import warm_up
+
+    seen: list[httpx.Request] = []
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=(
+            'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+            "data: [DONE]\n\n"))
+
+    async with ChatClient("http://router", "m", transport=httpx.MockTransport(ok)) as client:
+        await warm_up(client, "managed-warmup")
+    assert len(seen) == 1
+    assert seen[0].headers["x-conversation-id"] == "managed-warmup"
+
+    def down(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "no"}})
+
+    async with ChatClient("http://router", "m", transport=httpx.MockTransport(down)) as client:
+        with pytest.raises(RuntimeError, match="warm-up"):
+            await warm_up(client, "managed-warmup")
