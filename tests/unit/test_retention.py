@@ -99,3 +99,15 @@ def test_releasing_and_dropped_are_bounded():
         decode_sync(encode(sync(releasing=too_many)))
     with pytest.raises(RetentionSyncError):
         decode_orders(encode(RetentionOrders(dropped=too_many)))
+
+
+def test_the_router_counts_d_s_retained_blocks_as_available_to_live_work():
+    from kvrelay.router.retention import DRetention
+
+    # D's cache is full, but all of it retention: live work can have all of it on demand,
+    # so the learned retention time is not shortened because of retention's own blocks.
+    full_of_retention = DRetention("d", sync(num_blocks_free=0, retained_blocks=24), 0.0)
+    assert full_of_retention.free_fraction == 1.0
+    # Live work holding 16 of 24 blocks is what makes D short: 4 free + 4 retained.
+    busy = DRetention("d", sync(num_blocks_free=4, retained_blocks=4), 0.0)
+    assert busy.free_fraction == pytest.approx(8 / 24)

@@ -17,8 +17,10 @@ retention from what the router has seen:
   id's, then its tenant's, then all traffic's) that holds ``min_samples``; with none, the
   prior: D's TTL (what stock vLLM does).
 * **D's headroom.** When D's last sync shows less than ``low_free_fraction`` of its KV cache
-  free, the time shrinks in proportion (to ``min_scale`` of it at worst): retention yields
-  before live work has to wait.
+  available to live work (``available_fraction``: free blocks and retained ones, which D
+  releases on demand under pressure), the time shrinks in proportion (to ``min_scale`` of it
+  at worst): retention yields before live work has to wait. Retained blocks count as
+  available so that retention does not shorten itself because of its own blocks.
 * **Bounds.** Never above D's TTL (D clamps too: ``core.retention_sync.clamp_retain_s``),
   never below ``router_margin_s + min_window_s`` (a shorter one could never be pulled).
 
@@ -124,6 +126,15 @@ class RetentionTimeConfig:
         return self.router_margin_s + self.min_window_s
 
 
+def available_fraction(*, num_blocks_free: int, retained_blocks: int,
+                       num_blocks_total: int) -> float:
+    """The share of D's KV cache live work can have: free blocks plus retained ones (D
+    releases retention on demand), in [0, 1]; 0 for an empty cache."""
+    if num_blocks_total <= 0:
+        return 0.0
+    return min(1.0, max(0, num_blocks_free + retained_blocks) / num_blocks_total)
+
+
 class RetainTime(msgspec.Struct, frozen=True):
     """How long D keeps one turn, and why; ``gap_quantile_s`` is the learned quantile used
     (``None`` for the prior)."""
@@ -141,8 +152,8 @@ def decide_retain_s(
     config: RetentionTimeConfig,
 ) -> RetainTime:
     """A turn's retention time on a D whose TTL is ``ttl_s`` (module docstring).
-    ``histograms`` go narrowest first; ``free_fraction`` is the share of D's KV cache free
-    at its last sync (``None``: unknown)."""
+    ``histograms`` go narrowest first; ``free_fraction`` is the share of D's KV cache
+    available to live work at its last sync (``available_fraction``; ``None``: unknown)."""
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
     floor_s = min(config.floor_s, ttl_s)

@@ -27,7 +27,8 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 (``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
 learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
 D keeps the turn, ``core.retention_time.decide_retain_s`` from the gaps between turns seen
-(``router.retain_times``, fed by ``observe_gap``) and D's free share at its last sync.
+(``router.retain_times``, fed by ``observe_gap``) and D's share available to live work at
+its last sync (free blocks and retained ones, which D releases on demand).
 """
 
 from __future__ import annotations
@@ -46,7 +47,11 @@ from kvrelay.core.retention_sync import (
     RetentionSyncError,
     decode_sync,
 )
-from kvrelay.core.retention_time import RetentionTimeConfig, decide_retain_s
+from kvrelay.core.retention_time import (
+    RetentionTimeConfig,
+    available_fraction,
+    decide_retain_s,
+)
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
 from kvrelay.router.index import ConversationIndex
@@ -70,9 +75,12 @@ class DRetention:
 
     @property
     def free_fraction(self) -> float:
-        """D's KV cache not in use (neither live work nor retention), 0..1."""
-        total = self.sync.num_blocks_total
-        return self.sync.num_blocks_free / total if total > 0 else 0.0
+        """D's KV cache available to live work, 0..1: free blocks and retained ones (D
+        releases those on demand, ``core.retention``), so that retention never shortens
+        itself because of its own blocks; only live work makes D short."""
+        return available_fraction(num_blocks_free=self.sync.num_blocks_free,
+                                  retained_blocks=self.sync.retained_blocks,
+                                  num_blocks_total=self.sync.num_blocks_total)
 
 
 class RetentionDesk:
