@@ -28,7 +28,9 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
 D keeps the turn, ``core.retention_time.decide_retain_s`` from the gaps between turns seen
 (``router.retain_times``, fed by ``observe_gap``) and D's share available to live work at
-its last sync (free blocks and retained ones, which D releases on demand).
+its last sync (free blocks and retained ones, which D releases on demand); and once gaps are
+learned, ``kvrelay_pull_window_s``: within how long the follow-up is likely (D releases turns
+past it first).
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvrelay.core.retention_sync import (
+    PULL_WINDOW_S_KEY,
     RELEASE_CAUSES,
     RETAIN_S_KEY,
     RETENTION_PATH,
@@ -129,7 +132,10 @@ class RetentionDesk:
         self._metrics.child(self._metrics.retain_decisions, decided.reason).inc()
         self._metrics.retain_seconds.observe(decided.retain_s)
         turn.retain_s = decided.retain_s
-        return {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}, decided.retain_s
+        keys: dict[str, object] = {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}
+        if decided.pull_window_s is not None:
+            keys[PULL_WINDOW_S_KEY] = decided.pull_window_s
+        return keys, decided.retain_s
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, or once D went down or restarted)."""
