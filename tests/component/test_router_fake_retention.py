@@ -159,6 +159,7 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
             reply = await chat(c, history)
         assert reply.headers["x-kvrelay-action"] == "recompute"
         assert reply.headers["x-kvrelay-reason"] == "released"
+        assert reply.headers["x-kvrelay-released-cause"] == "pressure"
         assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
             {"model": "tiny", "messages": history, "max_tokens": 16})
         assert not any(rec.plan == "pull" for rec in r.cluster.prefill[0].records)
