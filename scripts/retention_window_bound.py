@@ -16,7 +16,9 @@ one that is not is held the whole ``w`` (``window``). This script builds the ben
 * against a measured run (``--results DIR``: a ``bench retention --out DIR``; stock's hits
   and block-seconds are read from its ``retention.json``);
 * per seed (``--seeds``), against a model of stock without pressure (every turn held until
-  its follow-up reads it or for the whole TTL; hits: follow-ups within the TTL). The model
+  its follow-up reads it or for the whole TTL, as the bench scales it: 480 s -> 15 s + the
+  reader's unscaled 5 s margin, 640 workload seconds at time scale 32; hits: follow-ups
+  before the router's entry expires). The model
   ignores stock's stalls, which make its measured block-seconds larger than the model's.
 
 Workload seconds throughout (the bench's time scale undone). The bound is not a policy: it
@@ -36,6 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kvrelay.bench.tokens import default_counter
+from kvrelay.bench.trace_replay import ScaledSettings
 from kvrelay.bench.workloads import Pacing, ThinkTime, Workload, agent_workload
 
 BLOCK_TOKENS = 128
@@ -91,11 +94,13 @@ def least_window_block_seconds(turns: list[Retained], hits: int) -> tuple[float,
     return w, sum(r.blocks * min(w, r.gap_s if r.gap_s is not None else w) for r in turns)
 
 
-def stock_model(turns: list[Retained], ttl_s: float) -> tuple[int, float]:
+def stock_model(turns: list[Retained], pin_s: float, expiry_s: float) -> tuple[int, float]:
     """Stock without pressure: (hits, block-seconds) when every turn is held until its
-    follow-up reads it or for ``ttl_s``."""
-    hits = sum(1 for r in turns if r.gap_s is not None and r.gap_s <= ttl_s)
-    held = sum(r.blocks * min(ttl_s, r.gap_s if r.gap_s is not None else ttl_s)
+    follow-up reads it or for D's TTL (``pin_s``: the bench's scaled TTL plus the reader's
+    unscaled margin, in workload seconds); hits: follow-ups before the router's entry
+    expires (``expiry_s``)."""
+    hits = sum(1 for r in turns if r.gap_s is not None and r.gap_s <= expiry_s)
+    held = sum(r.blocks * min(pin_s, r.gap_s if r.gap_s is not None else pin_s)
                for r in turns)
     return hits, held
 
@@ -159,7 +164,8 @@ def main(argv: list[str] | None = None) -> int:
     seeds = seeds_of(args.seeds)
     for seed in seeds:
         turns = retained_turns(build(args, seed), args.answer_tokens, args.time_scale)
-        hits, held = stock_model(turns, args.ttl_s)
+        settings = ScaledSettings.for_ttl(args.ttl_s, args.time_scale)
+        hits, held = stock_model(turns, settings.d_pin_s, settings.router_expiry_s)
         bound = least_block_seconds(turns, hits)
         w, windowed = least_window_block_seconds(turns, hits)
         ratio = windowed / held if held > 0 else math.nan
