@@ -16,6 +16,7 @@ import pytest
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.retention_sync import (
+    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
@@ -158,6 +159,7 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
             reply = await chat(c, history)
         assert reply.headers["x-kvrelay-action"] == "recompute"
         assert reply.headers["x-kvrelay-reason"] == "released"
+        assert reply.headers["x-kvrelay-released-cause"] == "pressure"
         assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
             {"model": "tiny", "messages": history, "max_tokens": 16})
         assert not any(rec.plan == "pull" for rec in r.cluster.prefill[0].records)
@@ -289,6 +291,12 @@ async def retain_s_sent(r: Routed) -> object:
     return params.get(RETAIN_S_KEY)
 
 
+async def pull_window_sent(r: Routed) -> object:
+    params = r.cluster.decode[0].records[-1].request_kv_transfer_params
+    assert params is not None
+    return params.get(PULL_WINDOW_S_KEY)
+
+
 async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_follows() -> None:
     """Follow-ups come 20 s after their turn: D is asked to keep the next turn about 50 s
     (the gaps' high quantile + the router's margin), not its 480 s TTL, and the router's
@@ -300,10 +308,13 @@ async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_foll
             await chat(c, conversation(1))
             await r.settle()
             assert await retain_s_sent(r) == ENGINE_CONFIG.decoder_kv_blocks_ttl  # the prior
+            assert await pull_window_sent(r) is None  # the prior's window: all of it
             learn_gaps(r, 20.0)
             history, entry = await one_first_turn(r)
             retain_s = await retain_s_sent(r)
             assert isinstance(retain_s, float)
+            window_s = await pull_window_sent(r)  # follow-ups come within ~20 s
+            assert isinstance(window_s, float) and 20.0 <= window_s < 20.0 * 1.25 < retain_s
             margin = r.ctx.config.ttl_safety_margin_s + r.ctx.config.policy.near_expiry_s
             assert margin + 20.0 <= retain_s < margin + 20.0 * 1.25
             assert entry.expires_at_s - entry.created_at_s == pytest.approx(

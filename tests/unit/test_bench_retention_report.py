@@ -19,12 +19,13 @@ from kvrelay.bench.retention_report import (
 
 def turn(conv: str, number: int, ttft_s: float | None, action: str | None = "pull",
          reason: str | None = "pull", reused: int | None = 512,
-         error: str | None = None) -> TurnRecord:
+         error: str | None = None, cause: str | None = None) -> TurnRecord:
     return TurnRecord(
         mode="m", workload="agent", conversation_id=conv, turn=number, context_tokens=None,
         target_tokens=600, measured=True, think_s=0.0, sent_at_s=0.0, prompt_tokens=600,
         completion_tokens=8, ttft_s=ttft_s, tpot_s=None, e2e_s=1.0, action=action,
-        reason=reason, reused_tokens=reused, decision_source="header", error=error)
+        reason=reason, reused_tokens=reused, decision_source="header", error=error,
+        released_cause=cause)
 
 
 def test_block_seconds_integrates_the_samples_as_steps_up_to_the_end() -> None:
@@ -40,7 +41,8 @@ def test_summary_counts_new_turns_follow_ups_and_hits() -> None:
     records = [
         turn("a", 1, 0.10, action="recompute", reason="new_conversation", reused=None),
         turn("a", 2, 0.05),
-        turn("a", 3, 0.30, action="recompute", reason="released", reused=0),
+        turn("a", 3, 0.30, action="recompute", reason="released", reused=0, cause="pressure"),
+        turn("a", 4, 0.30, action="recompute", reason="expired", reused=0),
         turn("b", 1, 0.20, action="recompute", reason="new_conversation", reused=None),
         turn("b", 2, 0.04, action="pull", reason="pull", reused=0),  # pulled nothing: a miss
         turn("c", 1, None, error="timeout"),
@@ -51,11 +53,15 @@ def test_summary_counts_new_turns_follow_ups_and_hits() -> None:
     assert (s.conversations, s.failed_turns) == (3, 1)
     assert s.new_ttft_p50_s == pytest.approx(0.15)
     assert s.new_ttft_p99_s == pytest.approx(0.10 + 0.10 * 0.99)
-    assert (s.followups, s.pulled, s.hit_rate) == (3, 1, pytest.approx(1 / 3))
+    assert (s.followups, s.pulled, s.hit_rate) == (4, 1, pytest.approx(1 / 4))
     assert s.block_seconds == pytest.approx((8 + 16) * 10.0)
     assert (s.peak_blocks, s.peak_waiting, s.preemptions) == (16, 2, 3)
     assert s.releases == {"pressure": 2}
-    assert s.followup_reasons == {"pull/pull": 2, "recompute/released": 1}
+    assert s.followup_reasons == {"pull/pull": 2, "recompute/expired": 1,
+                                  "recompute/released": 1}
+    # Each miss by why its turn was gone: D's release cause, the router's reason.
+    assert s.misses == {"released/pressure": 1, "expired": 1, "pull": 1}
+    assert "released/pressure 1" in "\n".join(markdown_table({"managed": s}, []))
     with pytest.raises(ValueError):
         summarize_retention("managed", records, trace, time_scale=0.0)
 
@@ -93,3 +99,30 @@ def test_modes_parse_in_the_order_given() -> None:
     for bad in ("", "managed,managed", "pull"):
         with pytest.raises(ValueError):
             parse_retention_modes(bad)
+
+
+async def test_the_warm_up_sends_one_short_turn_and_fails_loudly() -> None:
+    import httpx
+
+    from kvrelay.bench.client import ChatClient
+    from kvrelay.bench.retention_bench import warm_up
+
+    seen: list[httpx.Request] = []
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=(
+            'data: {"choices": [{"index": 0, "delta": {"content": "hi"}}]}\n\n'
+            "data: [DONE]\n\n"))
+
+    async with ChatClient("http://router", "m", transport=httpx.MockTransport(ok)) as client:
+        await warm_up(client, "managed-warmup")
+    assert len(seen) == 1
+    assert seen[0].headers["x-conversation-id"] == "managed-warmup"
+
+    def down(request: httpx.Request) -> httpx.Response:
+        return httpx.Response(503, json={"error": {"message": "no"}})
+
+    async with ChatClient("http://router", "m", transport=httpx.MockTransport(down)) as client:
+        with pytest.raises(RuntimeError, match="warm-up"):
+            await warm_up(client, "managed-warmup")

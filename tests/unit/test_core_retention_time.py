@@ -115,3 +115,18 @@ def test_bad_input_is_refused_or_ignored() -> None:
         decide_retain_s([], ttl_s=0.0, free_fraction=None, config=CONFIG)
     with pytest.raises(ValueError):
         RetentionTimeConfig(quantile=1.5)
+
+
+def test_the_pull_window_is_the_lower_gap_quantile_never_above_the_retention() -> None:
+    config = RetentionTimeConfig(quantile=0.9, pull_quantile=0.5, min_samples=20,
+                                 router_margin_s=25.0)
+    gaps = [2.0] * 50 + [200.0] * 50
+    got = decide_retain_s([histogram(gaps)], ttl_s=TTL, free_fraction=None, config=config)
+    assert got.pull_window_s is not None and 2.0 <= got.pull_window_s < 10.0
+    assert got.retain_s > 200.0
+    # The prior has no window (the whole retention), and a short retention caps it.
+    prior = decide_retain_s([], ttl_s=TTL, free_fraction=None, config=config)
+    assert prior.pull_window_s is None
+    tight = decide_retain_s([histogram([300.0] * 40)], ttl_s=60.0, free_fraction=None,
+                            config=config)
+    assert tight.pull_window_s == tight.retain_s == 60.0

@@ -8,6 +8,7 @@ from kvrelay.core.retention import (
     RetainedTurn,
     release_expired,
     release_for,
+    release_idle,
     release_order,
     release_over_headroom,
     release_under_pressure,
@@ -21,6 +22,7 @@ from kvrelay.core.retention_sync import (
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
+    clamp_pull_window_s,
     decode_orders,
     decode_sync,
     encode,
@@ -28,9 +30,43 @@ from kvrelay.core.retention_sync import (
 
 
 def turn(request_id: str, blocks: int, at_s: float, *, value: float = 0.0,
-         deadline_s: float = 1e9, reading: bool = False) -> RetainedTurn:
+         deadline_s: float = 1e9, reading: bool = False,
+         pull_until_s: float | None = None) -> RetainedTurn:
     return RetainedTurn(request_id=request_id, num_blocks=blocks, num_tokens=blocks * 16,
-                        retained_at_s=at_s, deadline_s=deadline_s, value=value, reading=reading)
+                        retained_at_s=at_s, deadline_s=deadline_s, value=value, reading=reading,
+                        pull_until_s=pull_until_s)
+
+
+def test_turns_past_their_pull_window_go_first_oldest_first_then_the_others():
+    turns = [turn("young-idle", 2, 40.0, pull_until_s=45.0, value=9.0),
+             turn("old-idle", 2, 30.0, pull_until_s=50.0),
+             turn("oldest-in-window", 2, 0.0, pull_until_s=100.0),
+             turn("no-window", 2, 5.0),
+             turn("idle-read", 2, 1.0, pull_until_s=2.0, reading=True)]
+    order = [t.request_id for t in release_idle(turns, now_s=60.0)]
+    assert order == ["old-idle", "young-idle", "oldest-in-window", "no-window"]
+    # Before any window ends the order is release_order's: value, then oldest.
+    before = [t.request_id for t in release_idle(turns, now_s=10.0)]
+    assert before == [t.request_id for t in release_order(turns)]
+    assert turns[1].idle(50.0) and not turns[1].idle(49.9) and not turns[3].idle(1e12)
+
+
+def test_pressure_and_headroom_release_idle_turns_before_older_ones_in_their_window():
+    turns = [turn("old", 4, 0.0, pull_until_s=500.0), turn("idle", 4, 50.0, pull_until_s=60.0)]
+    assert release_under_pressure(turns, num_blocks_free=0, num_blocks_needed=4,
+                                  now_s=70.0).request_ids == ("idle",)
+    assert release_over_headroom(turns, num_blocks_total=8, headroom=0.5,
+                                 now_s=70.0).request_ids == ("idle",)
+    # Without a time the windows are not known: oldest first.
+    assert release_under_pressure(turns, num_blocks_free=0,
+                                  num_blocks_needed=4).request_ids == ("old",)
+
+
+def test_d_clamps_the_pull_window_to_the_turn_s_retention():
+    assert clamp_pull_window_s(30.0, 120.0) == 30.0
+    assert clamp_pull_window_s(300, 120.0) == 120.0
+    for bad in (None, "30", True, 0, -1.0, float("nan")):
+        assert clamp_pull_window_s(bad, 120.0) == 120.0
 
 
 def test_least_valuable_go_first_then_oldest_and_a_read_turn_never():
@@ -99,3 +135,15 @@ def test_releasing_and_dropped_are_bounded():
         decode_sync(encode(sync(releasing=too_many)))
     with pytest.raises(RetentionSyncError):
         decode_orders(encode(RetentionOrders(dropped=too_many)))
+
+
+def test_the_router_counts_d_s_retained_blocks_as_available_to_live_work():
+    from kvrelay.router.retention import DRetention
+
+    # D's cache is full, but all of it retention: live work can have all of it on demand,
+    # so the learned retention time is not shortened because of retention's own blocks.
+    full_of_retention = DRetention("d", sync(num_blocks_free=0, retained_blocks=24), 0.0)
+    assert full_of_retention.free_fraction == 1.0
+    # Live work holding 16 of 24 blocks is what makes D short: 4 free + 4 retained.
+    busy = DRetention("d", sync(num_blocks_free=4, retained_blocks=4), 0.0)
+    assert busy.free_fraction == pytest.approx(8 / 24)

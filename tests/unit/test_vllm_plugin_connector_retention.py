@@ -127,6 +127,22 @@ def test_retain_s_becomes_the_turns_own_vllm_deadline_clamped_to_the_ttl(router)
     assert ledger.retained_blocks == 24 and ledger.retained_tokens == 3000
 
 
+def test_the_pull_window_reaches_the_ledger_clamped_to_the_turns_retention(router):
+    conn = d_connector()
+    conn.bind_kv_cache_manager(ns(block_pool=Pool(12), watermark_blocks=0))
+    before = time.perf_counter()
+    retain(conn, "window", retained_params(router.url, kvrelay_retain_s=30,
+                                           kvrelay_pull_window_s=5))
+    retain(conn, "too-long", retained_params(router.url, kvrelay_retain_s=30,
+                                             kvrelay_pull_window_s=500))
+    retain(conn, "none", retained_params(router.url, kvrelay_retain_s=30))
+    turns = {t.request_id: t for t in conn._retention.ledger.turns()}
+    window = turns["window"].pull_until_s
+    assert window is not None and before + 5 <= window < before + 6
+    for request_id in ("too-long", "none"):  # the whole retention
+        assert turns[request_id].pull_until_s == turns[request_id].deadline_s
+
+
 def test_pressure_waits_for_the_routers_answer_then_vllms_sweep_frees_the_turn(router):
     conn = d_connector()
     pool = Pool(free=0)

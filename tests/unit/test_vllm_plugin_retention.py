@@ -49,6 +49,21 @@ def test_pressure_asks_the_router_and_frees_only_what_it_answers():
     assert ledger.freed("new", now_s=2.6) is None, "P read it: not a release"
 
 
+def test_pressure_and_headroom_ask_for_turns_past_their_pull_window_first():
+    ledger = RetentionLedger(headroom=0.5)
+    ledger.retain("old", num_blocks=12, num_tokens=192, now_s=0.0, retain_s=100.0, url=URL,
+                  pull_window_s=90.0)
+    ledger.retain("idle", num_blocks=12, num_tokens=192, now_s=1.0, retain_s=100.0, url=URL,
+                  pull_window_s=2.0)
+    ledger.retain("capped", num_blocks=1, num_tokens=16, now_s=2.0, retain_s=5.0, url=URL,
+                  pull_window_s=50.0)  # a window is never longer than the retention
+    assert [t.pull_until_s for t in ledger.turns()] == [90.0, 3.0, 7.0]
+    release = ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12, now_s=5.0)
+    assert release.request_ids == ("idle",) and ledger.state("old") is TurnState.HELD
+    over = ledger.ask_over_headroom(num_blocks_total=24, now_s=8.0)
+    assert over.request_ids == ("capped",), "past its window (7 s) before the older turn"
+
+
 def test_blocks_on_their_way_count_as_free_for_the_next_ask():
     ledger = ledger_with(("a", 12, 0.0), ("b", 12, 1.0))
     ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=10, now_s=2.0)

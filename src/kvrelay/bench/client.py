@@ -13,10 +13,11 @@ before the request is sent):
 Non-streamed requests (``stream=False``) report ``ttft_s = e2e_s`` and no TPOT.
 
 Decision: the router's ``X-KVRelay-Action`` / ``X-KVRelay-Reason`` / ``X-KVRelay-Reused-Tokens``
-response headers when present; otherwise, with a ``StatsDecisions`` probe, the newest
-``/stats`` record of this conversation that was not seen before; else ``None``. Failures
-(HTTP errors, mid-stream error events, transport errors) are returned as ``TurnResult`` with
-``error`` set, never raised, so a benchmark run records them and goes on.
+(and ``X-KVRelay-Released-Cause``) response headers when present; otherwise, with a
+``StatsDecisions`` probe, the newest ``/stats`` record of this conversation that was not
+seen before; else ``None``. Failures (HTTP errors, mid-stream error events, transport
+errors) are returned as ``TurnResult`` with ``error`` set, never raised, so a benchmark run
+records them and goes on.
 """
 
 from __future__ import annotations
@@ -48,6 +49,7 @@ DecisionSource = Literal["headers", "stats"]
 ACTION_HEADER = "x-kvrelay-action"
 REASON_HEADER = "x-kvrelay-reason"
 REUSED_HEADER = "x-kvrelay-reused-tokens"
+RELEASED_CAUSE_HEADER = "x-kvrelay-released-cause"
 CONVERSATION_HEADER = "X-Conversation-ID"
 
 
@@ -59,6 +61,8 @@ class Decision:
     reason: str | None
     reused_tokens: int | None
     source: DecisionSource
+    released_cause: str | None = None
+    """For reason ``released``: why D freed the blocks (``X-KVRelay-Released-Cause``)."""
 
 
 def decision_from_headers(headers: Mapping[str, str]) -> Decision | None:
@@ -72,7 +76,8 @@ def decision_from_headers(headers: Mapping[str, str]) -> Decision | None:
         reused = int(lowered[REUSED_HEADER])
     except (KeyError, ValueError):
         reused = None
-    return Decision(action, lowered.get(REASON_HEADER) or None, reused, "headers")
+    return Decision(action, lowered.get(REASON_HEADER) or None, reused, "headers",
+                    lowered.get(RELEASED_CAUSE_HEADER) or None)
 
 
 @dataclass(frozen=True)

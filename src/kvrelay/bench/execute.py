@@ -129,6 +129,7 @@ async def _conversation(
             reused_tokens=decision.reused_tokens if decision else None,
             decision_source=decision.source if decision else None,
             error=result.error,
+            released_cause=decision.released_cause if decision else None,
         )
         records.append(record)
         if on_turn is not None:

@@ -45,6 +45,8 @@ class TurnRecord:
     reused_tokens: int | None
     decision_source: str | None
     error: str | None
+    released_cause: str | None = None
+    """For reason ``released``: why D freed the blocks (pressure, headroom, router)."""
 
     @property
     def succeeded(self) -> bool:

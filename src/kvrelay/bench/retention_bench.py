@@ -21,6 +21,10 @@ is left large (P only prefills and leases), so the pressure is D's.
 divided by ``time_scale``; latencies (prefill, transfer, decode) are not. Block-seconds are
 reported in workload seconds (x ``time_scale``).
 
+**Warm-up.** Before a mode is timed, one short turn of its own conversation goes through
+the router (``warm_up``): a fresh engine's first request is slower and would otherwise be
+one of the ~24 new-conversation TTFT samples, near their p99.
+
 **D's trace.** While a mode runs, D's ``/fake/info`` is sampled every
 ``sample_interval_s``: held blocks (every retained turn's blocks) and waiting requests.
 After the last turn sampling goes on until D holds nothing (at most D's TTL and a margin),
@@ -44,6 +48,7 @@ from kvrelay.bench.execute import run_workload
 from kvrelay.bench.progress import Progress
 from kvrelay.bench.report import ModeRun
 from kvrelay.bench.retention_report import DecodeTrace
+from kvrelay.bench.tokens import ChatMessage
 from kvrelay.bench.trace_replay import (
     REPLAY_FIXED_COSTS,
     REPLAY_PULL_COST_FACTOR,
@@ -191,15 +196,17 @@ async def _bench(
                 await asyncio.wait_for(traffic_done.wait(), options.sample_interval_s)
 
     progress = Progress(mode, workload.num_turns, options.progress)
-    async with httpx.AsyncClient(timeout=10.0) as http:
+    async with httpx.AsyncClient(timeout=10.0) as http, \
+            ChatClient(router_url, model, timeout_s=options.timeout_s,
+                       stats=StatsDecisions(options.tenant),
+                       extra_body=options.extra_body) as client:
+        await warm_up(client, f"{options.id_prefix}{mode}-warmup")
+        started = time.perf_counter()
         task = asyncio.create_task(sampler(http))
         try:
-            async with ChatClient(router_url, model, timeout_s=options.timeout_s,
-                                  stats=StatsDecisions(options.tenant),
-                                  extra_body=options.extra_body) as client:
-                records = await run_workload(workload, client, mode=mode,
-                                             id_prefix=f"{options.id_prefix}{mode}-",
-                                             on_turn=progress.update)
+            records = await run_workload(workload, client, mode=mode,
+                                         id_prefix=f"{options.id_prefix}{mode}-",
+                                         on_turn=progress.update)
         finally:
             progress.close()
             traffic_done.set()
@@ -210,3 +217,17 @@ async def _bench(
     trace = DecodeTrace(tuple(samples), end_s, int(final.get("num_preemptions", 0)),
                         {str(k): int(v) for k, v in releases.items()})
     return ModeRun(mode, records, {**info, "router_url": router_url, "model": model}), trace
+
+
+WARM_UP_MESSAGES: tuple[ChatMessage, ...] = ({"role": "user", "content": "warm up"},)
+
+
+async def warm_up(client: ChatClient, conversation_id: str) -> None:
+    """One short turn through the router before a mode is timed: a fresh engine's and
+    router's first request pays one-off costs (imports, connections, first allocations) that
+    would otherwise land in that mode's new-conversation TTFT p99. Its retained turn is one
+    block; it is not in the records and sampling starts after it."""
+    result = await client.chat(WARM_UP_MESSAGES, max_tokens=4,
+                               conversation_id=conversation_id)
+    if not result.ok:
+        raise RuntimeError(f"warm-up turn failed: {result.error or result.status}")

@@ -12,6 +12,11 @@ sampled trace of D. This module turns them into figures and checks the goals:
 * **retained block-seconds**: the integral of D's held blocks over the sampled span (a step
   function: each sample holds until the next), times the time scale, so the figure is in
   the workload's (unscaled) seconds;
+* **misses by cause**: each follow-up that did not pull, by why its turn was gone: D released
+  it (``released/pressure``, ``released/headroom``, ``released/router``; the router's
+  ``X-KVRelay-Released-Cause``, ``released/releasing`` while D's ask was not yet told), its
+  retention ran out (``expired``), or the router had no entry (``no_entry``); other reasons
+  as the router gave them. Beside D's releases by cause, this shows why hits are lost;
 * **preemptions**: D's ``num_preemptions`` over the run. D's cache is sized so that live
   work alone does not preempt; the ``none`` mode measures that, and a mode's preemptions
   *caused by retention* are its count above ``none``'s.
@@ -78,6 +83,7 @@ class RetentionSummary:
     preemptions: int
     releases: dict[str, int]
     followup_reasons: dict[str, int]
+    misses: dict[str, int] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -94,6 +100,7 @@ def summarize_retention(
     followups = [r for r in ok if r.turn >= 2]
     pulled = sum(1 for r in followups if _pulled(r))
     reasons = Counter(f"{r.action}/{r.reason}" for r in followups)
+    misses = Counter(miss_cause(r) for r in followups if not _pulled(r))
     return RetentionSummary(
         mode=mode,
         conversations=len({r.conversation_id for r in records}),
@@ -109,7 +116,16 @@ def summarize_retention(
         preemptions=trace.num_preemptions,
         releases={k: v for k, v in sorted(trace.releases.items()) if v},
         followup_reasons=dict(sorted(reasons.items())),
+        misses=dict(sorted(misses.items())),
     )
+
+
+def miss_cause(record: TurnRecord) -> str:
+    """Why a follow-up did not pull (module docstring, "misses by cause")."""
+    reason = record.reason or record.action or "unknown"
+    if reason == "released":
+        return f"released/{record.released_cause or 'unknown'}"
+    return reason
 
 
 def _pulled(record: TurnRecord) -> bool:
@@ -182,6 +198,7 @@ def markdown_table(summaries: Mapping[str, RetentionSummary],
         ("D preemptions", [str(s.preemptions) for s in modes]),
         ("D releases by cause", [_counts(s.releases) for s in modes]),
         ("follow-ups by action/reason", [_counts(s.followup_reasons) for s in modes]),
+        ("follow-up misses by cause", [_counts(s.misses) for s in modes]),
     ]
     lines = ["| | " + " | ".join(s.mode for s in modes) + " |",
              "|---|" + "---|" * len(modes)]

@@ -13,7 +13,10 @@ conversation's next turn. Three things end one early:
   retention; retained blocks above ``(1 - headroom) * num_blocks_total`` are released.
 * **deadline**: the turn's own retention time (``kvrelay_retain_s`` clamped to D's TTL).
 
-Under pressure and headroom the least valuable go first: lowest ``value`` (the router's
+Under pressure and headroom the least valuable go first (``release_idle``): turns past their
+*pull window* (``pull_until_s``: the router's ``kvrelay_pull_window_s`` after the turn was
+retained, the time within which its follow-up is likely; ``None``: the whole retention)
+first, oldest first; then the others, lowest ``value`` (the router's
 ``kvrelay_retain_value``, 0 when unset), then oldest. A turn P is reading is never released.
 """
 
@@ -36,6 +39,13 @@ class RetainedTurn(msgspec.Struct, frozen=True):
     value: float = 0.0
     reading: bool = False
     """True while a P is reading the blocks: such a turn is never released."""
+    pull_until_s: float | None = None
+    """When the turn's pull window ends (its follow-up is unlikely after it); ``None``: at
+    its deadline."""
+
+    def idle(self, now_s: float) -> bool:
+        """Past its pull window at ``now_s``: the first to go under pressure or headroom."""
+        return self.pull_until_s is not None and now_s >= self.pull_until_s
 
 
 class Release(msgspec.Struct, frozen=True):
@@ -58,14 +68,27 @@ def release_order(turns: Iterable[RetainedTurn]) -> list[RetainedTurn]:
                   key=lambda turn: (turn.value, turn.retained_at_s, turn.request_id))
 
 
-def release_for(turns: Iterable[RetainedTurn], num_blocks: int, reason: str) -> Release:
+def release_idle(turns: Iterable[RetainedTurn], now_s: float) -> list[RetainedTurn]:
+    """Releasable turns in the order D releases them at ``now_s``: those past their pull
+    window (``RetainedTurn.idle``) first, oldest first; then the others in
+    ``release_order``."""
+    turns = list(turns)
+    idle = sorted((t for t in turns if not t.reading and t.idle(now_s)),
+                  key=lambda turn: (turn.retained_at_s, turn.request_id))
+    return idle + release_order(t for t in turns if not t.idle(now_s))
+
+
+def release_for(turns: Iterable[RetainedTurn], num_blocks: int, reason: str, *,
+                now_s: float | None = None) -> Release:
     """The fewest least-valuable turns that free at least ``num_blocks`` blocks (all
-    releasable ones when they are not enough)."""
+    releasable ones when they are not enough), in ``release_idle`` order at ``now_s``
+    (``None``: ``release_order``, pull windows ignored)."""
     if num_blocks <= 0:
         return NOTHING
     chosen: list[str] = []
     freed = 0
-    for turn in release_order(turns):
+    ordered = release_order(turns) if now_s is None else release_idle(turns, now_s)
+    for turn in ordered:
         if freed >= num_blocks:
             break
         chosen.append(turn.request_id)
@@ -84,19 +107,21 @@ def retention_cap_blocks(num_blocks_total: int, headroom: float) -> int:
 
 
 def release_over_headroom(turns: Iterable[RetainedTurn], *, num_blocks_total: int,
-                          headroom: float) -> Release:
-    """Release what retention holds above its cap (``retention_cap_blocks``)."""
+                          headroom: float, now_s: float | None = None) -> Release:
+    """Release what retention holds above its cap (``retention_cap_blocks``), turns past
+    their pull window at ``now_s`` first."""
     turns = list(turns)
     held = sum(turn.num_blocks for turn in turns)
     over = held - retention_cap_blocks(num_blocks_total, headroom)
-    return release_for(turns, over, "headroom") if over > 0 else NOTHING
+    return release_for(turns, over, "headroom", now_s=now_s) if over > 0 else NOTHING
 
 
 def release_under_pressure(turns: Iterable[RetainedTurn], *, num_blocks_free: int,
-                           num_blocks_needed: int) -> Release:
-    """Release enough for ``num_blocks_needed`` blocks when ``num_blocks_free`` is short."""
+                           num_blocks_needed: int, now_s: float | None = None) -> Release:
+    """Release enough for ``num_blocks_needed`` blocks when ``num_blocks_free`` is short,
+    turns past their pull window at ``now_s`` first."""
     short = num_blocks_needed - num_blocks_free
-    return release_for(turns, short, "pressure") if short > 0 else NOTHING
+    return release_for(turns, short, "pressure", now_s=now_s) if short > 0 else NOTHING
 
 
 def release_expired(turns: Iterable[RetainedTurn], now_s: float) -> Release:

@@ -16,6 +16,10 @@ keys through untouched):
   configured TTL (``decoder_kv_blocks_ttl``), never above.
 * ``kvrelay_retain_value`` (float): release order under pressure, lowest first; turns
   without one count as 0 and go oldest first.
+* ``kvrelay_pull_window_s`` (float > 0): how long after it finished the turn's follow-up is
+  likely (the router's learned gap quantile); D clamps it to the turn's retention
+  (``clamp_pull_window_s``). Past it the turn is the first released under pressure or
+  headroom (``core.retention.release_idle``); absent, the window is the whole retention.
 
 **The sync** (D -> router, ``RetentionSync`` as JSON), sent every ``SYNC_INTERVAL_S`` while
 D holds retained turns or has releases to tell, and at once after a release. The router
@@ -53,6 +57,7 @@ RETENTION_PATH = "/internal/kv-retention"
 RETENTION_URL_KEY = "kvrelay_retention_url"
 RETAIN_S_KEY = "kvrelay_retain_s"
 RETAIN_VALUE_KEY = "kvrelay_retain_value"
+PULL_WINDOW_S_KEY = "kvrelay_pull_window_s"
 
 SYNC_INTERVAL_S = 0.25
 """How often D syncs while it holds retained turns (a router's order lands within ~0.5 s)."""
@@ -172,3 +177,14 @@ def clamp_retain_s(requested_s: object, ttl_s: float) -> float:
     if not requested_s > 0:
         return ttl_s
     return min(float(requested_s), ttl_s)
+
+
+def clamp_pull_window_s(requested_s: object, retain_s: float) -> float:
+    """A turn's pull window on D: the router's ``kvrelay_pull_window_s`` within
+    (0, retain_s], never above the turn's retention; the whole retention when absent or not
+    a positive number."""
+    if isinstance(requested_s, bool) or not isinstance(requested_s, int | float):
+        return retain_s
+    if not requested_s > 0:
+        return retain_s
+    return min(float(requested_s), retain_s)

@@ -17,8 +17,14 @@ retention from what the router has seen:
   id's, then its tenant's, then all traffic's) that holds ``min_samples``; with none, the
   prior: D's TTL (what stock vLLM does).
 * **D's headroom.** When D's last sync shows less than ``low_free_fraction`` of its KV cache
-  free, the time shrinks in proportion (to ``min_scale`` of it at worst): retention yields
-  before live work has to wait.
+  available to live work (``available_fraction``: free blocks and retained ones, which D
+  releases on demand under pressure), the time shrinks in proportion (to ``min_scale`` of it
+  at worst): retention yields before live work has to wait. Retained blocks count as
+  available so that retention does not shorten itself because of its own blocks.
+* **Pull window.** Beside the retention, the time within which the turn's follow-up is
+  likely: the gaps' ``pull_quantile`` (meant lower than ``quantile``), never above the retention
+  (the whole retention for the prior). D releases turns past their window first under
+  pressure or headroom (``core.retention.release_idle``).
 * **Bounds.** Never above D's TTL (D clamps too: ``core.retention_sync.clamp_retain_s``),
   never below ``router_margin_s + min_window_s`` (a shorter one could never be pulled).
 
@@ -102,6 +108,7 @@ class RetentionTimeConfig:
     ``DEFAULT_ROUTER_MARGIN_S``)."""
 
     quantile: float = 0.95
+    pull_quantile: float = 0.8
     min_samples: int = 32
     router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + PolicyConfig().near_expiry_s
     min_window_s: float = 5.0
@@ -111,6 +118,8 @@ class RetentionTimeConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError("quantile must be in (0, 1]")
+        if not 0.0 < self.pull_quantile <= 1.0:
+            raise ValueError("pull_quantile must be in (0, 1]")
         if self.min_samples < 1:
             raise ValueError("min_samples must be >= 1")
         if self.router_margin_s < 0 or self.min_window_s <= 0:
@@ -124,13 +133,24 @@ class RetentionTimeConfig:
         return self.router_margin_s + self.min_window_s
 
 
+def available_fraction(*, num_blocks_free: int, retained_blocks: int,
+                       num_blocks_total: int) -> float:
+    """The share of D's KV cache live work can have: free blocks plus retained ones (D
+    releases retention on demand), in [0, 1]; 0 for an empty cache."""
+    if num_blocks_total <= 0:
+        return 0.0
+    return min(1.0, max(0, num_blocks_free + retained_blocks) / num_blocks_total)
+
+
 class RetainTime(msgspec.Struct, frozen=True):
     """How long D keeps one turn, and why; ``gap_quantile_s`` is the learned quantile used
-    (``None`` for the prior)."""
+    (``None`` for the prior); ``pull_window_s`` (at most ``retain_s``) how long its
+    follow-up is likely to take (``kvrelay_pull_window_s``; ``None``: the whole retention)."""
 
     retain_s: float
     reason: RetainReason
     gap_quantile_s: float | None = None
+    pull_window_s: float | None = None
 
 
 def decide_retain_s(
@@ -141,20 +161,23 @@ def decide_retain_s(
     config: RetentionTimeConfig,
 ) -> RetainTime:
     """A turn's retention time on a D whose TTL is ``ttl_s`` (module docstring).
-    ``histograms`` go narrowest first; ``free_fraction`` is the share of D's KV cache free
-    at its last sync (``None``: unknown)."""
+    ``histograms`` go narrowest first; ``free_fraction`` is the share of D's KV cache
+    available to live work at its last sync (``available_fraction``; ``None``: unknown)."""
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
     floor_s = min(config.floor_s, ttl_s)
     chosen = next((h for h in histograms if h is not None and h.samples >= config.min_samples),
                   None)
     reason: RetainReason = "prior"
-    retain_s, quantile_s = ttl_s, None
+    retain_s, quantile_s, window_s = ttl_s, None, None
     if chosen is not None:
         quantile_s = chosen.quantile_s(config.quantile)
+        window_s = chosen.quantile_s(config.pull_quantile)
         retain_s, reason = quantile_s + config.router_margin_s, "learned"
     low = config.low_free_fraction
     if free_fraction is not None and low > 0 and free_fraction < low:
         scale = max(config.min_scale, max(0.0, free_fraction) / low)
         retain_s, reason = retain_s * scale, "headroom"
-    return RetainTime(min(ttl_s, max(floor_s, retain_s)), reason, quantile_s)
+    retain_s = min(ttl_s, max(floor_s, retain_s))
+    return RetainTime(retain_s, reason, quantile_s,
+                      None if window_s is None else min(window_s, retain_s))

@@ -10,6 +10,9 @@ handshake (``kvrelay.core.retention_sync``) as the real connector
 * **deadline**: the decode request's ``kvrelay_retain_s``, clamped to the TTL
   (``clamp_retain_s``), is the turn's own expiry, stamped in the params D returns (so P
   declines reads near it); ``expire`` frees turns past it (cause ``expired``);
+* **pull window**: ``kvrelay_pull_window_s`` (``clamp_pull_window_s``, never above the
+  retention) ends the turn's pull window (``RetainedTurn.pull_until_s``); past it the turn
+  is the first picked under pressure and headroom (``core.retention.release_idle``);
 * **pressure**: when a waiting or running request cannot get blocks, ``relieve`` picks the
   least valuable turns, enough for the allocation, and *asks* the router each turn came
   from (``releasing`` in its next sync, sent at once); the turn stays held until that router
@@ -141,7 +144,7 @@ class Retention:
         on_the_way = sum(h.turn.num_blocks for h in live.values() if h.asked is not None)
         release = release_under_pressure(
             self._askable(now), num_blocks_free=self._pool.num_free + on_the_way,
-            num_blocks_needed=num_blocks_needed)
+            num_blocks_needed=num_blocks_needed, now_s=now)
         self._ask(release.request_ids, "pressure", now)
         return release
 
@@ -152,7 +155,7 @@ class Retention:
         now = self._clock()
         held = [h.turn for h in self._live().values() if h.asked is None]
         over = release_over_headroom(held, num_blocks_total=self._pool.num_usable,
-                                     headroom=self.headroom)
+                                     headroom=self.headroom, now_s=now)
         askable = {turn.request_id for turn in self._askable(now)}
         chosen = tuple(rid for rid in over.request_ids if rid in askable)
         self._ask(chosen, "headroom", now)

@@ -27,7 +27,10 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 (``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
 learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
 D keeps the turn, ``core.retention_time.decide_retain_s`` from the gaps between turns seen
-(``router.retain_times``, fed by ``observe_gap``) and D's free share at its last sync.
+(``router.retain_times``, fed by ``observe_gap``) and D's share available to live work at
+its last sync (free blocks and retained ones, which D releases on demand); and once gaps are
+learned, ``kvrelay_pull_window_s``: within how long the follow-up is likely (D releases turns
+past it first).
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
 from kvrelay.core.retention_sync import (
+    PULL_WINDOW_S_KEY,
     RELEASE_CAUSES,
     RETAIN_S_KEY,
     RETENTION_PATH,
@@ -46,7 +50,11 @@ from kvrelay.core.retention_sync import (
     RetentionSyncError,
     decode_sync,
 )
-from kvrelay.core.retention_time import RetentionTimeConfig, decide_retain_s
+from kvrelay.core.retention_time import (
+    RetentionTimeConfig,
+    available_fraction,
+    decide_retain_s,
+)
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
 from kvrelay.router.index import ConversationIndex
@@ -70,9 +78,12 @@ class DRetention:
 
     @property
     def free_fraction(self) -> float:
-        """D's KV cache not in use (neither live work nor retention), 0..1."""
-        total = self.sync.num_blocks_total
-        return self.sync.num_blocks_free / total if total > 0 else 0.0
+        """D's KV cache available to live work, 0..1: free blocks and retained ones (D
+        releases those on demand, ``core.retention``), so that retention never shortens
+        itself because of its own blocks; only live work makes D short."""
+        return available_fraction(num_blocks_free=self.sync.num_blocks_free,
+                                  retained_blocks=self.sync.retained_blocks,
+                                  num_blocks_total=self.sync.num_blocks_total)
 
 
 class RetentionDesk:
@@ -121,7 +132,10 @@ class RetentionDesk:
         self._metrics.child(self._metrics.retain_decisions, decided.reason).inc()
         self._metrics.retain_seconds.observe(decided.retain_s)
         turn.retain_s = decided.retain_s
-        return {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}, decided.retain_s
+        keys: dict[str, object] = {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}
+        if decided.pull_window_s is not None:
+            keys[PULL_WINDOW_S_KEY] = decided.pull_window_s
+        return keys, decided.retain_s
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, or once D went down or restarted)."""

@@ -111,13 +111,20 @@ class Turn:
         return True
 
     def headers(self) -> dict[str, str]:
-        """``X-KVRelay-Action`` / ``-Reason`` / ``-Reused-Tokens``: what the router did."""
+        """``X-KVRelay-Action`` / ``-Reason`` / ``-Reused-Tokens``: what the router did; for
+        reason ``released``, ``X-KVRelay-Released-Cause``: why D freed the entry's blocks
+        (``pressure``, ``headroom``, ``router``; ``releasing`` while D's ask is answered
+        but its release not yet told)."""
         action, reason = self.effective
-        return {
+        out = {
             "X-KVRelay-Action": action,
             "X-KVRelay-Reason": reason,
             "X-KVRelay-Reused-Tokens": str(self.reused_tokens),
         }
+        cause = self.found.entry.released if self.found is not None else None
+        if reason == "released" and cause:
+            out["X-KVRelay-Released-Cause"] = cause
+        return out
 
     def log_record(self, retained_tokens: int | None) -> TurnLogRecord:
         """The turn log's record of this turn (no content: the conversation's tag)."""

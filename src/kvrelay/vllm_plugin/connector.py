@@ -125,9 +125,11 @@ from kvrelay.core.report import (
     report_target,
 )
 from kvrelay.core.retention_sync import (
+    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETAIN_VALUE_KEY,
     RETENTION_URL_KEY,
+    clamp_pull_window_s,
     clamp_retain_s,
 )
 from kvrelay.vllm_plugin.contract import fix_facts, installed_context
@@ -272,7 +274,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
         self._retention.retain(
             request.request_id, num_blocks=sum(len(group) for group in block_ids),
             num_tokens=int(params.get("remote_num_tokens") or 0), now_s=now_s,
-            retain_s=retain_s, value=sent.get(RETAIN_VALUE_KEY), url=sent.get(RETENTION_URL_KEY))
+            retain_s=retain_s, value=sent.get(RETAIN_VALUE_KEY), url=sent.get(RETENTION_URL_KEY),
+            pull_window_s=clamp_pull_window_s(sent.get(PULL_WINDOW_S_KEY), retain_s))
 
     def _guard(self, request: Any, params: dict[str, Any]) -> None:
         """Cut a pull of D's blocks to the prefix proven equal to this engine's prompt."""
@@ -333,12 +336,14 @@ class _Retention:
         return int(self.block_pool.get_num_free_blocks()) if self.block_pool is not None else 0
 
     def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
-               retain_s: float, value: object, url: object) -> None:
+               retain_s: float, value: object, url: object,
+               pull_window_s: float | None = None) -> None:
         known_url = url if isinstance(url, str) and self.client.add_url(url) else None
         worth = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
             and math.isfinite(value) else 0.0
         self.ledger.retain(request_id, num_blocks=num_blocks, num_tokens=num_tokens,
-                           now_s=now_s, retain_s=retain_s, value=worth, url=known_url)
+                           now_s=now_s, retain_s=retain_s, value=worth, url=known_url,
+                           pull_window_s=pull_window_s)
         self._publish(urgent=False)
 
     def waits_for_release(self, request: Any) -> bool:

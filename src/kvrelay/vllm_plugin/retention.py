@@ -11,7 +11,9 @@ until vLLM frees them: P read them, vLLM's TTL sweep ran, or kvrelay released th
 that same sweep. Which turns to release is ``kvrelay.core.retention``'s policy; how a release
 is made safe is ``kvrelay.core.retention_sync``'s handshake:
 
-* **pressure / headroom**: D picks turns (least valuable first) and *asks* the router that
+* **pressure / headroom**: D picks turns (those past their pull window first,
+  ``kvrelay_pull_window_s``; then least valuable, oldest first:
+  ``core.retention.release_idle``) and *asks* the router that
   gave the turn (its ``kvrelay_retention_url``) in its next sync (``releasing``); the turn
   stays held until the router answers it in ``dropped``; then it is *freeing*: the connector
   hands it to vLLM's expiry path and vLLM frees it within a step. A router that does not
@@ -110,11 +112,16 @@ class RetentionLedger:
     # -- accounting -------------------------------------------------------------------------
 
     def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
-               retain_s: float, value: float = 0.0, url: str | None = None) -> RetainedTurn:
-        """A finished request whose blocks vLLM now holds for a P to read."""
+               retain_s: float, value: float = 0.0, url: str | None = None,
+               pull_window_s: float | None = None) -> RetainedTurn:
+        """A finished request whose blocks vLLM now holds for a P to read; its pull window
+        (``kvrelay_pull_window_s``, at most ``retain_s``; ``None``: all of it) ends
+        ``pull_window_s`` from now: past it the turn is asked for first."""
         self._pop(request_id)
+        window_s = retain_s if pull_window_s is None else min(pull_window_s, retain_s)
         turn = RetainedTurn(request_id=request_id, num_blocks=num_blocks, num_tokens=num_tokens,
-                            retained_at_s=now_s, deadline_s=now_s + retain_s, value=value)
+                            retained_at_s=now_s, deadline_s=now_s + retain_s, value=value,
+                            pull_until_s=now_s + window_s)
         self._turns[request_id] = _Tracked(turn, url)
         self._blocks += num_blocks
         self._tokens += num_tokens
@@ -189,7 +196,7 @@ class RetentionLedger:
             return NOTHING
         release = release_under_pressure(
             self._askable(now_s), num_blocks_free=num_blocks_free + self.pending_blocks(),
-            num_blocks_needed=num_blocks_needed)
+            num_blocks_needed=num_blocks_needed, now_s=now_s)
         self._ask(release, "pressure", now_s)
         return release
 
@@ -199,7 +206,7 @@ class RetentionLedger:
             return NOTHING
         held = [t.turn for t in self._turns.values() if t.state is TurnState.HELD]
         over = release_over_headroom(held, num_blocks_total=num_blocks_total,
-                                     headroom=self.headroom)
+                                     headroom=self.headroom, now_s=now_s)
         askable = {turn.request_id for turn in self._askable(now_s)}
         release = Release(request_ids=tuple(i for i in over.request_ids if i in askable),
                           num_blocks=over.num_blocks, reason=over.reason)
