@@ -13,12 +13,19 @@ clients streaming multi-turn conversations through the router, twice for ``--sec
 With ``--pipelined`` (issue #23) each flooding connection first sends a streamed chat of
 ``--flood-chat-tokens`` tokens and, at once behind it on the same connection, the endless
 header; it keeps sending until the router closes the connection (or the header reaches
-``--flood-header-mib``). A ``chats`` phase runs the same connections sending the same chats
-with nothing behind them, to tell what the header costs from what the chats cost.
+``--flood-header-mib``), then reconnects. After the flood a ``chats`` phase, the control,
+runs the same number of connections sending the same chats with nothing behind them, and
+as many of them as the flood phase started (each flood chat is cut and reopened, so the
+flood starts many more chats than connections): paced evenly over the phase, each read
+until its first token and then closed by the client, as a cut one ends early. It tells
+what the header costs from what the chats cost.
 
-It prints TTFT p50/p99 of both phases side by side, what the flood sent and got back, and the
-acceptance check of issue #12: the flood phase's TTFT p99 within 2x of the quiet phase's.
-Run it holding the heavy lock; numbers depend on the machine:
+It prints TTFT p50/p99 of every phase side by side with the CPU seconds the router and the
+fake engines' processes used in it (and the router's per measured turn), what the flood sent
+and got back, and the acceptance check of issue #12: the flood phase's TTFT p99 within 2x of
+the quiet phase's. ``--profile-router PATH`` runs the router under cProfile (slower: for
+where its time goes, not for the figures) and prints its top functions. Run it holding the
+heavy lock; numbers depend on the machine:
 
     flock /tmp/kvrelay-heavy.lock .venv/bin/python scripts/bench_header_flood.py
     flock /tmp/kvrelay-heavy.lock .venv/bin/python scripts/bench_header_flood.py --pipelined
@@ -31,9 +38,11 @@ import asyncio
 import json
 import multiprocessing
 import os
+import pstats
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,12 +65,20 @@ def chat_request(max_tokens: int, close: bool = False) -> bytes:
             + body)
 
 
+def cpu_s(pid: int) -> float:
+    """CPU seconds (user + system) process ``pid`` has used so far (Linux ``/proc``)."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
 @dataclass
 class Phase:
     name: str
     samples: list[Sample] = field(default_factory=list)
     errors: list[str] = field(default_factory=list)
     flood: dict[str, int] = field(default_factory=dict)
+    cpu: dict[str, float] = field(default_factory=dict)
+    """CPU seconds each process (``router``, ``engines``) used during the phase."""
 
     def pct(self, q: float) -> float:
         values = sorted(s.ttft_s for s in self.samples)
@@ -154,6 +171,47 @@ async def pipelined_connection(port: int, stop_at: float, header_bytes: int, cha
             writer.close()
 
 
+async def control_connection(port: int, started_at: float, stop_at: float, chat_tokens: int,
+                             chats: int, stats: dict[str, int]) -> None:
+    """One connection of the ``chats`` control: the flood's chats without the header, as
+    many over the phase as the flood started (``chats``, paced evenly across all control
+    connections), each read until its first token and then closed, as a cut one ends
+    early."""
+    loop = asyncio.get_running_loop()
+    every_s = (stop_at - started_at) / max(1, chats)
+
+    def count(key: str, n: int = 1) -> None:
+        stats[key] = stats.get(key, 0) + n
+
+    while loop.time() < stop_at and stats.get("connections", 0) < chats:
+        slot_at = started_at + stats.get("connections", 0) * every_s
+        if slot_at > loop.time():
+            await asyncio.sleep(slot_at - loop.time())
+            continue
+        count("connections")
+        try:
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        except OSError:
+            count("connect_errors")
+            continue
+        try:
+            writer.write(chat_request(chat_tokens))
+            got = b""
+            while b"\ndata: " not in got:  # the first event's line, after a chunk size
+                chunk = await asyncio.wait_for(reader.read(65536),
+                                               max(0.1, stop_at - loop.time()))
+                if not chunk:
+                    break
+                got += chunk
+            count("first_tokens" if b"data: " in got else "no_first_token")
+        except TimeoutError:
+            count("unanswered_at_the_end")
+        except OSError:
+            count("closed_by_router")
+        finally:
+            writer.close()
+
+
 async def flood_connection(port: int, stop_at: float, header_bytes: int,
                            stats: dict[str, int]) -> None:
     """One flooding client: a header of up to ``header_bytes`` (then ended, to see what the
@@ -196,14 +254,19 @@ async def flood_connection(port: int, stop_at: float, header_bytes: int,
 
 
 def flood(port: int, seconds: float, connections: int, header_bytes: int, chat_tokens: int,
-          out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
+          chats: int, out: multiprocessing.Queue) -> None:  # type: ignore[type-arg]
     """The flood, in a process of its own; puts its stats on ``out``. ``chat_tokens`` > 0:
-    the pipelined flood."""
+    the pipelined flood, or with ``header_bytes`` 0 its control (``chats`` chats)."""
 
     async def run() -> dict[str, int]:
         stats: dict[str, int] = {}
-        stop_at = asyncio.get_running_loop().time() + seconds
-        if chat_tokens > 0:
+        started_at = asyncio.get_running_loop().time()
+        stop_at = started_at + seconds
+        if chat_tokens > 0 and not header_bytes:
+            await asyncio.gather(*(
+                control_connection(port, started_at, stop_at, chat_tokens, chats, stats)
+                for _ in range(connections)))
+        elif chat_tokens > 0:
             await asyncio.gather(*(
                 pipelined_connection(port, stop_at, header_bytes, chat_tokens, stats)
                 for _ in range(connections)))
@@ -218,10 +281,14 @@ def flood(port: int, seconds: float, connections: int, header_bytes: int, chat_t
 def report(quiet: Phase, flooded: Phase, args: argparse.Namespace,
            control: Phase | None = None) -> str:
     ms = 1000.0
-    lines = ["| phase | turns | errors | TTFT p50 ms | TTFT p99 ms |", "|---|---|---|---|---|"]
+    lines = ["| phase | turns | errors | TTFT p50 ms | TTFT p99 ms | router CPU s | "
+             "router CPU ms / turn | engines CPU s |", "|---|---|---|---|---|---|---|---|"]
     for p in (quiet, *([control] if control else []), flooded):
+        router_s = p.cpu.get("router", float("nan"))
         lines.append(f"| {p.name} | {len(p.samples)} | {len(p.errors)} | "
-                     f"{p.pct(0.5) * ms:.1f} | {p.pct(0.99) * ms:.1f} |")
+                     f"{p.pct(0.5) * ms:.1f} | {p.pct(0.99) * ms:.1f} | {router_s:.2f} | "
+                     f"{router_s / max(1, len(p.samples)) * ms:.1f} | "
+                     f"{p.cpu.get('engines', float('nan')):.2f} |")
     ratio = flooded.pct(0.99) / quiet.pct(0.99)
     sent = flooded.flood.get("bytes", 0) / (1024 * 1024)
     answers = {k: v for k, v in sorted(flooded.flood.items()) if k != "bytes"}
@@ -240,20 +307,47 @@ def report(quiet: Phase, flooded: Phase, args: argparse.Namespace,
     return "\n".join(lines)
 
 
+@dataclass
+class Pids:
+    """The processes whose CPU each phase counts."""
+
+    router: int
+    engines: int
+
+    def cpu(self) -> dict[str, float]:
+        return {"router": cpu_s(self.router), "engines": cpu_s(self.engines)}
+
+
+def measured(pids: Pids, phase: Phase, run: Callable[[], None]) -> None:
+    """Run ``run()`` (a phase) and record each process's CPU seconds during it."""
+    before = pids.cpu()
+    run()
+    after = pids.cpu()
+    phase.cpu = {name: after[name] - before[name] for name in before}
+
+
 def run_phase(port: int, args: argparse.Namespace, phase: Phase, header_bytes: int,
-              chat_tokens: int) -> None:
+              chat_tokens: int, pids: Pids, chats: int = 0) -> None:
     """The clients while the flood (from a process of its own) runs; ``header_bytes`` 0
-    with ``chat_tokens``: the pipelined flood's chats alone, the control."""
+    with ``chat_tokens``: the pipelined flood's chats alone (``chats`` of them), the
+    control."""
     ctx = multiprocessing.get_context("spawn")
     out: multiprocessing.Queue = ctx.Queue()  # type: ignore[type-arg]
     flooder = ctx.Process(target=flood, args=(port, args.seconds, args.flood_connections,
-                                              header_bytes, chat_tokens, out))
+                                              header_bytes, chat_tokens, chats, out))
     flooder.start()
     started = time.monotonic()
-    asyncio.run(clients(port, args, phase))
+    measured(pids, phase, lambda: asyncio.run(clients(port, args, phase)))
     phase.flood = out.get(timeout=args.seconds + 120)
     flooder.join(timeout=30)
     print(f"({phase.name} phase took {time.monotonic() - started:.1f} s)")
+
+
+def print_profile(path: Path, top: int = 30) -> None:
+    """The router's top functions by own time, then by cumulative time."""
+    stats = pstats.Stats(str(path))
+    stats.sort_stats("tottime").print_stats(top)
+    stats.sort_stats("cumulative").print_stats(top)
 
 
 def main() -> int:
@@ -275,6 +369,9 @@ def main() -> int:
                     help="the fake engines' simulated latency (default cpu)")
     ap.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                     help="extra argument for kvrelay route (repeat)")
+    ap.add_argument("--profile-router", type=Path, metavar="PATH",
+                    help="run the router under cProfile, write its stats to PATH and print "
+                         "its top functions (slower: not for the figures)")
     args = ap.parse_args()
 
     base = free_port_block(3, start=23000)
@@ -290,7 +387,10 @@ def main() -> int:
             ready_timeout_s=120, env=env)
         router = ServiceProcess(
             "router",
-            [sys.executable, "-m", "kvrelay.cli", "route", "--prefill", p_url, "--decode", d_url,
+            [sys.executable,
+             *(["-m", "cProfile", "-o", str(args.profile_router)] if args.profile_router
+               else []),
+             "-m", "kvrelay.cli", "route", "--prefill", p_url, "--decode", d_url,
              "--port", str(router_port), "--block-size", "128", "--log-level", "warning",
              *args.router_arg],
             [f"http://127.0.0.1:{router_port}/health"], Path(tmp) / "router.log",
@@ -302,21 +402,26 @@ def main() -> int:
             warm = Phase("warmup")
             asyncio.run(clients(router_port, argparse.Namespace(
                 **{**vars(args), "seconds": min(2.0, args.seconds)}), warm))
+            assert router.process is not None and engines.process is not None
+            pids = Pids(router.process.pid, engines.process.pid)
             quiet = Phase("quiet")
-            asyncio.run(clients(router_port, args, quiet))
+            measured(pids, quiet, lambda: asyncio.run(clients(router_port, args, quiet)))
             header_bytes = int(args.flood_header_mib * 1024 * 1024)
             chat_tokens = args.flood_chat_tokens if args.pipelined else 0
+            flooded = Phase("flood")
+            run_phase(router_port, args, flooded, header_bytes, chat_tokens, pids)
             control = None
             if args.pipelined:
                 control = Phase("chats")
-                run_phase(router_port, args, control, 0, chat_tokens)
-            flooded = Phase("flood")
-            run_phase(router_port, args, flooded, header_bytes, chat_tokens)
+                run_phase(router_port, args, control, 0, chat_tokens, pids,
+                          chats=flooded.flood.get("connections", 0))
             print(report(quiet, flooded, args, control))
             alive = router.alive()
             if not alive:
                 print("the router died during the flood", file=sys.stderr)
-            return 0 if alive and not quiet.errors else 1
+        if args.profile_router:
+            print_profile(args.profile_router)
+        return 0 if alive and not quiet.errors else 1
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from pathlib import Path
 import httpx
 import pytest
 
+from kvrelay.cli import main
+from kvrelay.cluster.cli import router_scrape_targets
 from kvrelay.cluster.config import router_command
 from kvrelay.cluster.launcher import ServiceProcess
 from kvrelay.core.retention_sync import RETENTION_PATH, RetentionSync, encode
@@ -103,10 +105,10 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
                               "--state-timeout-ms", "500", "--fixed-costs", fixed_costs_flag(),
                               "--gateway-id-header", GATEWAY_HEADER]),
         [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
+    # the router's target as `kvrelay up --monitoring` picks it (its internal listener: an
+    # open public /metrics leaves out the request-size series, docs/security.md)
     targets = [ScrapeTarget("prefill", prefill), ScrapeTarget("decode", decode),
-               # the internal listener serves the complete set (an open public /metrics
-               # leaves out the request-size series: docs/security.md)
-               ScrapeTarget("router", f"http://127.0.0.1:{internal_port}")]
+               *router_scrape_targets(router)]
     prometheus = prometheus_service(binary, targets, tmp_path / "prometheus", "127.0.0.1",
                                     prometheus_port, interval_s=SCRAPE_INTERVAL_S)
     with engines, router, prometheus:
@@ -193,3 +195,56 @@ def test_every_dashboard_query_returns_data_from_a_real_prometheus(rig, redis_se
     out = tmp_path / "dashboard.png"
     render_png(rig.prometheus, out, started - 30, time.time(), 2.0, RATE_WINDOW)
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and out.stat().st_size > 20_000
+
+
+def test_prometheus_config_scrapes_a_key_locked_public_metrics(tmp_path):
+    """``kvrelay deploy prometheus-config --router PUBLIC --router-metrics-key-file F``
+    against a router whose public /metrics needs ``--metrics-key``: the real Prometheus it
+    configures scrapes the router (with the key) and gets the request-size series."""
+    binary = prometheus_binary()
+    base = free_port_block(2, start=35000)
+    side = free_port_block(2, start=37000)
+    engines = ServiceProcess(
+        "fake-engines",
+        [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
+         "--base-port", str(base), "--side-channel-base-port", str(side),
+         "--latency-preset", "fast", "--report-delay-s", "0"],
+        [f"http://127.0.0.1:{base}/health", f"http://127.0.0.1:{base + 1}/health"],
+        tmp_path / "engines.log", ready_timeout_s=120)
+    router_port, internal_port, prometheus_port = free_ports(3)
+    router_url = f"http://127.0.0.1:{router_port}"
+    router = ServiceProcess(
+        "router",
+        router_command([f"http://127.0.0.1:{base}"], [f"http://127.0.0.1:{base + 1}"],
+                       host="127.0.0.1", port=router_port, ttl_s=480, block_size=128,
+                       internal_port=internal_port,
+                       extra=["--metrics-key", "prom-secret", "--fixed-costs",
+                              fixed_costs_flag()]),
+        [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
+    key_file = tmp_path / "router-metrics.key"
+    key_file.write_text("prom-secret\n")
+    config = tmp_path / "prometheus.yml"
+    assert main(["deploy", "prometheus-config", "--router", router_url,
+                 "--router-metrics-key-file", str(key_file), "--interval-s", "1",
+                 "-o", str(config)]) == 0
+    prometheus_url = f"http://127.0.0.1:{prometheus_port}"
+    prometheus = ServiceProcess(
+        "prometheus",
+        [binary, f"--config.file={config}", f"--storage.tsdb.path={tmp_path / 'data'}",
+         f"--web.listen-address=127.0.0.1:{prometheus_port}"],
+        [f"{prometheus_url}/-/ready"], tmp_path / "prometheus.log", url=prometheus_url)
+    with engines, router, prometheus:
+        assert httpx.get(f"{router_url}/metrics", timeout=10).status_code == 401, \
+            "the public /metrics is locked (else this test proves nothing)"
+        resp = httpx.post(f"{router_url}/v1/chat/completions", timeout=60, json={
+            "model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "Count to three."}]})
+        assert resp.status_code == 200, resp.text
+        client = PrometheusClient(prometheus_url)
+        deadline = time.monotonic() + DATA_DEADLINE_S
+        while not client.query('kvrelay_router_prompt_tokens_total{component="router"}'):
+            assert time.monotonic() < deadline, (
+                f"Prometheus never got the router's size series: up = "
+                f"{[(s.labels, s.value) for s in client.query('up')]}")
+            time.sleep(0.5)
+    shutil.rmtree(tmp_path / "data", ignore_errors=True)

@@ -105,7 +105,9 @@ async def test_a_pipelined_endless_header_is_not_read_while_a_stream_is_served(
         assert conn.closed.is_set() and sent < PIECES, (
             f"the router took all {sent} pieces (64 MiB) of a pipelined header while the "
             f"stream before it was held, and the connection is still open")
-        assert b"data: [DONE]" not in conn.received, "the held stream cannot have ended"
+        ended = conn.received.find(b"data: [DONE]")
+        assert ended < 0 or b"pipelined behind" in conn.received[:ended], \
+            "the held stream cannot have ended but by being abandoned"
         assert other is not None
         status = await asyncio.wait_for(other, PATIENCE_S)
         assert status == 200, f"another client's GET /metrics during the flood got {status}"
@@ -121,6 +123,54 @@ async def test_a_pipelined_endless_header_is_not_read_while_a_stream_is_served(
     assert resp.status_code == 200, f"another client's chat after the flood: {resp.status_code}"
     await eventually(router.metrics, lambda m: m.value("kvrelay_router_in_flight") == 0,
                      "the cut stream's turn ended")
+
+
+def sse_errors(raw: bytes) -> list[dict[str, object]]:
+    """The ``error`` objects of the SSE error events in ``raw``."""
+    out = []
+    for line in raw.split(b"\n"):
+        if line.startswith(b"data: {"):
+            with contextlib.suppress(ValueError):
+                event = json.loads(line[6:])
+                if isinstance(event, dict) and isinstance(event.get("error"), dict):
+                    out.append(event["error"])
+    return out
+
+
+async def test_the_request_before_an_over_limit_pipelined_head_is_abandoned_at_once(
+    held: Held,
+) -> None:
+    """A flooding client stops costing engine and router work the moment its pipelined head
+    goes over a limit: the stream in progress (held by D, so it cannot end on its own) is
+    cancelled at D and ends with an error event and ``[DONE]``, the turn leaves the in-flight
+    count, and the 431 for the head follows, all before the router closes the connection
+    (the router before this serves the stream on until that close)."""
+    router, sleep = held.router, held.sleep
+    sleep.hold()
+    conn = await RawConnection.open(router.host, router.port)
+    try:
+        await conn.send(chat(64) + b"GET /health HTTP/1.1\r\nHost: router.test\r\nX-Flood: ")
+        await until(lambda: sleep.held >= 1, "D holds the chat's stream")
+        for _ in range(4):  # 256 KiB: over the 64 KiB head limit
+            if not await conn.send(PIECE):
+                break
+        await until(lambda: conn.closed.is_set() or len(responses(bytes(conn.received))) == 2,
+                    "two answers, or the connection closed")
+        got = bytes(conn.received)
+        assert not conn.closed.is_set() or b"data: [DONE]" in got, (
+            "the router closed the connection with the stream still running: it served the "
+            "request before the over-limit head on, instead of abandoning it")
+        errors = sse_errors(got)
+        assert len(errors) == 1 and errors[0].get("code") == 431, errors
+        assert "pipelined behind" in str(errors[0].get("message")), errors
+        assert responses(got) == [200, 431], got[-600:]
+        # D's steps are still held: only a cancel can end its stream
+        await until(lambda: sleep.held == 0, "D's stream cancelled")
+        await eventually(router.metrics, lambda m: m.value("kvrelay_router_in_flight") == 0,
+                         "the abandoned turn left the in-flight count")
+    finally:
+        sleep.release()
+        conn.abort()
 
 
 async def test_pipelined_requests_are_answered_in_order(held: Held) -> None:
@@ -146,7 +196,8 @@ async def test_pipelined_requests_are_answered_in_order(held: Held) -> None:
 
 async def test_a_pipelined_head_over_the_limit_in_one_write_is_refused(held: Held) -> None:
     """Behind a non-streamed chat, a ``GET /health`` with a 9 KiB header in the same write:
-    the chat is answered or the connection cut, but the head is never served."""
+    the chat is answered, or abandoned (a 431 of its own), or the connection cut, but the
+    head is never served."""
     router, sleep = held.router, held.sleep
     sleep.release()
     conn = await RawConnection.open(router.host, router.port)
@@ -156,7 +207,7 @@ async def test_a_pipelined_head_over_the_limit_in_one_write_is_refused(held: Hel
         await asyncio.wait_for(conn.closed.wait(), PATIENCE_S)
         got = responses(bytes(conn.received))
         assert 200 not in got[1:], f"a 9 KiB pipelined header was served: {got}"
-        assert got in ([200], [200, 431], []), got
+        assert got in ([200], [200, 431], [431, 431], []), got
     finally:
         conn.abort()
 

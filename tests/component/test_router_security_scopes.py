@@ -6,7 +6,8 @@
   victim's conversation matches, and the victim would lose its entry. Only an id bound to
   one caller (a gateway header, ``--gateway-id-header``) continues its latest entry after an
   edit, and a client's id never overrides the gateway's (``--id-precedence``).
-* 3: vLLM's ``cache_salt`` and the end-user identifiers (``user``, ``safety_identifier``)
+* 3: vLLM's ``cache_salt`` and the end-user identifiers (``user``, ``safety_identifier``,
+  the Messages API's ``metadata.user_id``)
   narrow the scope: the same history under salt (or user) A, then B, never pulls A's entry,
   with or without a shared conversation id; A's own follow-up still pulls it, and
   ``cache_salt`` reaches P and D unchanged.
@@ -227,3 +228,31 @@ async def test_with_client_precedence_a_client_id_wins_but_is_not_bound(tmp_path
         assert reuse(resp) == ("recompute", 0), "the client's id did not win over the gateway's"
         resp = await follow_up(c, history, {}, headers=ids)
     assert reuse(resp)[0] == "pull", f"the exact follow-up did not pull: {reuse(resp)}"
+
+
+async def test_another_anthropic_end_user_never_reaches_the_entry(rig: Rig) -> None:
+    """Finding 3 on the Messages API: ``metadata.user_id`` (Anthropic's end-user id) narrows
+    the scope like OpenAI's ``user``: the same history under another user id, or none, never
+    pulls the owner's entry; the owner's own follow-up does."""
+    def body(messages: list[dict[str, Any]], user_id: str | None) -> dict[str, Any]:
+        return {"model": "tiny", "max_tokens": 24, "messages": messages,
+                **({"metadata": {"user_id": user_id}} if user_id is not None else {})}
+
+    first = [{"role": "user", "content": f"{STORY}[messages end user]"}]
+    async with rig.router.client(limits=NO_KEEPALIVE) as c:
+        resp = await c.post("/v1/messages", json=body(first, "user-A-secret"))
+        assert resp.status_code == 200, resp.text
+        answer = "".join(part.get("text", "") for part in resp.json()["content"])
+        await settled(rig.router)
+        history = [*first, {"role": "assistant", "content": answer},
+                   {"role": "user", "content": "And the next entry?"}]
+        got = {}
+        for who in ("user-B-other", None, "user-A-secret"):
+            resp = await c.post("/v1/messages", json=body(history, who))
+            assert resp.status_code == 200, resp.text
+            got[who] = reuse(resp)
+    assert got["user-B-other"] == ("recompute", 0), (
+        f"the same history under another metadata.user_id reused the owner's entry: {got}")
+    assert got[None] == ("recompute", 0), f"without metadata.user_id it reused it: {got}"
+    action, reused = got["user-A-secret"]
+    assert (action, reused > 0) == ("pull", True), f"the owner's own follow-up: {got}"

@@ -161,3 +161,25 @@ def test_bad_retention_flags_are_refused_by_the_parser(flags, capsys):
         build_parser().parse_args(["up", *flags])
     assert exc.value.code == 2
     assert "retention" in capsys.readouterr().err
+
+
+def test_the_router_is_scraped_on_its_internal_listener():
+    """``kvrelay up --monitoring`` scrapes the router's internal listener (complete
+    /metrics, no key), wherever its command line puts it."""
+    from kvrelay.cluster.config import router_command, router_metrics_url
+
+    def url(internal_port: int | None = None, extra: tuple[str, ...] | list[str] = ()) \
+            -> str | None:
+        return router_metrics_url(router_command(
+            ["http://p:1"], ["http://d:2"], host="0.0.0.0", port=8000, ttl_s=60,
+            internal_port=internal_port, extra=extra))
+
+    assert url() == "http://127.0.0.1:8001"  # the router's defaults: loopback, --port + 1
+    assert url(internal_port=9100) == "http://127.0.0.1:9100"
+    assert url(extra=["--internal-port=9200"]) == "http://127.0.0.1:9200"
+    assert url(internal_port=9100, extra=["--internal-port", "9300"]) == \
+        "http://127.0.0.1:9300"  # the last one wins, as in the router's parser
+    assert url(extra=["--internal-host", "10.1.2.3"]) == "http://10.1.2.3:8001"
+    assert url(extra=["--internal-host", "0.0.0.0"]) == "http://127.0.0.1:8001"
+    assert url(extra=["--internal-host", "::"]) == "http://[::1]:8001"
+    assert url(internal_port=0) is None  # the OS's pick: unknown here

@@ -94,8 +94,28 @@ def check_deployment(docs: list[Doc]) -> None:
             assert {"sourceLabels": [
                 "__meta_kubernetes_service_label_app_kubernetes_io_component"],
                 "targetLabel": "component"} in endpoint["relabelings"]
-            assert all(endpoint["port"] in {p["name"] for p in s["spec"]["ports"]}
-                       for s in chosen)
+        scraped = {s["metadata"]["name"]: [p for p in s["spec"]["ports"]
+                                           if p["name"] in {e["port"] for e in
+                                                            monitor["spec"]["endpoints"]}]
+                   for s in chosen}
+        assert all(len(ports) == 1 for ports in scraped.values()), scraped
+        check_router_scrape(docs, chosen, scraped)
+
+
+def check_router_scrape(docs: list[Doc], chosen: list[Doc],
+                        scraped: dict[str, list[Doc]]) -> None:
+    """The ServiceMonitor reaches every router replica on its internal listener (complete
+    /metrics, no key: docs/security.md), never through the public router Service."""
+    (router_svc,) = [s for s in chosen
+                     if s["metadata"]["labels"]["app.kubernetes.io/component"] == "router"]
+    assert router_svc["spec"]["clusterIP"] == "None", "one target per replica"
+    (port,) = scraped[router_svc["metadata"]["name"]]
+    router = container(by_kind(docs, "Deployment")[
+        router_svc["metadata"]["name"].removesuffix("-metrics")])
+    target = {p["name"]: p["containerPort"] for p in router["ports"]}[port["targetPort"]]
+    argv = list(router["args"])
+    assert flag_values(argv, "--internal-port") == [str(target)], (port, argv)
+    assert flag_values(argv, "--internal-host") == ["0.0.0.0"], "Prometheus reaches the pod IP"
 
 
 def router_argv(docs: list[Doc]) -> list[str]:
@@ -121,7 +141,7 @@ def test_two_p_two_d_three_routers_with_a_redis(capsys):
                   "--tool-call-parser", "hermes")
     check_deployment(docs)
     kinds = sorted(d["kind"] for d in docs)
-    assert kinds == sorted(["Deployment"] * 2 + ["Service"] * 4 + ["StatefulSet"] * 2
+    assert kinds == sorted(["Deployment"] * 2 + ["Service"] * 5 + ["StatefulSet"] * 2
                            + ["PodDisruptionBudget"] * 3 + ["ServiceMonitor"])
     assert engine(docs, "prefill")["spec"]["replicas"] == 2
     assert engine(docs, "decode")["spec"]["replicas"] == 2
@@ -271,3 +291,24 @@ def test_bad_flag_is_a_clear_error_not_a_traceback(capsys, tmp_path: Path):
 def test_defaults_render_valid_manifests(capsys):
     check_deployment(render(capsys))
     assert DeployConfig().router_internal_port == 8001
+
+
+def test_liveness_and_the_scrape_need_no_metrics_key(capsys):
+    """With the public /metrics locked (``--metrics-key``) or gone (``--metrics-listener
+    internal``), the router's liveness probe and Prometheus still get it: both ask the
+    internal listener, which serves /metrics complete to whoever reaches it. On the public
+    port the probe would get 401 or 404 and restart every replica in a loop."""
+    docs = render(capsys, "--router-arg=--metrics-key=prom-secret",
+                  "--router-arg=--metrics-listener=internal")
+    check_deployment(docs)
+    router = container(by_kind(docs, "Deployment")["kvrelay-router"])
+    ports = {p["name"]: p["containerPort"] for p in router["ports"]}
+    probe = router["livenessProbe"]["httpGet"]
+    assert probe["path"] == "/metrics"
+    assert ports[probe["port"]] == int(flag_values(router["args"], "--internal-port")[0])
+    services = by_kind(docs, "Service")
+    public = services["kvrelay-router"]
+    assert "kvrelay.io/metrics" not in public["metadata"]["labels"], \
+        "the public router Service is not scraped"
+    assert [p["targetPort"] for p in services["kvrelay-router-metrics"]["spec"]["ports"]] \
+        == ["internal"]

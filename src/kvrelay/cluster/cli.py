@@ -7,10 +7,10 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvrelay.cluster.arguments import add_cluster_arguments, cluster_config_from_args
-from kvrelay.cluster.config import ClusterConfig
+from kvrelay.cluster.config import ClusterConfig, router_metrics_url
 from kvrelay.cluster.launcher import (
     ClusterStartError,
     LocalCluster,
@@ -19,6 +19,9 @@ from kvrelay.cluster.launcher import (
     start_router,
 )
 from kvrelay.cluster.supervisor import GaveUp, NodeUnit, ServiceUnit, Supervised, Supervisor
+
+if TYPE_CHECKING:
+    from kvrelay.deploy.prometheus import ScrapeTarget
 
 
 def register(sub: Any) -> None:
@@ -62,8 +65,8 @@ def start_monitoring(config: ClusterConfig, cluster: LocalCluster,
         raise ServiceStartError(f"--monitoring needs the `prometheus` binary: install the "
                                 f"Debian package {PROMETHEUS_PACKAGE} (`make setup` does)")
     targets = [ScrapeTarget(n.spec.role, n.url) for n in cluster.nodes]
-    if router is not None and router.url:
-        targets.append(ScrapeTarget("router", router.url))
+    if router is not None:
+        targets += router_scrape_targets(router)
     service = prometheus_service(binary, targets, cluster.run_dir / "monitoring", config.host,
                                  port).start()
     dashboard = cluster.run_dir / "monitoring" / "grafana-dashboard.json"
@@ -71,6 +74,17 @@ def start_monitoring(config: ClusterConfig, cluster: LocalCluster,
     print(f"{'prometheus':>10}  {service.url}  (scrapes the router, P and D every 5 s; "
           f"Grafana dashboard: {dashboard}, see docs/monitoring.md)", flush=True)
     return service
+
+
+def router_scrape_targets(router: ServiceProcess) -> list[ScrapeTarget]:
+    """What Prometheus scrapes of a router ``start_router`` started: its internal listener,
+    whose ``/metrics`` is complete and needs no key (the public one leaves out the
+    request-size series, or needs ``--metrics-key``: docs/security.md); its public URL only
+    when the internal port is the OS's pick."""
+    from kvrelay.deploy.prometheus import ScrapeTarget
+
+    url = router_metrics_url(router.command) or router.url
+    return [ScrapeTarget("router", url)] if url else []
 
 
 def _up(args: argparse.Namespace) -> int:

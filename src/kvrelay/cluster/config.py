@@ -358,6 +358,29 @@ def router_command(
     return cmd + list(extra)
 
 
+def router_metrics_url(command: list[str] | tuple[str, ...]) -> str | None:
+    """Where the router that ``command`` (a ``kvrelay route`` command line, e.g.
+    ``router_command``'s) starts serves its complete ``/metrics``: its internal listener,
+    from ``--internal-host`` / ``--internal-port`` (last wins, as in its parser), else
+    127.0.0.1 and ``--port`` + 1, its defaults. A wildcard internal host is reached on
+    loopback. ``None`` when the OS picks the port (``--internal-port 0``)."""
+    values: dict[str, str] = {}
+    args = list(command)
+    for i, arg in enumerate(args):
+        name, eq, value = arg.partition("=")
+        if name in ("--port", "--internal-host", "--internal-port"):
+            if eq:
+                values[name] = value
+            elif i + 1 < len(args):
+                values[name] = args[i + 1]
+    port = int(values.get("--internal-port", int(values.get("--port", "8000")) + 1))
+    if port == 0:
+        return None
+    host = values.get("--internal-host", "127.0.0.1")
+    host = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}.get(host, host)
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+
+
 def block_size_of(config: ClusterConfig) -> int:
     """vLLM's default KV block size for the cluster's device (128 on CPU, 16 on CUDA)."""
     return 128 if config.device == "cpu" else 16

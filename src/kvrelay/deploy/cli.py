@@ -35,7 +35,14 @@ def register(sub: Any) -> None:
 
     prom = deploy_sub.add_parser(
         "prometheus-config", help="prometheus.yml scraping a router and its P and D nodes")
-    prom.add_argument("--router", action="append", default=[], metavar="URL")
+    prom.add_argument("--router", action="append", default=[], metavar="URL",
+                      help="a router's internal listener (http://HOST:INTERNAL_PORT, by "
+                           "default the router's --port + 1: complete /metrics, no key), or "
+                           "its public URL with --router-metrics-key-file; an unauthenticated "
+                           "public /metrics leaves out the request-size series")
+    prom.add_argument("--router-metrics-key-file", type=Path, default=None, metavar="FILE",
+                      help="a file holding the router's --metrics-key (or admin key): "
+                           "Prometheus sends it as a bearer token to the --router URLs")
     prom.add_argument("--prefill", action="append", default=[], metavar="URL")
     prom.add_argument("--decode", action="append", default=[], metavar="URL")
     prom.add_argument("--interval-s", type=float, default=5.0)
@@ -166,7 +173,13 @@ def _prometheus_config(args: argparse.Namespace) -> int:
     if not targets:
         print("error: give at least one --router, --prefill or --decode URL", file=sys.stderr)
         return 2
-    _write(scrape_config(targets, args.interval_s), args.output)
+    key_file = args.router_metrics_key_file
+    if key_file is not None and not key_file.is_file():
+        print(f"error: --router-metrics-key-file {key_file}: no such file", file=sys.stderr)
+        return 2
+    # Prometheus reads the file at every scrape (a relative path: from the config's folder)
+    _write(scrape_config(targets, args.interval_s,
+                         key_file.resolve() if key_file is not None else None), args.output)
     return 0
 
 

@@ -11,7 +11,10 @@ Topology (docs/deploy.md has the why):
   and tells D to post them to its pod IP (``--internal-url http://$(POD_IP):PORT``); D's
   connector accepts report targets only inside ``pod_cidrs``.
 * PodDisruptionBudgets keep all but one pod of each component up through voluntary
-  disruptions; a ServiceMonitor has Prometheus scrape the router, P and D.
+  disruptions; a ServiceMonitor has Prometheus scrape P and D on their http port and every
+  router replica on its internal listener, through the headless ``NAME-router-metrics``
+  Service: ``/metrics`` there is complete, where the public one leaves out the request-size
+  series (or needs ``--metrics-key``, docs/security.md).
 
 Pure: ``render(config)`` returns the manifests, ``to_yaml`` prints them.
 """
@@ -36,7 +39,8 @@ def render(config: DeployConfig) -> list[Manifest]:
     for role in ("prefill", "decode"):
         docs += [_engine_service(config, role), _engine_statefulset(config, role),
                  _pdb(config, role)]
-    docs += [_router_service(config), _router_deployment(config), _pdb(config, "router")]
+    docs += [_router_service(config), _router_metrics_service(config),
+             _router_deployment(config), _pdb(config, "router")]
     if config.service_monitor:
         docs.append(_service_monitor(config))
     return docs
@@ -237,13 +241,29 @@ def _router_service(config: DeployConfig) -> Manifest:
     return {
         "apiVersion": "v1",
         "kind": "Service",
-        "metadata": _metadata(config, component_name(config, "router"), "router",
-                              {METRICS_LABEL: "true"}),
+        "metadata": _metadata(config, component_name(config, "router"), "router"),
         "spec": {
             "type": "ClusterIP",
             "selector": selector(config, "router"),
             # Only the OpenAI API: D posts reports to each replica's pod IP, not through here.
             "ports": [{"name": "http", "port": config.router_port, "targetPort": "http"}],
+        },
+    }
+
+
+def _router_metrics_service(config: DeployConfig) -> Manifest:
+    """Every replica's internal listener, for Prometheus only (headless: one target per
+    pod): its ``/metrics`` is complete and needs no key."""
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": _metadata(config, component_name(config, "router-metrics"), "router",
+                              {METRICS_LABEL: "true"}),
+        "spec": {
+            "clusterIP": "None",
+            "selector": selector(config, "router"),
+            "ports": [{"name": "internal", "port": config.router_internal_port,
+                       "targetPort": "internal"}],
         },
     }
 
@@ -270,9 +290,11 @@ def _router_deployment(config: DeployConfig) -> Manifest:
         },
         # /health is 200 while one P and one D are up: a replica with no node to route to
         # leaves the Service. Liveness must not depend on the nodes (a dead D would restart
-        # every router), so it asks /metrics, which only the router process answers.
+        # every router), so it asks /metrics, which only the router process answers: on the
+        # internal listener, which serves it to anyone there (the public one may need
+        # --metrics-key, or not serve it at all with --metrics-listener internal).
         "readinessProbe": _http_probe("/health", "http", period_s=5, failures=2),
-        "livenessProbe": _http_probe("/metrics", "http", period_s=10, failures=3),
+        "livenessProbe": _http_probe("/metrics", "internal", period_s=10, failures=3),
     }
     return {
         "apiVersion": "apps/v1",
@@ -367,16 +389,18 @@ def _service_monitor(config: DeployConfig) -> Manifest:
         "spec": {
             "selector": {"matchLabels": {"app.kubernetes.io/part-of": config.name,
                                          METRICS_LABEL: "true"}},
+            # P and D on their http port, the router replicas on their internal listener
+            # (NAME-router-metrics): a Service without the named port yields no target.
             # ``component`` (router, prefill, decode) is the label the dashboard's queries
             # use (kvrelay.deploy.panels), as the local scrape config sets it.
             "endpoints": [{
-                "port": "http", "path": "/metrics", "interval": "15s",
+                "port": port, "path": "/metrics", "interval": "15s",
                 "relabelings": [{
                     "sourceLabels": [
                         "__meta_kubernetes_service_label_app_kubernetes_io_component"],
                     "targetLabel": "component",
                 }],
-            }],
+            } for port in ("http", "internal")],
         },
     }
 

@@ -35,25 +35,33 @@ class ScrapeTarget:
         return parts.netloc
 
 
-def scrape_config(targets: list[ScrapeTarget], interval_s: float = 5.0) -> str:
-    """``prometheus.yml`` scraping ``targets``, one job per component."""
+def scrape_config(targets: list[ScrapeTarget], interval_s: float = 5.0,
+                  router_key_file: Path | None = None) -> str:
+    """``prometheus.yml`` scraping ``targets``, one job per component. A router target is
+    its internal listener (complete ``/metrics``, no key) or its public URL; with
+    ``router_key_file`` the router job sends the key in that file as a bearer token, for a
+    public ``/metrics`` locked with ``--metrics-key`` (docs/security.md)."""
     import yaml
 
     components = sorted({t.component for t in targets})
+    jobs: list[dict[str, object]] = []
+    for component in components:
+        job: dict[str, object] = {
+            "job_name": f"kvrelay-{component}",
+            "metrics_path": "/metrics",
+            "static_configs": [{
+                "targets": [t.address for t in targets if t.component == component],
+                "labels": {"component": component},
+            }],
+        }
+        if component == "router" and router_key_file is not None:
+            job["authorization"] = {"type": "Bearer",
+                                    "credentials_file": str(router_key_file)}
+        jobs.append(job)
     config = {
         "global": {"scrape_interval": _duration(interval_s),
                    "evaluation_interval": _duration(interval_s)},
-        "scrape_configs": [
-            {
-                "job_name": f"kvrelay-{component}",
-                "metrics_path": "/metrics",
-                "static_configs": [{
-                    "targets": [t.address for t in targets if t.component == component],
-                    "labels": {"component": component},
-                }],
-            }
-            for component in components
-        ],
+        "scrape_configs": jobs,
     }
     return str(yaml.safe_dump(config, sort_keys=False))
 

@@ -125,30 +125,53 @@ async def start_stream(send: Send, headers: Mapping[str, str]) -> None:
 
 DISCONNECT_SCOPE_KEY = "kvrelay.disconnect"
 """Set in a request's scope by a server that calls ``DisconnectWatch.disconnected`` itself
-(``router.server``'s protocol, when the connection is lost mid-request)."""
+(``router.server``'s protocol, when the connection is lost mid-request). The server may set
+a ``CutOrder`` there instead: the request is cut as soon as its watch is made."""
+
+
+@dataclass(frozen=True, slots=True)
+class CutOrder:
+    """Why the server cuts a request (``DisconnectWatch.cut``): the status and message the
+    request answers with (an error event on a stream already started)."""
+
+    status: int = 503
+    message: str = "the router is shutting down"
+    why: str = "at the drain deadline"
+    """For the log line, after "stream ... cut"."""
+    logged: bool = True
+    """Whether a cut stream is logged at INFO (else DEBUG: a client could fill the log)."""
+
+
+SHUTTING_DOWN = CutOrder()
 
 
 class DisconnectWatch:
     """Cancels the serving task when its client disconnects (after the body was read), or
-    when the server cuts it (``cut``: the drain deadline passed).
+    when the server cuts it (``cut``: the drain deadline passed, or the connection is
+    abandoned: a request pipelined behind this one went over a head limit).
 
     Cancelling the task cancels whatever it awaits, e.g. a request to a node, which closes
     that connection and makes vLLM abort the request. ``gone`` / ``was_cut`` tell the task's
-    cleanup why it was cancelled. Under kvrelay's own server the protocol reports the lost
-    connection (``disconnected``); under any other ASGI server a task waits on ``receive()``,
-    which answers ``http.disconnect`` when the connection goes away (and once the response is
-    complete, so ``stop()`` must come before the last body message).
+    cleanup why it was cancelled (``cut_order``: what to answer). Under kvrelay's own server
+    the protocol reports the lost connection (``disconnected``); under any other ASGI server
+    a task waits on ``receive()``, which answers ``http.disconnect`` when the connection goes
+    away (and once the response is complete, so ``stop()`` must come before the last body
+    message).
     """
 
-    __slots__ = ("_task", "_watch", "gone", "was_cut")
+    __slots__ = ("_task", "_watch", "cut_order", "gone", "was_cut")
 
     def __init__(self, request: Request) -> None:
         self.gone = False
         self.was_cut = False
+        self.cut_order = SHUTTING_DOWN
         self._task = asyncio.current_task()
         self._watch: asyncio.Task[None] | None = None
-        if request.scope.get(DISCONNECT_SCOPE_KEY):
+        ordered = request.scope.get(DISCONNECT_SCOPE_KEY)
+        if ordered:
             request.scope[DISCONNECT_SCOPE_KEY] = self
+            if isinstance(ordered, CutOrder):  # cut before the watch existed
+                self.cut(ordered)
         else:
             self._watch = asyncio.get_running_loop().create_task(self._wait(request.receive))
 
@@ -170,10 +193,12 @@ class DisconnectWatch:
         """Whether a cancellation of the serving task came from this watch."""
         return self.gone or self.was_cut
 
-    def cut(self) -> None:
-        """Stop the serving task now (it answers what it can and returns)."""
+    def cut(self, order: CutOrder = SHUTTING_DOWN) -> None:
+        """Stop the serving task now (it answers what it can, as ``order`` says, and
+        returns)."""
         if self._task is not None and not self.gone and not self.was_cut:
             self.was_cut = True
+            self.cut_order = order
             self._task.cancel()
 
     def stop(self) -> None:

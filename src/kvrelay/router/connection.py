@@ -14,8 +14,11 @@ response (else the connection is closed); a body has its own deadline (``asgi.re
 (``Content-Length``). Whatever the client sends after a complete request, while that
 request is being answered, is held unparsed and checked as the next request's head: once a
 whole head is held the router stops reading (uvicorn's rule: one request ahead); a held head
-over a limit stops reading at once and closes the connection ``REJECT_LINGER_S`` later,
-cutting the answer in progress (a 431 follows that answer if it completes before). Held
+over a limit stops reading at once, abandons the request in progress (``ABANDON``: its
+legs to P and D are cancelled now, a stream ends with an error event, an answer not begun
+is a 431, and a 431 for the held head follows) and closes the connection
+``REJECT_LINGER_S`` later: a client that floods a pipelined head costs no engine or router
+work beyond that point. Held
 bytes go to the parser when the response is complete, and the next head's deadline starts
 then. So no head is ever parsed unlimited, and a client can make the router buffer at most
 one head plus one read.
@@ -37,12 +40,17 @@ from typing import Any
 
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from kvrelay.router.asgi import DISCONNECT_SCOPE_KEY, DisconnectWatch
+from kvrelay.router.asgi import DISCONNECT_SCOPE_KEY, CutOrder, DisconnectWatch
 from kvrelay.router.errors import error_json
 
 log = logging.getLogger("kvrelay.router")
 
 REJECT_LINGER_S = 2.0
+ABANDON = CutOrder(
+    431, "Request header fields too large (a request pipelined behind this one)",
+    why="(a request pipelined behind it was over a head limit)", logged=False,
+)
+"""What a request in progress answers when a head pipelined behind it goes over a limit."""
 _OVER = -1
 
 
@@ -270,6 +278,7 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         if size == _OVER:
             self._kvrelay_cut()
             self._kvrelay_owed = True
+            self._kvrelay_abandon()
         elif size:
             self._kvrelay_pause()
 
@@ -330,6 +339,18 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         self._kvrelay_head = None
         self._kvrelay_disarm()
         self.transport.close()
+
+    def _kvrelay_abandon(self) -> None:
+        """Cut the request in progress now (``ABANDON``), or as soon as its handler makes
+        its watch (its body may still be parsed), rather than serve it to the close."""
+        cycle = self.cycle
+        if cycle is None or cycle.response_complete:
+            return
+        watch = cycle.scope.get(DISCONNECT_SCOPE_KEY)
+        if isinstance(watch, DisconnectWatch):
+            watch.cut(ABANDON)
+        elif watch:
+            cycle.scope[DISCONNECT_SCOPE_KEY] = ABANDON  # type: ignore[literal-required]
 
     def _unsupported_upgrade_warning(self) -> None:
         """uvicorn warns on every Upgrade it does not follow: a client could fill the log."""

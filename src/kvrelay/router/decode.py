@@ -212,9 +212,11 @@ class Decoder:
             if turn.outcome is None:
                 await self._lose(turn, pending, "cut" if watch.was_cut else "client_gone")
             if watch.was_cut:
-                log.info("stream of a %s turn cut at the drain deadline", turn.action)
+                order = watch.cut_order
+                log.log(logging.INFO if order.logged else logging.DEBUG,
+                        "stream of a %s turn cut %s", turn.action, order.why)
                 with contextlib.suppress(OSError):
-                    await _body(send, adapter.stream_error(503, "the router is shutting down"))
+                    await _body(send, adapter.stream_error(order.status, order.message))
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         watch.stop()

@@ -104,10 +104,11 @@ class GenerationHandler:
             if turn is not None:
                 turn.finish("client_gone" if watch.gone else "cut")
             if watch.was_cut and not watch.gone:
-                cut = RouterError(503, "the router is shutting down")
-                cut.headers = {"Connection": "close"}  # the drain closes; no Retry-After
+                order = watch.cut_order
+                cut = RouterError(order.status, order.message)
+                cut.headers = {"Connection": "close"}  # the server closes; no Retry-After
                 await _answer_error(request, endpoint, cut)
-                return 503
+                return order.status
             return 499
         finally:
             ctx.admission.closed(watch)
