@@ -103,7 +103,8 @@ def parse_generation(
     base = header_request_id or body_id or f"{engine.rng.getrandbits(64):016x}"
     suffix = f"{engine.rng.getrandbits(32):08x}"
     if endpoint == "responses":
-        request_id = f"resp_{base}"
+        # vLLM's Responses API: the body's request_id is the response id as it is
+        request_id = body_id if body_id else f"resp_{base}"
         internal = f"{request_id}-{suffix}"
     elif endpoint in ("chat", "messages"):
         request_id = f"chatcmpl-{base}"

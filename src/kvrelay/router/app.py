@@ -42,6 +42,7 @@ from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.request import PATHS
+from kvrelay.router.response_store import InMemoryResponseStore, ResponseStore
 from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
@@ -96,6 +97,8 @@ class RouterApp:
                 await task
         await self.ctx.upstream.aclose()
         await self.ctx.index.aclose()
+        if self.ctx.responses is not None:
+            await self.ctx.responses.aclose()
         if self.ctx.turn_log is not None:
             self.ctx.turn_log.close()
 
@@ -153,14 +156,18 @@ def create_app(
     transport: Transport | None = None,
     clock: Callable[[], float] = time.monotonic,
     index: ConversationIndex | None = None,
+    response_store: ResponseStore | None = None,
 ) -> RouterApp:
     """A router app for ``config``. ``transport`` replaces the network to the nodes (tests),
     ``clock`` is the router clock for entry expiry, ``index`` defaults to a ``RedisIndex``
     on ``config.state`` when set (shared by router replicas), else to an ``InMemoryIndex``
-    capped at ``config.max_entries`` (``config.tenant_entries`` per tenant)."""
+    capped at ``config.max_entries`` (``config.tenant_entries`` per tenant).
+    ``response_store`` defaults to the one ``config.response_store`` names (none if off)."""
     metrics = RouterMetrics()
     if index is None:
         index = _default_index(config, clock, metrics)
+    if response_store is None and config.response_store != "off":
+        response_store = _default_response_store(config, clock, metrics)
     upstream = Upstream(transport or AiohttpTransport(
         max_connections=config.max_connections,
         connect_timeout_s=config.connect_timeout_s,
@@ -192,6 +199,7 @@ def create_app(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,
         ) if config.turn_log else None,
+        responses=response_store,
     )
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
@@ -202,6 +210,7 @@ def create_app(
         *(Route(path, frozenset({"POST"}), generation.route(endpoint))
           for endpoint, path in PATHS.items()),
         *public_routes(ctx),
+        *generation.stored_routes(),
     ])
     return RouterApp(ctx, public, Routes(internal_routes(ctx)))
 
@@ -243,3 +252,28 @@ def _default_index(
         on_text_digests=metrics.text_lookup,
     )
 
+
+
+def _default_response_store(
+    config: RouterConfig, clock: Callable[[], float], metrics: RouterMetrics
+) -> ResponseStore:
+    def evicted(reason: str) -> None:
+        metrics.responses_evicted.labels(reason).inc()
+
+    ttl_s, max_bytes = config.response_store_ttl_s, config.response_store_max_mb << 20
+    if config.response_store == "redis":
+        from kvrelay.router.response_store_redis import RedisResponseStore
+
+        assert config.state is not None
+        return RedisResponseStore.from_url(
+            config.state, ttl_s=ttl_s, max_bytes=max_bytes, deployment=config.deployment,
+            timeout_s=max(config.state_timeout_ms / 1000.0, RESPONSE_STORE_MIN_TIMEOUT_S),
+            on_error=lambda op: metrics.state_errors.labels(op).inc(), on_evict=evicted)
+    return InMemoryResponseStore(ttl_s=ttl_s, max_bytes=max_bytes, clock=clock,
+                                 on_evict=evicted)
+
+
+RESPONSE_STORE_MIN_TIMEOUT_S = 1.0
+"""The response store's Redis calls wait at least this long (``state_timeout_ms`` bounds the
+index's, whose failure only costs a recompute): a ``previous_response_id`` the store cannot
+answer has no fallback but a 503, and a stored conversation can be megabytes."""

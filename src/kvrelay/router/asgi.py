@@ -218,9 +218,12 @@ class DisconnectWatch:
 
 @dataclass(frozen=True)
 class Route:
+    """``path`` exactly, or with ``prefix`` every path under it (``/v1/responses/``)."""
+
     path: str
     methods: frozenset[str]
     handler: Handler
+    prefix: bool = False
 
 
 def wants_websocket(scope: Scope) -> bool:
@@ -252,14 +255,18 @@ async def refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
 
 
 class Routes:
-    """Exact-path routes; anything else is a 404, a wrong method a 405 (OpenAI error bodies,
-    never a redirect)."""
+    """Exact-path routes (and prefix ones, tried after them); anything else is a 404, a
+    wrong method a 405 (OpenAI error bodies, never a redirect)."""
 
     def __init__(self, routes: list[Route]) -> None:
-        self._routes = {r.path: r for r in routes}
+        self._routes = {r.path: r for r in routes if not r.prefix}
+        self._prefixes = [r for r in routes if r.prefix]
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        route = self._routes.get(scope["path"])
+        path = scope["path"]
+        route = self._routes.get(path)
+        if route is None and self._prefixes:
+            route = next((r for r in self._prefixes if path.startswith(r.path)), None)
         if route is None:
             await send_error(send, 404, "Not found")
             return

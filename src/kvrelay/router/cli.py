@@ -102,6 +102,16 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 50)")
     parser.add_argument("--deployment", default=None,
                         help="namespace of this deployment's Redis keys (default 'default')")
+    parser.add_argument("--response-store", choices=["off", "memory", "redis"], default=None,
+                        help="keep store:true Responses (their content: input and output "
+                             "items) for previous_response_id and GET /v1/responses/{id}: in "
+                             "this process (memory) or in the --state Redis, shared by "
+                             "replicas (redis); default off")
+    parser.add_argument("--response-store-ttl-s", type=float, default=None,
+                        help="how long a stored response is kept (default 3600)")
+    parser.add_argument("--response-store-max-mb", type=int, default=None,
+                        help="bound on the stored responses, the oldest evicted first "
+                             "(default 256)")
     parser.add_argument("--log-level", default=None,
                         choices=["critical", "error", "warning", "info", "debug"])
     add_security_arguments(parser)
@@ -201,6 +211,9 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "state": args.state,
         "state_timeout_ms": args.state_timeout_ms,
         "deployment": args.deployment,
+        "response_store": getattr(args, "response_store", None),
+        "response_store_ttl_s": getattr(args, "response_store_ttl_s", None),
+        "response_store_max_mb": getattr(args, "response_store_max_mb", None),
     }
     if side:
         out["side_channels"] = side

@@ -37,6 +37,7 @@ from kvrelay.router.request_limits import RequestLimits
 Role = Literal["prefill", "decode"]
 GuardMode = Literal["auto", "connector", "tokenize"]
 MetricsListener = Literal["public", "internal"]
+ResponseStoreMode = Literal["off", "memory", "redis"]
 
 DEFAULT_SESSION_HEADERS: tuple[str, ...] = (
     "x-conversation-id",
@@ -134,7 +135,11 @@ class RouterConfig:
     response ends the router keeps waiting for that report before giving up on the entry.
     ``state`` is the shared conversation index (``redis://host:port/db``; ``None``: in this
     process), each of its calls bounded by ``state_timeout_ms``; ``deployment`` namespaces its
-    keys (see ``router.index_redis``).
+    keys (see ``router.index_redis``). ``response_store`` keeps ``store: true`` Responses
+    (content: their input and output items) for ``previous_response_id`` and ``GET
+    /v1/responses/{id}``: ``off``, ``memory`` (this process) or ``redis`` (in ``state``,
+    shared by replicas), each response ``response_store_ttl_s``, at most
+    ``response_store_max_mb`` in all (``router.response_store``).
 
     ``guard`` says where the exact prefix check runs: ``connector`` (kvrelay's connector on P
     proves every pulled token; the router never tokenizes), ``tokenize`` (stock vLLM on P: the
@@ -215,6 +220,9 @@ class RouterConfig:
     turn_log: str | None = None
     turn_log_max_mb: int = 64
     turn_log_backups: int = 5
+    response_store: ResponseStoreMode = "off"
+    response_store_ttl_s: float = 3600.0
+    response_store_max_mb: int = 256
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -288,6 +296,15 @@ class RouterConfig:
             raise ConfigError("tag_key must be at least 16 bytes (a random secret)")
         if not self.deployment or any(c.isspace() for c in self.deployment):
             raise ConfigError("deployment must be non-empty, without whitespace")
+        if self.response_store not in ("off", "memory", "redis"):
+            raise ConfigError(f"response_store must be off, memory or redis, got "
+                              f"{self.response_store!r}")
+        if self.response_store == "redis" and self.state is None:
+            raise ConfigError("response_store redis keeps responses in the router's Redis "
+                              "state backend: set state (--state redis://HOST:PORT/DB)")
+        if self.response_store_ttl_s <= 0 or self.response_store_max_mb < 1:
+            raise ConfigError("response_store_ttl_s must be positive and "
+                              "response_store_max_mb >= 1")
 
     @property
     def nodes(self) -> tuple[NodeConfig, ...]:
@@ -493,7 +510,8 @@ def _coerce(key: str, value: Any) -> Any:
     if key == "tenant_is_one_caller":
         return _flag(key, value)
     if not isinstance(value, str) or kind in ("str", "str | None", "GuardMode",
-                                              "IdPrecedence", "MetricsListener"):
+                                              "IdPrecedence", "MetricsListener",
+                                              "ResponseStoreMode"):
         return value
     if kind in ("int", "int | None"):
         return int(value)
@@ -604,6 +622,9 @@ ENV_KEYS = {
     "TURN_LOG": "turn_log",
     "LEARNED_RETENTION": "learned_retention",
     "RETAIN_QUANTILE": "retain_quantile",
+    "RESPONSE_STORE": "response_store",
+    "RESPONSE_STORE_TTL_S": "response_store_ttl_s",
+    "RESPONSE_STORE_MAX_MB": "response_store_max_mb",
 }
 
 
@@ -622,7 +643,8 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
             out.setdefault("learn_costs", "false")
         elif key in ("kv_recompute_threshold", "block_size"):
             out[key] = _number(suffix, value, int)
-        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s", "retain_quantile"):
+        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s", "retain_quantile",
+                     "response_store_ttl_s"):
             out[key] = _number(suffix, value, float)
         else:
             out[key] = value

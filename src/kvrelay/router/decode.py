@@ -15,6 +15,10 @@ D's bytes are relayed as they come, unparsed (``sse``). A D failure mid-stream b
 SSE error event and ``data: [DONE]``; a stream still open at the drain deadline ends the
 same way; a client that goes away aborts D's request. In every such case the turn keeps no
 entry and the entry it continued (unless consumed) is dropped.
+
+A Responses turn with the response store on (``TurnRequest.kept``) has its response's
+snapshots patched and the finished response kept before the client gets its end
+(``router.response_keeper``).
 """
 
 from __future__ import annotations
@@ -139,6 +143,10 @@ class Decoder:
             await ctx.nodes.request_failed(exc)
             raise BeforeFirstByte(exc) from exc
         read = turn.request.adapter.rewrite_body(obj, rewrite)
+        kept = turn.request.kept
+        if kept is not None:
+            kept.patch(obj, final=True)
+            await kept.commit()
         blocks = self._retained(node, read.params)
         await ctx.desk.response_finished(
             pending,
@@ -177,6 +185,8 @@ class Decoder:
         first, carry = await self._first_events(node, chunks)
         adapter = turn.request.adapter
         scan = adapter.scanner(rewrite)
+        if turn.request.kept is not None:
+            scan = turn.request.kept.scanner(scan)
         await start_stream(send, turn.headers())
         turn.move(TurnState.STREAMING)
         try:
@@ -231,6 +241,8 @@ class Decoder:
             ctx.metrics.upstream_error(node.node_id, "error_event", None)
             await self._lose(turn, pending, "error_event")
             return
+        if turn.request.kept is not None:
+            await turn.request.kept.commit()
         text, calls = scan.answer()
         answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
         blocks = self._retained(node, scan.params) if scan.params is not None else None

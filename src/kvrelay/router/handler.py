@@ -23,7 +23,7 @@ import logging
 
 from kvrelay.core.consequences import decode_retry
 from kvrelay.router.apis import ADAPTERS
-from kvrelay.router.asgi import DisconnectWatch, Request, read_body, send_response
+from kvrelay.router.asgi import DisconnectWatch, Request, Route, read_body, send_response
 from kvrelay.router.commit import PendingTurn
 from kvrelay.router.decode import DIRECT_PARAMS, BeforeFirstByte, Decoder
 from kvrelay.router.errors import ClientError, RouterError
@@ -31,6 +31,7 @@ from kvrelay.router.plan import Planner
 from kvrelay.router.prefill import Prefiller
 from kvrelay.router.request import parse_request
 from kvrelay.router.state import RouterContext
+from kvrelay.router.stored_responses import RESPONSES_PREFIX, ResponseRoutes, StoredResponses
 from kvrelay.router.turn import Turn
 from kvrelay.router.turnlog import TurnLogWriter
 
@@ -52,9 +53,21 @@ class GenerationHandler:
         self._planner = Planner(ctx)
         self._prefiller = Prefiller(ctx)
         self._decoder = Decoder(ctx)
+        self._stored = StoredResponses(
+            ctx.responses, rules=self._id_rules, limits=self._limits,
+            inline_bytes=PARSE_INLINE_BYTES,
+            on_error=lambda op: ctx.metrics.state_errors.labels(op).inc(),
+        ) if ctx.responses is not None else None
 
     def route(self, endpoint: str) -> RouteHandler:
         return RouteHandler(self, endpoint)
+
+    def stored_routes(self) -> list[Route]:
+        """``GET`` / ``DELETE /v1/responses/{id}`` when the response store is on."""
+        if self._stored is None:
+            return []
+        return [Route(RESPONSES_PREFIX, frozenset({"GET", "DELETE"}),
+                      ResponseRoutes(self._stored, self._ctx.auth), prefix=True)]
 
     async def handle(self, request: Request, endpoint: str) -> None:
         ctx = self._ctx
@@ -79,10 +92,13 @@ class GenerationHandler:
         turn: Turn | None = None
         try:
             raw = await read_body(request, ctx.config.max_body_bytes, ctx.config.body_timeout_s)
-            args = (endpoint, raw, request.headers, tenant, self._id_rules, self._limits)
-            req = (parse_request(*args) if len(raw) <= PARSE_INLINE_BYTES
-                   else await asyncio.to_thread(parse_request, *args))
-        except ClientError as exc:
+            if self._stored is not None and endpoint == "responses":
+                req = await self._stored.request(raw, request.headers, tenant)
+            else:
+                args = (endpoint, raw, request.headers, tenant, self._id_rules, self._limits)
+                req = (parse_request(*args) if len(raw) <= PARSE_INLINE_BYTES
+                       else await asyncio.to_thread(parse_request, *args))
+        except (ClientError, RouterError) as exc:
             await _answer_error(request, endpoint, exc)
             return exc.status
         watch = DisconnectWatch(request)

@@ -40,7 +40,10 @@ Names (all prefixed ``kvrelay_router_``):
   ``retain_time_decisions_total{reason}`` (``prior``, ``learned``, ``headroom``) and
   ``retain_seconds`` (histogram): the per-turn retention times sent to D.
 * ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out
-  (``get``, ``put``, ``claim``, ``drop``, ``drop_node``, ``drop_engine``, ``decode``).
+  (``get``, ``put``, ``claim``, ``drop``, ``drop_node``, ``drop_engine``, ``decode``; the
+  response store's ``response_get``, ``response_put``, ``response_delete``).
+* ``stored_responses_evicted_total{reason}`` – stored Responses that left the response
+  store before anyone asked for them to: ``expired``, or ``capacity`` (its size bound).
 * ``in_flight`` – generation requests in flight (streams until their end);
   ``rejected_requests_total{reason}`` – requests refused before routing: ``overload`` (429,
   over ``max_in_flight``) or ``draining`` (503, shutting down).
@@ -133,6 +136,10 @@ class RouterMetrics:
         self.state_errors = Counter(
             _P + "state_errors_total", "Shared conversation state calls that failed, by op",
             ["op"], registry=r,
+        )
+        self.responses_evicted = Counter(
+            _P + "stored_responses_evicted_total", "Stored responses evicted, by reason",
+            ["reason"], registry=r,
         )
         self.expired_unused = Counter(
             _P + "expired_unused_token_seconds", "Retention nobody read: tokens x seconds of "

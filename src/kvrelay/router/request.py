@@ -36,11 +36,13 @@ from kvrelay.router.apis.base import ApiAdapter, ApiRequest
 from kvrelay.router.apis.fields import JsonObject, check_id, encode, load_json, optional
 from kvrelay.router.errors import ClientError
 from kvrelay.router.request_limits import RequestLimits
+from kvrelay.router.response_keeper import KeptResponse
 
 Endpoint = Literal["chat", "completions", "responses", "messages"]
 PATHS: Mapping[str, str] = {name: a.path for name, a in ADAPTERS.items()}
 
-__all__ = ["PATHS", "Endpoint", "TurnRequest", "encode", "parse_request", "tokenize_body"]
+__all__ = ["PATHS", "Endpoint", "TurnRequest", "encode", "load_body", "parse_request",
+           "request_from_body", "tokenize_body"]
 
 
 class TurnRequest(msgspec.Struct, frozen=True):
@@ -49,6 +51,7 @@ class TurnRequest(msgspec.Struct, frozen=True):
     ``body`` is what gets forwarded (no ``conversation_id``); ``api`` what its adapter read
     from it. ``has_id``: the request named its conversation (its tag is then its scope's,
     ``core.conversation.id_tag``; without one it comes from the entry continued).
+    ``kept``: what the Responses store does with this turn's response (``None``: nothing).
     """
 
     endpoint: str
@@ -57,6 +60,7 @@ class TurnRequest(msgspec.Struct, frozen=True):
     identity: RequestIdentity
     has_id: bool
     api: ApiRequest
+    kept: KeptResponse | None = None
 
     @property
     def adapter(self) -> ApiAdapter:
@@ -123,10 +127,27 @@ def parse_request(
 ) -> TurnRequest:
     """Validate a client request (module docstring); ``ClientError`` if invalid, or if it
     carries more than ``limits`` allow (checked before anything is digested)."""
-    adapter = ADAPTERS[endpoint]
+    return request_from_body(endpoint, load_body(raw, limits), headers, tenant, rules)
+
+
+def load_body(raw: bytes, limits: RequestLimits | None = None) -> JsonObject:
+    """A request body as a JSON object, within ``limits``; ``ClientError`` if not."""
     body = load_json(raw, limits)
     if not isinstance(body, dict):
         raise ClientError("The request body must be a JSON object")
+    return body
+
+
+def request_from_body(
+    endpoint: str,
+    body: JsonObject,
+    headers: Mapping[str, str],
+    tenant: str,
+    rules: IdRules,
+) -> TurnRequest:
+    """``parse_request`` on a body already loaded (``load_body``); it is forwarded, so it is
+    changed in place (``conversation_id`` taken out)."""
+    adapter = ADAPTERS[endpoint]
     if "kv_transfer_params" in body:
         raise ClientError(
             "kv_transfer_params is reserved for the router", param="kv_transfer_params"

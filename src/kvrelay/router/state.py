@@ -12,6 +12,7 @@ from kvrelay.router.index import ConversationIndex
 from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.response_store import ResponseStore
 from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.stats import RouterStats
 from kvrelay.router.turnlog import TurnLogWriter
@@ -36,3 +37,5 @@ class RouterContext:
     retention: RetentionDesk
     tag_key: bytes
     turn_log: TurnLogWriter | None = None
+    responses: ResponseStore | None = None
+    """The Responses store (``--response-store``; ``None``: off)."""

@@ -16,11 +16,13 @@ which vLLM neither renders nor runs (it goes through too). The tools vLLM's tool
 (``TOOL_SERVER_TOOLS``) are refused.
 
 **What P/D cannot carry** is refused with a 400 in OpenAI's error shape:
-``previous_response_id`` and ``conversation`` (the router keeps no responses: send the whole
+``previous_response_id`` without the response store and ``conversation`` (send the whole
 input with ``store: false``), ``background``, and tool-server tools (web search preview,
-code interpreter, container, MCP: vLLM runs several engine requests for one response). ``store:
-true`` is served as ``store: false`` (P and D are told ``store: false``; the response says
-so): nothing is stored, ``GET /v1/responses/{id}`` does not exist.
+code interpreter, container, MCP: vLLM runs several engine requests for one response).
+Without the store, ``store: true`` is served as ``store: false`` (P and D are told ``store:
+false``; the response says so) and nothing is stored. With the router's
+response store on (``router.stored_responses``), ``previous_response_id`` is expanded into
+the input before this adapter sees the body, and ``store: true`` responses are kept.
 
 **Stream.** vLLM's ``event: <type>`` events pass through byte for byte, except: the
 ``"kv_transfer_params":null`` every response snapshot carries (cut as bytes), and the final
@@ -97,7 +99,9 @@ class ResponsesAdapter:
             if body.get(name) is not None:
                 raise ClientError(
                     f"{name} is not supported: the P/D router keeps no responses. Send the "
-                    "whole conversation in `input` every turn, with `store: false`", name)
+                    "whole conversation in `input` every turn, with `store: false`"
+                    + (" (or run the router with --response-store)"
+                       if name == "previous_response_id" else ""), name)
         if optional(body, "background", bool):
             raise ClientError("background responses are not supported by the P/D router",
                               "background")

@@ -1,0 +1,181 @@
+"""The Responses API with the router's response store on (``--response-store``): a
+``previous_response_id`` expanded into the whole input before the turn is identified, and
+``GET`` / ``DELETE /v1/responses/{id}``.
+
+**Expansion.** A request naming ``previous_response_id`` gets, as its ``input``, the stored
+response's input items, then its output items, then the request's own input (a string input
+is one user message), and loses ``previous_response_id``: P and D see a plain
+whole-conversation request. The identity digests are taken over that expanded input, so it
+is the same history the previous turn's entry was committed under, found id-free, and the
+turn pulls as a re-sent history does. As OpenAI does, ``instructions`` and ``tools`` are the
+request's own (not carried over).
+
+**Keeping.** A request with ``store`` true or absent (OpenAI's default) gets a router-minted
+id (``response_store.new_response_id``), sent to D as ``request_id``, and its response is
+kept (``response_keeper.KeptResponse``) under the caller's tenant. ``store: false`` keeps
+nothing.
+
+**Misses.** An unknown, expired, deleted or another tenant's id is the same 404 in OpenAI's
+error shape (no oracle: the message does not say which); a store that cannot answer is a
+503. Without the store none of this is routed: ``previous_response_id`` is a 400
+(``apis.responses``) and ``/v1/responses/{id}`` a 404.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import msgspec
+
+from kvrelay.router.asgi import Request, send_response
+from kvrelay.router.auth import Authenticator
+from kvrelay.router.errors import ClientError, RouterError, dumps
+from kvrelay.router.request import (
+    IdRules,
+    TurnRequest,
+    load_body,
+    request_from_body,
+)
+from kvrelay.router.request_limits import RequestLimits
+from kvrelay.router.response_keeper import KeptResponse
+from kvrelay.router.response_store import (
+    MAX_RESPONSE_ID_CHARS,
+    ResponseStore,
+    ResponseStoreUnavailable,
+    StoredResponse,
+    new_response_id,
+)
+
+RESPONSES_PREFIX = "/v1/responses/"
+NOT_FOUND = ("No response with this id is stored for this API key (unknown, expired or "
+             "deleted)")
+_DECODER = msgspec.json.Decoder()
+
+
+class StoredResponses:
+    """The response store's part of the Responses API for one router app (module
+    docstring). ``inline_bytes``: larger bodies are parsed in a worker thread."""
+
+    def __init__(
+        self,
+        store: ResponseStore,
+        *,
+        rules: IdRules,
+        limits: RequestLimits,
+        inline_bytes: int,
+        on_error: Callable[[str], None] | None = None,
+    ) -> None:
+        self._store = store
+        self._rules = rules
+        self._limits = limits
+        self._inline_bytes = inline_bytes
+        self._on_error = on_error
+
+    async def request(self, raw: bytes, headers: Mapping[str, str], tenant: str
+                      ) -> TurnRequest:
+        """A ``/v1/responses`` request, its ``previous_response_id`` expanded (module
+        docstring); ``ClientError`` (400, 404) or ``RouterError`` (503)."""
+        inline = len(raw) <= self._inline_bytes
+        body = (load_body(raw, self._limits) if inline
+                else await asyncio.to_thread(load_body, raw, self._limits))
+        previous = body.pop("previous_response_id", None)
+        if previous is not None and (not isinstance(previous, str) or not previous):
+            raise ClientError("previous_response_id must be a non-empty string",
+                              "previous_response_id")
+        keep = body.get("store", True)
+        if not isinstance(keep, bool):
+            raise ClientError("store must be a boolean", "store")
+        own = _input_items(body.get("input"), required=previous is None)
+        items = own
+        if previous is not None:
+            stored = await self.get(tenant, previous, "previous_response_id")
+            items = [*_stored_items(stored), *own]
+            if len(items) > self._limits.max_messages:
+                raise ClientError(
+                    f"the conversation after previous_response_id has {len(items)} items, "
+                    f"more than the router's limit of {self._limits.max_messages}", "input")
+            body["input"] = items
+        response_id = new_response_id() if keep else None
+        if response_id is not None:
+            body["request_id"] = response_id
+        args = ("responses", body, headers, tenant, self._rules)
+        req = (request_from_body(*args) if inline
+               else await asyncio.to_thread(request_from_body, *args))
+        if response_id is None and previous is None:
+            return req
+        kept = KeptResponse(store=self._store if keep else None, tenant=tenant,
+                            response_id=response_id, previous_id=previous,
+                            input_items=items, on_error=self._on_error)
+        return msgspec.structs.replace(req, kept=kept)
+
+    async def get(self, tenant: str, response_id: str, param: str | None) -> StoredResponse:
+        """The tenant's stored response; ``ClientError`` 404 if there is none (module
+        docstring), ``RouterError`` 503 if the store cannot answer."""
+        stored = None
+        if len(response_id) <= MAX_RESPONSE_ID_CHARS:
+            try:
+                stored = await self._store.get(tenant, response_id)
+            except ResponseStoreUnavailable:
+                raise RouterError(503, "the response store is unavailable") from None
+        if stored is None:
+            raise ClientError(NOT_FOUND, param, status=404)
+        return stored
+
+    async def delete(self, tenant: str, response_id: str) -> None:
+        """Forget the tenant's stored response; the same errors as ``get``."""
+        deleted = False
+        if len(response_id) <= MAX_RESPONSE_ID_CHARS:
+            try:
+                deleted = await self._store.delete(tenant, response_id)
+            except ResponseStoreUnavailable:
+                raise RouterError(503, "the response store is unavailable") from None
+        if not deleted:
+            raise ClientError(NOT_FOUND, status=404)
+
+
+def _input_items(value: object, *, required: bool) -> list[Any]:
+    """The request's own input as items (a string is one user message); a value the adapter
+    refuses is left for it to refuse (``required``: no previous response to add to)."""
+    if isinstance(value, str):
+        return [{"role": "user", "content": value}]
+    if isinstance(value, list):
+        return value
+    if value is None and not required:
+        return []
+    raise ClientError("input must be a string or a non-empty list of items", "input")
+
+
+def _stored_items(stored: StoredResponse) -> list[Any]:
+    """A stored response's input items, then its output items."""
+    items = _DECODER.decode(stored.input_json)
+    response = _DECODER.decode(stored.response_json)
+    output = response.get("output") if isinstance(response, dict) else None
+    return [*(items if isinstance(items, list) else ()),
+            *(output if isinstance(output, list) else ())]
+
+
+class ResponseRoutes:
+    """``GET`` and ``DELETE /v1/responses/{id}`` (the ``asgi.Handler`` of that prefix):
+    the client's key names the tenant whose response it may see."""
+
+    def __init__(self, stored: StoredResponses, auth: Authenticator) -> None:
+        self._stored = stored
+        self._auth = auth
+
+    async def __call__(self, request: Request) -> None:
+        try:
+            tenant = self._auth.tenant(request.headers)
+            response_id = request.path[len(RESPONSES_PREFIX):]
+            if not response_id or "/" in response_id:
+                raise ClientError("Not found", status=404)
+            if request.method == "GET":
+                stored = await self._stored.get(tenant, response_id, None)
+                await send_response(request.send, 200, stored.response_json)
+                return
+            await self._stored.delete(tenant, response_id)
+            await send_response(request.send, 200, dumps(
+                {"id": response_id, "object": "response", "deleted": True}))
+        except (ClientError, RouterError) as exc:
+            await send_response(request.send, exc.status, exc.body(), headers=exc.headers)
