@@ -96,7 +96,12 @@ async def test_a_short_tag_key_is_refused(tmp_path: Path) -> None:
 KEYS = ("--api-key", "alice:KA", "--api-key", "bob:KB", "--admin-key", "ADM")
 ALICE, BOB = {"authorization": "Bearer KA"}, {"authorization": "Bearer KB"}
 ADMIN = {"authorization": "Bearer ADM"}
-SIZES = ("kvrelay_router_prompt_tokens_total", "kvrelay_router_retained_tokens")
+SIZES = ("kvrelay_router_prompt_tokens_total", "kvrelay_router_retained_tokens",
+         # D's own retention numbers (what it holds and has free move with each request's
+         # size) and the completions lookup work (digests grow with the prompt's length)
+         "kvrelay_router_d_retained_tokens", "kvrelay_router_d_retained_blocks",
+         "kvrelay_router_d_retained_bytes", "kvrelay_router_d_free_blocks",
+         "kvrelay_router_text_lookup_digests_total")
 
 
 async def test_a_tenant_sees_only_its_own_counts(tmp_path: Path) -> None:

@@ -245,10 +245,14 @@ class RouterMetrics:
 
 SIZE_SERIES = frozenset({
     _P + "prompt_tokens", _P + "retained_tokens", _P + "expired_unused_token_seconds",
+    _P + "d_retained_tokens", _P + "d_retained_blocks", _P + "d_retained_bytes",
+    _P + "d_free_blocks", _P + "text_lookup_digests",
 })
-"""Families (names without ``_total``) that add up the sizes of requests: at low traffic they
-tell whoever reads them how long another caller's prompts are, so only an authenticated
-scrape (``metrics_key``, the admin key, or the internal listener) gets them."""
+"""Families (names without ``_total``) that add up or follow the sizes of requests (D's
+retained and free KV move with each turn's length; a completions lookup's digests grow with
+its prompt's): at low traffic they tell whoever reads them how long another caller's prompts
+are, so only an authenticated scrape (``metrics_key``, the admin key, or the internal
+listener) gets them."""
 
 
 class _Without(Collector):
