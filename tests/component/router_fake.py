@@ -83,6 +83,13 @@ class Routed:
         async with self.asgi_client() as c:
             return await c.get(path, headers={**self.headers, **(headers or {})})
 
+    async def internal_get(self, path: str) -> httpx.Response:
+        """GET (in process) on the internal listener's app (e.g. the complete ``/metrics``,
+        request-size series included, as the shipped scrapers read it)."""
+        async with httpx.AsyncClient(transport=httpx.ASGITransport(app=self.app.internal),
+                                     base_url="http://router-internal", timeout=30.0) as c:
+            return await c.get(path)
+
     async def post(self, path: str, body: Any, *, headers: dict[str, str] | None = None,
                    ) -> httpx.Response:
         """POST (in process) a JSON value, or raw ``bytes``/``str``, with ``headers`` over

@@ -167,7 +167,7 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
         assert stats["decisions"]["by_reason"]["released"] == 1
         assert stats["retention"][d_id]["retained_blocks"] == 4
         assert stats["retention"][d_id]["releases_total"]["pressure"] == 1
-        metrics = parse_prometheus((await r.get("/metrics")).text)
+        metrics = parse_prometheus((await r.internal_get("/metrics")).text)
         assert metric(metrics, "kvrelay_router_d_retained_bytes", node=d_id) == 4 * 4096
         assert metric(metrics, "kvrelay_router_d_releases_total", node=d_id,
                       cause="pressure") == 1

@@ -25,6 +25,8 @@ pytestmark = pytest.mark.asyncio(loop_scope="module")
 NO_KEEPALIVE = httpx.Limits(max_keepalive_connections=0)
 COMPLETIONS = "/v1/completions"
 PULL_ALWAYS_PAYS = ("--pull-cost-factor", "1e-6")
+METRICS_KEY = "MK"
+"""The lookup digests follow prompt lengths, so only a keyed scrape shows them (finding 8)."""
 LOOKUPS = "kvrelay_router_text_lookups_total"
 DIGESTS = "kvrelay_router_text_lookup_digests_total"
 LOG = ("the keeper's log: wind from the west, two ships seen, the lamp trimmed at dusk and "
@@ -34,12 +36,18 @@ QUESTION = "Q: what did the keeper see on the night of the great storm? " * 6 + 
 
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
-    async with fake_rig(tmp_path_factory.mktemp("router-lookup"), *PULL_ALWAYS_PAYS) as started:
+    async with fake_rig(tmp_path_factory.mktemp("router-lookup"), *PULL_ALWAYS_PAYS,
+                        "--metrics-key", METRICS_KEY) as started:
         yield started
 
 
+async def scrape(router: RouterProcess) -> Metrics:
+    return await router.metrics(METRICS_KEY)
+
+
 async def settled(router: RouterProcess) -> None:
-    await eventually(router.metrics, lambda m: m.total("kvrelay_router_pending_reports") == 0,
+    await eventually(lambda: scrape(router),
+                     lambda m: m.total("kvrelay_router_pending_reports") == 0,
                      "every pending report settled")
 
 
@@ -60,10 +68,10 @@ def lookup_work(metrics: Metrics) -> tuple[float, float]:
 async def digests_per_lookup(router: RouterProcess, c: httpx.AsyncClient, prompt: str,
                              times: int = 3) -> float:
     """Digests one completions lookup of ``prompt`` computes (over ``times`` sends)."""
-    lookups0, digests0 = lookup_work(await router.metrics())
+    lookups0, digests0 = lookup_work(await scrape(router))
     for _ in range(times):
         await complete(c, prompt)
-    lookups1, digests1 = lookup_work(await router.metrics())
+    lookups1, digests1 = lookup_work(await scrape(router))
     assert lookups1 - lookups0 == times
     return (digests1 - digests0) / times
 
@@ -86,7 +94,7 @@ async def test_a_completions_lookup_costs_the_same_with_3_or_103_entries_in_the_
         few = await digests_per_lookup(router, c, QUESTION)
         await fill(c, 2, 100)
         await settled(router)
-        live = (await router.metrics()).value("kvrelay_router_live_entries")
+        live = (await scrape(router)).value("kvrelay_router_live_entries")
         assert live is not None and live >= 100, f"only {live} entries were kept"
         many = await digests_per_lookup(router, c, QUESTION)
         follow = await complete(c, f"[mine] {LOG}{mine.json()['choices'][0]['text']} And?")
