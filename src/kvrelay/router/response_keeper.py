@@ -23,16 +23,14 @@ import msgspec
 
 from kvrelay.core.identity import ToolCall
 from kvrelay.router.apis.base import StreamScanner
+from kvrelay.router.apis.responses import FINAL_EVENTS, snapshot_of
 from kvrelay.router.response_store import ResponseStore, StoredResponse
 from kvrelay.router.sse import split_events
 
 log = logging.getLogger("kvrelay.router")
 
 _SNAPSHOTS = (b"event: response.created\n", b"event: response.in_progress\n")
-_FINAL = (b"event: response.completed\n", b"event: response.incomplete\n",
-          b"event: response.failed\n")
 _KEPT_STATUSES = frozenset({"completed", "incomplete"})
-_DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 
 
@@ -121,21 +119,17 @@ class _KeepingScan:
     def feed(self, events: bytes) -> bytes:
         out = self._inner.feed(events)
         self._sync()
-        if any(m in out for m in _SNAPSHOTS) or any(m in out for m in _FINAL):
+        if any(m in out for m in _SNAPSHOTS) or any(m in out for m in FINAL_EVENTS):
             out = b"".join(self._event(e) for e in split_events(out))
         return out
 
     def _event(self, event: bytes) -> bytes:
-        final = event.startswith(_FINAL)
+        final = event.startswith(FINAL_EVENTS)
         if not final and not event.startswith(_SNAPSHOTS):
             return event
-        head, sep, data = event.partition(b"data: ")
-        try:
-            obj = _DECODER.decode(data.rstrip(b"\n"))
-        except msgspec.DecodeError:
+        found = snapshot_of(event)
+        if found is None:
             return event
-        response = obj.get("response") if isinstance(obj, dict) else None
-        if not isinstance(response, dict):
-            return event
+        head, obj, response = found
         self._kept.patch(response, final=final)
-        return head + sep + _ENCODER.encode(obj) + b"\n\n"
+        return head + _ENCODER.encode(obj) + b"\n\n"

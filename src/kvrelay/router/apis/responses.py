@@ -57,10 +57,26 @@ _OUTPUT_TYPES = frozenset({"reasoning", "function_call", "custom_tool_call"})
 _P_DROPPED = ("stream_options", "background", "top_logprobs")
 _NULL_PARAMS = b',"kv_transfer_params":null'
 _MARK_PARAMS = b'"kv_transfer_params"'
-_FINAL = (b"event: response.completed\n", b"event: response.incomplete\n",
-          b"event: response.failed\n")
+FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
+                b"event: response.failed\n")
+"""The events that end a response stream, each with the final response snapshot."""
 _ERROR = b"event: error\n"
 _DECODER = msgspec.json.Decoder()
+
+
+def snapshot_of(event: bytes) -> tuple[bytes, dict[str, Any], dict[str, Any]] | None:
+    """One SSE event's head (through ``data: ``), its JSON object and that object's
+    ``response`` snapshot, to be patched in place and written back as ``head + dumps(obj)``;
+    ``None`` when the event carries no response object (not JSON, or none in it)."""
+    head, sep, data = event.partition(b"data: ")
+    try:
+        obj = _DECODER.decode(data.rstrip(b"\n"))
+    except msgspec.DecodeError:
+        return None
+    response = obj.get("response") if isinstance(obj, dict) else None
+    if not isinstance(response, dict):
+        return None
+    return head + sep, obj, response
 
 
 class _Usage(msgspec.Struct):
@@ -282,7 +298,7 @@ class ResponsesScan:
     def feed(self, events: bytes) -> bytes:
         if _NULL_PARAMS in events:
             events = events.replace(_NULL_PARAMS, b"")
-        if _MARK_PARAMS in events or _ERROR in events or any(m in events for m in _FINAL):
+        if _MARK_PARAMS in events or _ERROR in events or any(m in events for m in FINAL_EVENTS):
             events = b"".join(self._event(e) for e in split_events(events))
         return events
 
@@ -294,17 +310,13 @@ class ResponsesScan:
             self.error = event
             self.done = True
             return event
-        final = event.startswith(_FINAL)
+        final = event.startswith(FINAL_EVENTS)
         if not final and _MARK_PARAMS not in event:
             return event
-        head, sep, data = event.partition(b"data: ")
-        try:
-            obj = _DECODER.decode(data.rstrip(b"\n"))
-        except msgspec.DecodeError:
+        found = snapshot_of(event)
+        if found is None:
             return event
-        response = obj.get("response") if isinstance(obj, dict) else None
-        if not isinstance(response, dict):
-            return event
+        head, obj, response = found
         if "kv_transfer_params" in response:
             self.params = response.pop("kv_transfer_params")
             self.params_seen = True
@@ -315,4 +327,4 @@ class ResponsesScan:
             self._text, self._calls = output_answer(response.get("output"))
             if self._rewrite.cached_tokens is not None:
                 set_cached_tokens(response, self._rewrite.cached_tokens)
-        return head + sep + dumps(obj) + b"\n\n"
+        return head + dumps(obj) + b"\n\n"
