@@ -82,18 +82,24 @@ class Rig:
             return resp.status_code, resp.headers.get("x-kvrelay-action", "")
 
 
-@pytest.fixture
-def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
-    binary = prometheus_binary()
-    base = free_port_block(2, start=31000)
-    side = free_port_block(2, start=33000)
-    engines = ServiceProcess(
+def fake_engines(tmp_path: Path, base_start: int, side_start: int) -> tuple[ServiceProcess, int]:
+    """One fake P and one fake D (fast latency, reports at once) on free ports from
+    ``base_start`` (HTTP) and ``side_start`` (side channels); returns them and P's port."""
+    base = free_port_block(2, start=base_start)
+    side = free_port_block(2, start=side_start)
+    return ServiceProcess(
         "fake-engines",
         [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
          "--base-port", str(base), "--side-channel-base-port", str(side),
          "--latency-preset", "fast", "--report-delay-s", "0"],
         [f"http://127.0.0.1:{base}/health", f"http://127.0.0.1:{base + 1}/health"],
-        tmp_path / "engines.log", ready_timeout_s=120)
+        tmp_path / "engines.log", ready_timeout_s=120), base
+
+
+@pytest.fixture
+def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
+    binary = prometheus_binary()
+    engines, base = fake_engines(tmp_path, 31000, 33000)
     prefill, decode = f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"
     router_port, internal_port, prometheus_port = free_ports(3)
     router_url = f"http://127.0.0.1:{router_port}"
@@ -202,15 +208,7 @@ def test_prometheus_config_scrapes_a_key_locked_public_metrics(tmp_path):
     against a router whose public /metrics needs ``--metrics-key``: the real Prometheus it
     configures scrapes the router (with the key) and gets the request-size series."""
     binary = prometheus_binary()
-    base = free_port_block(2, start=35000)
-    side = free_port_block(2, start=37000)
-    engines = ServiceProcess(
-        "fake-engines",
-        [sys.executable, "-m", "kvrelay.cli", "fake-engine", "--prefill", "1", "--decode", "1",
-         "--base-port", str(base), "--side-channel-base-port", str(side),
-         "--latency-preset", "fast", "--report-delay-s", "0"],
-        [f"http://127.0.0.1:{base}/health", f"http://127.0.0.1:{base + 1}/health"],
-        tmp_path / "engines.log", ready_timeout_s=120)
+    engines, base = fake_engines(tmp_path, 35000, 37000)
     router_port, internal_port, prometheus_port = free_ports(3)
     router_url = f"http://127.0.0.1:{router_port}"
     router = ServiceProcess(
