@@ -1,21 +1,39 @@
-"""Default models, generated locally: real Qwen3 architecture, random weights, byte tokenizer.
+"""Default models, generated locally: real Qwen3 architecture, random weights, BPE tokenizer.
 
 This machine has no model hub, so the cluster's default model is built here, deterministically
 from a fixed seed, and cached under ``~/.cache/kvrelay/models/<size>-<hash>``. A real model
 directory (any local HF checkout) can always be given instead with ``--model PATH``.
 
+The tokenizer and the context fit real agent prompts
+----------------------------------------------------
+Agent harnesses send tens of kilobytes on their first request (Claude Code: ~77 KB of tools
+and system prompt; Codex CLI: ~40 KB). The tokenizer is a byte-level BPE of ``VOCAB_SIZE``
+tokens trained when the model is generated, on a committed corpus (``model_corpus.txt``,
+written by ``scripts/make_model_corpus.py``: English docs, Markdown, JSON tool schemas and
+the harnesses' own prompts): ~3.3 bytes per token on those prompts, and the context is
+``MAX_MODEL_LEN`` = 131,072 tokens, so a harness's first request (~23k tokens) leaves room for
+a long session. Ids are laid out as the byte-level tokenizer had them: 0..255 are the bytes,
+256.. the special and tag tokens, then the merges in the order they were learned, so special
+ids (EOS 258) stay where they were. Random text still costs ~1 token per byte.
+
 Why the weights are shaped, not only random
 -------------------------------------------
-Clients treat a streamed answer with no content as a failure, and a random byte-level model
-happily emits control bytes, EOS or special tokens. So printable ASCII wins *by construction*:
+Clients treat a streamed answer with no content as a failure, and a random model happily
+emits control bytes, EOS or special tokens. And a turn's KV on D is reusable by the next turn
+only as far as the history's tokens (the answer *re-tokenized*) equal the tokens D generated:
+an answer of merged-away pieces (``"c"``, ``"at"`` for ``"cat"``) would be re-tokenized into
+other ids and end reuse at the answer's first token. So the model answers in *answer tokens*
+(``answer_token_ids``): a space and ASCII letters (``" the"``), each its own tokenization, so
+any sequence of them tokenizes back into the same ids (the pre-tokenizer splits before every
+space). They win *by construction*:
 
 * every token embedding carries a constant ``anchor`` on hidden dim 0, and no layer writes to
   dim 0 (row 0 of every ``o_proj`` and ``down_proj`` is zero), so after the final RMSNorm dim 0
   holds a strictly positive value for every position and every prompt;
-* column 0 of ``lm_head`` is ``+margin`` for printable tokens and ``-margin`` for all others,
+* column 0 of ``lm_head`` is ``+margin`` for answer tokens and ``-margin`` for all others,
   while the other columns are scaled so their contribution stays far below that margin.
 
-Among printable tokens the random part decides, so the output depends on the prompt, which is
+Among answer tokens the random part decides, so the output depends on the prompt, which is
 what makes a wrongly reused KV cache visible in the generated text.
 """
 
@@ -24,13 +42,19 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Any
 
-#: Bytes the model may generate: printable ASCII and newline.
-PRINTABLE_BYTES: tuple[int, ...] = (10, *range(32, 127))
+#: The tokenizer's size: 256 byte tokens, the special and tag tokens, then learned merges.
+VOCAB_SIZE = 4096
+#: The generated models' context, in tokens.
+MAX_MODEL_LEN = 131072
+#: The committed text the BPE merges are learned from (``scripts/make_model_corpus.py``).
+CORPUS_PATH = Path(__file__).with_name("model_corpus.txt")
 
-#: Tokens added to the 256 byte tokens, in id order (256, 257, ...), as Qwen3 has them: the
+#: Tokens after the 256 byte tokens, in id order (256, 257, ...), as Qwen3 has them: the
 #: chat markers are special (skipped when decoding), the tool and thinking tags are not, so
 #: they survive in generated text where vLLM's ``hermes`` tool parser looks for them.
 SPECIAL_TOKENS: tuple[str, ...] = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
@@ -93,7 +117,7 @@ CHAT_TEMPLATE = (
 )
 
 #: Bump when the way files are generated changes in a way ``ModelSpec`` does not capture.
-GENERATOR_VERSION = 2
+GENERATOR_VERSION = 3
 
 
 @dataclass(frozen=True)
@@ -107,8 +131,8 @@ class ModelSpec:
     num_attention_heads: int
     num_key_value_heads: int
     head_dim: int
-    max_position_embeddings: int = 32768
-    vocab_size: int = 320
+    max_position_embeddings: int = MAX_MODEL_LEN
+    vocab_size: int = VOCAB_SIZE
     seed: int = 1234
     #: Layer weights are N(0, gain^2 / fan_in): activations stay O(1) through the layers.
     gain: float = 1.0
@@ -121,7 +145,7 @@ class ModelSpec:
 
     def fingerprint(self) -> str:
         """Stable short hash of everything that determines the generated files: the spec, the
-        tokenizer's added tokens, the printable set, the chat template and the generator's
+        tokenizer's added tokens and training corpus, the chat template and the generator's
         version. It names the cache directory, so changing any of them builds a new model
         instead of reusing a stale one."""
         payload = json.dumps(
@@ -129,7 +153,7 @@ class ModelSpec:
                 "spec": asdict(self),
                 "special_tokens": SPECIAL_TOKENS,
                 "tag_tokens": TAG_TOKENS,
-                "printable": PRINTABLE_BYTES,
+                "corpus": hashlib.sha256(CORPUS_PATH.read_bytes()).hexdigest(),
                 "template": CHAT_TEMPLATE,
                 "v": GENERATOR_VERSION,
             },
@@ -200,15 +224,40 @@ def _spec(size: str) -> ModelSpec:
         raise ValueError(f"unknown model size {size!r}; choose from {choices}") from None
 
 
-def build_tokenizer() -> object:
-    """A byte-level BPE tokenizer with no merges: one token per UTF-8 byte, plus specials."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+def build_tokenizer(vocab_size: int = VOCAB_SIZE, max_model_len: int = MAX_MODEL_LEN) -> Any:
+    """The default models' tokenizer: byte-level BPE trained on ``CORPUS_PATH`` (deterministic:
+    the same corpus gives the same merges), ids laid out as described in the module docstring.
+
+    Contract: ids 0..255 are the 256 bytes (GPT-2's byte-to-unicode alphabet), 256..264
+    ``SPECIAL_TOKENS`` then ``TAG_TOKENS``, the rest merges in learned order; ``vocab_size``
+    ids in all.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
+
+    added = (*SPECIAL_TOKENS, *TAG_TOKENS)
+    learner = Tokenizer(models.BPE())
+    learner.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(added),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    learner.train_from_iterator([CORPUS_PATH.read_text()], trainer)
+    learned = json.loads(learner.to_str())["model"]["merges"]
 
     byte_to_char = _bytes_to_unicode()
     vocab = {byte_to_char[b]: b for b in range(256)}
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    for i, token in enumerate(added):
+        vocab[token] = 256 + i  # in the model's vocab, so the added tokens keep these ids
+    merges: list[tuple[str, str]] = []
+    for merge in learned:
+        left, right = merge if isinstance(merge, list) else merge.split(" ")
+        if left + right not in vocab:
+            vocab[left + right] = len(vocab)
+            merges.append((left, right))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     tok.add_special_tokens(list(SPECIAL_TOKENS))
     tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
@@ -218,11 +267,40 @@ def build_tokenizer() -> object:
         pad_token="<|endoftext|>",
         bos_token=None,
         unk_token=None,
-        model_max_length=32768,
+        model_max_length=max_model_len,
         clean_up_tokenization_spaces=False,
     )
     fast.chat_template = CHAT_TEMPLATE
     return fast
+
+
+def answer_token_ids(tokenizer: Any) -> list[int]:
+    """The ids a generated model answers in: tokens that are a space and 2+ ASCII letters and
+    are their own tokenization (``encode(decode([t])) == [t]``). Any sequence of them
+    tokenizes back into the same ids (a byte-level pre-tokenizer splits before each space),
+    so a re-sent answer's tokens equal what D generated and the whole turn stays reusable.
+
+    Works for any Hugging Face tokenizer; empty when it has no such tokens (a tokenizer
+    without a byte-level pre-tokenizer, for example).
+    """
+    special = set(tokenizer.all_special_ids)
+    out = []
+    for token_id in range(len(tokenizer)):
+        if token_id in special:
+            continue
+        text = tokenizer.decode([token_id])
+        word = text[1:]
+        if not (text.startswith(" ") and len(word) >= 2 and word.isascii() and word.isalpha()):
+            continue
+        if list(tokenizer.encode(text, add_special_tokens=False)) == [token_id]:
+            out.append(token_id)
+    return out
+
+
+def answer_text_ok(text: str) -> bool:
+    """What a generated model's answer looks like: words of ASCII letters, each after a space."""
+    first, *words = text.split(" ")
+    return first == "" and bool(words) and all(w.isascii() and w.isalpha() for w in words)
 
 
 def build_model(spec: ModelSpec, out_dir: Path) -> None:
@@ -230,7 +308,7 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    tokenizer = build_tokenizer()
+    tokenizer = build_tokenizer(spec.vocab_size, spec.max_position_embeddings)
     eos_id = 256 + SPECIAL_TOKENS.index("<|im_end|>")
     config = Qwen3Config(
         vocab_size=spec.vocab_size,
@@ -250,7 +328,7 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
     )
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
-    shape_weights(model, spec)
+    shape_weights(model, spec, answer_token_ids(tokenizer))
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
     tokenizer.save_pretrained(out_dir)  # type: ignore[attr-defined]
@@ -260,11 +338,11 @@ def build_model(spec: ModelSpec, out_dir: Path) -> None:
     (out_dir / "kvrelay_model.json").write_text(json.dumps(asdict(spec), indent=2) + "\n")
 
 
-def shape_weights(model: object, spec: ModelSpec) -> None:
-    """Apply the printable-by-construction shaping described in the module docstring.
+def shape_weights(model: object, spec: ModelSpec, answer_ids: Sequence[int]) -> None:
+    """Apply the answer-tokens-by-construction shaping described in the module docstring.
 
     Guarantee: after the final RMSNorm let ``a`` be dim 0 and ``S`` the squared norm of the
-    other dims. A printable token beats every other token when ``margin * a > sqrt(a^2 + S)``
+    other dims. An answer token beats every other token when ``margin * a > sqrt(a^2 + S)``
     (the other lm_head columns have unit norm per row), i.e. when ``S / a^2 < margin^2 - 1``.
     ``tests/unit/test_model.py`` measures that ratio on varied prompts.
     """
@@ -290,7 +368,7 @@ def shape_weights(model: object, spec: ModelSpec) -> None:
         rest = torch.randn(lm_head.shape[0], lm_head.shape[1] - 1, generator=generator)
         lm_head[:, 1:] = rest / rest.norm(dim=1, keepdim=True)
         lm_head[:, 0] = -spec.margin
-        lm_head[list(PRINTABLE_BYTES), 0] = spec.margin
+        lm_head[list(answer_ids), 0] = spec.margin
 
 
 def _bytes_to_unicode() -> dict[int, str]:

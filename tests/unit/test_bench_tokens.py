@@ -26,8 +26,14 @@ def real_counter():
 
 
 @pytest.mark.parametrize("messages", CASES)
-def test_byte_counter_matches_the_tiny_tokenizer(messages, real_counter):
-    assert byte_template_counter(messages) == real_counter(messages)
+def test_the_tiny_counter_counts_what_the_tokenizer_renders(messages, real_counter):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(ensure_model("tiny"))
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert real_counter(messages) == len(tok.encode(text, add_special_tokens=False))
+    # BPE: fewer tokens than bytes on text, never more than one per byte.
+    assert real_counter(messages) < byte_template_counter(messages)
 
 
 def test_byte_counter_counts_utf8_bytes_plus_template():
@@ -35,14 +41,12 @@ def test_byte_counter_counts_utf8_bytes_plus_template():
     assert byte_template_counter([{"role": "user", "content": "é"}]) == 1 + 4 + 1 + 2 + 2 + 11
 
 
-def test_default_counter_uses_the_byte_counter_for_default_sizes(tmp_path):
-    assert default_counter("tiny") is byte_template_counter
-    assert default_counter("bench") is byte_template_counter
+def test_default_counter_rejects_a_missing_model(tmp_path):
     with pytest.raises(FileNotFoundError, match="not a default size"):
         default_counter(str(tmp_path / "missing-model"))
 
 
-def test_default_counter_for_a_model_dir_uses_its_chat_template():
-    count = default_counter(str(ensure_model("tiny")))
-    assert count is not byte_template_counter
-    assert count(CASES[2]) == byte_template_counter(CASES[2])
+def test_default_counter_counts_with_the_model_s_own_tokenizer(real_counter):
+    by_size, by_dir = default_counter("tiny"), default_counter(str(ensure_model("tiny")))
+    for messages in CASES:
+        assert by_size(messages) == by_dir(messages) == real_counter(messages)

@@ -6,10 +6,11 @@ prompt (``add_generation_prompt=True``): exactly ``usage.prompt_tokens`` of a ch
 with those messages. Two implementations:
 
 * ``chat_template_counter(model_dir)``: the model's own tokenizer and chat template
-  (transformers, imported on first use). This is the default, for any model.
-* ``byte_template_counter``: pure Python, exact for kvrelay's generated default models
-  (one token per UTF-8 byte, Qwen-style template, string contents, no tools); used by tests
-  and as a fast path for ``tiny``/``bench``.
+  (transformers, imported on first use). This is the default, for any model, kvrelay's
+  generated ``tiny``/``bench`` (BPE) included.
+* ``byte_template_counter``: pure Python, one token per UTF-8 byte in a Qwen-style template:
+  the stand-in the generators' unit tests inject (no model, no transformers). No served model
+  counts this way (the generated models' tokenizer was byte-level before it was BPE).
 """
 
 from __future__ import annotations
@@ -28,12 +29,10 @@ _BYTE_GENERATION_PROMPT = 1 + len(b"assistant") + 1
 
 
 def byte_template_counter(messages: Sequence[ChatMessage]) -> int:
-    """Prompt tokens of ``messages`` for kvrelay's byte-level default models.
+    """Prompt tokens of ``messages`` for a byte-level tokenizer with a Qwen-style template.
 
-    Contract: equals ``len(tokenizer.apply_chat_template(messages, tokenize=True,
-    add_generation_prompt=True))`` for ``kvrelay.models``'s tokenizer when every
-    content is a string without special-token text (``tests/unit/test_bench_tokens.py``
-    checks it against the real tokenizer).
+    Contract: ``<|im_start|>``, role, ``\n``, content bytes, ``<|im_end|>``, ``\n`` per
+    message, then ``<|im_start|>assistant\n``; a special token counts 1, any other byte 1.
     """
     total = _BYTE_GENERATION_PROMPT
     for m in messages:
@@ -62,12 +61,8 @@ def chat_template_counter(model_dir: str | Path) -> CountTokens:
 
 
 def default_counter(model: str) -> CountTokens:
-    """The counter for ``--model``: the byte counter for the generated default sizes (whose
-    tokenizer it reproduces exactly), else the model directory's chat template."""
-    from kvrelay.models import MODEL_SPECS
-
-    if model in MODEL_SPECS:
-        return byte_template_counter
+    """The counter for ``--model`` (a generated default size, built on first use, or a model
+    directory): that model's tokenizer and chat template."""
     from kvrelay.cluster.launcher import resolve_model
 
     return chat_template_counter(resolve_model(model))

@@ -338,7 +338,7 @@ async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
         if hashes:
             st.pool.cache(gen.blocks[i], hashes[i])
     seed = cfg.seed if inp.seed is None else cfg.seed ^ (inp.seed * 0x9E3779B1)
-    gen.output = generate_tokens(context, inp.max_tokens, seed)
+    gen.output = generate_tokens(context, inp.max_tokens, seed, engine.model.answer_ids)
     seat.decoding = True
     return gen
 

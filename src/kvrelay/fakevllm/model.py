@@ -2,13 +2,15 @@
 
 Prompt token ids come from the model directory's own tokenizer and chat template, so they
 equal what a real vLLM engine computes for the same request (the default model is kvrelay's
-byte-level ``tiny``: one token per UTF-8 byte). Tools are normalized the way vLLM dumps its
+generated ``tiny``, BPE, see ``kvrelay.models``). Tools are normalized the way vLLM dumps its
 ``ChatCompletionToolsParam`` before rendering, so tool prompts match too.
 
 Generated tokens are a pure function of the *effective context* (the token ids whose KV the
 engine actually used: prefix-cache contents, pulled KV, computed tokens) and a seed, and are
-always printable ASCII bytes 32..126. Correct KV reuse therefore produces exactly the output of
-a full recompute, and wrong reuse almost surely produces a different one.
+always the model's answer tokens (``kvrelay.models.answer_token_ids``: a space and letters,
+each its own tokenization, what the generated models answer in too), so a re-sent answer
+tokenizes back into the generated ids. Correct KV reuse therefore produces exactly the output
+of a full recompute, and wrong reuse almost surely produces a different one.
 """
 
 from __future__ import annotations
@@ -19,9 +21,9 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-#: Token ids the fake may generate: printable ASCII (bytes 32..126 in the byte-level tiny model).
-FIRST_PRINTABLE = 32
-NUM_PRINTABLE = 95
+#: The ids a model without answer tokens is answered in (printable ASCII in a byte-level
+#: tokenizer): ``answer_token_ids`` finds none in, e.g., a SentencePiece tokenizer.
+FALLBACK_ANSWER_IDS: tuple[int, ...] = tuple(range(32, 127))
 _MASK64 = (1 << 64) - 1
 
 
@@ -32,8 +34,10 @@ def context_digest(context: Sequence[int], seed: int) -> int:
     return int.from_bytes(h.digest(), "little")
 
 
-def generate_tokens(context: Sequence[int], count: int, seed: int) -> list[int]:
-    """The ``count`` tokens the fake model emits after ``context``.
+def generate_tokens(
+    context: Sequence[int], count: int, seed: int, alphabet: Sequence[int]
+) -> list[int]:
+    """The ``count`` tokens (each from ``alphabet``) the fake model emits after ``context``.
 
     Token ``i`` depends on the whole context and on tokens ``0..i-1`` (a splitmix64 chain
     seeded by the context digest), like an autoregressive model's greedy output.
@@ -46,7 +50,7 @@ def generate_tokens(context: Sequence[int], count: int, seed: int) -> list[int]:
         z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
         z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
         z ^= z >> 31
-        out.append(FIRST_PRINTABLE + z % NUM_PRINTABLE)
+        out.append(alphabet[z % len(alphabet)])
     return out
 
 
@@ -79,12 +83,16 @@ class FakeModel:
     """Tokenizer plus chat template of one model directory; immutable once built."""
 
     def __init__(self, tokenizer: Any, path: str) -> None:
+        from kvrelay.models import answer_token_ids
+
         self.tokenizer = tokenizer
         self.path = path
-        self._byte_level = all(
-            tokenizer.decode([i]) == chr(i)
-            for i in range(FIRST_PRINTABLE, FIRST_PRINTABLE + NUM_PRINTABLE)
+        #: The ids the fake answers in (see the module docstring).
+        self.answer_ids: tuple[int, ...] = tuple(answer_token_ids(tokenizer)) or (
+            FALLBACK_ANSWER_IDS
         )
+        # Answer tokens decode one by one (a byte-level decoder, whole ASCII words).
+        self._answer_text = {i: str(tokenizer.decode([i])) for i in self.answer_ids}
 
     @classmethod
     def load(cls, model_dir: str | Path | None = None) -> FakeModel:
@@ -123,9 +131,8 @@ class FakeModel:
         return list(ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
-        """Text of generated tokens (a fast path for byte-level printable ids)."""
-        if self._byte_level and all(
-            FIRST_PRINTABLE <= t < FIRST_PRINTABLE + NUM_PRINTABLE for t in token_ids
-        ):
-            return "".join(map(chr, token_ids))
+        """Text of generated tokens (a fast path for answer tokens)."""
+        table = self._answer_text
+        if all(t in table for t in token_ids):
+            return "".join(table[t] for t in token_ids)
         return str(self.tokenizer.decode(list(token_ids)))
