@@ -23,27 +23,20 @@ import sys
 import time
 from pathlib import Path
 
+from kvrelay.bench.tokens import filler_words
 from kvrelay.client.pd import PDClient
 from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.launcher import LocalCluster
 
-WORDS = ("agent tool call result file error retry plan step search query answer context "
-         "token cache block node prefill decode model router vector stream turn").split()
 
-
-def history(num_tokens: int, seed: int) -> list[dict[str, object]]:
-    """A system + user history of ~``num_tokens`` byte-level tokens (one token per byte)."""
+def history(num_tokens: int, seed: int, words: list[str]) -> list[dict[str, object]]:
+    """A system + user history of ~``num_tokens`` tokens: ``num_tokens - 64`` of ``words``
+    (``kvrelay.bench.tokens.filler_words``, one token each) and the template's."""
     rng = random.Random(seed)
-    words: list[str] = []
-    size = 0
-    while size < num_tokens - 64:
-        w = rng.choice(WORDS)
-        words.append(w)
-        size += len(w) + 1
     return [
         {"role": "system", "content": f"You are agent #{seed}."},
-        {"role": "user", "content": " ".join(words)},
+        {"role": "user", "content": "".join(rng.choice(words) for _ in range(num_tokens - 64))},
     ]
 
 
@@ -78,6 +71,7 @@ def main() -> int:
         p_url, d_url = cluster.prefill[0].url, cluster.decode[0].url
         model = cluster.served_model_name
     rows: list[dict[str, object]] = []
+    words = filler_words(args.model)
     try:
         with PDClient(p_url, d_url, model) as client:
             for length in args.lengths:
@@ -87,7 +81,8 @@ def main() -> int:
                 same = 0
                 pulled_tokens: list[float] = []
                 for run in range(args.runs):
-                    msgs = history(length, seed=length * 1000 + run + int(time.time()) % 1000)
+                    msgs = history(length, seed=length * 1000 + run + int(time.time()) % 1000,
+                                   words=words)
                     t1 = client.turn(msgs, max_tokens=args.turn1_tokens)
                     assert t1.retained is not None, "D retained nothing (bidirectional off?)"
                     msgs2 = [*msgs, {"role": "assistant", "content": t1.text},

@@ -42,6 +42,7 @@ from pathlib import Path
 
 import httpx
 
+from kvrelay.bench.tokens import filler_words
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.cluster.launcher import free_port_block
 
@@ -56,8 +57,6 @@ CLUSTER_FLAGS = ["--max-model-len", "2048", "--ttl-s", "120",
                  # pin half of D until the TTL. kvrelay up runs kvrelay's connector on every
                  # node, so the router is told.
                  "--router-arg=--guard=connector"]
-WORDS = ("open read edit run test fail pass fix log trace diff merge lint type build "
-         "search answer result plan tool call file write").split()
 
 
 @dataclass
@@ -81,15 +80,13 @@ class Run:
     """Lines of D's log where kvrelay's connector released a retained request."""
 
 
-def prompt(seed: int, num_chars: int) -> list[dict[str, object]]:
-    """A new agent conversation (the default models' tokenizer is byte-level: about one
-    token per character, plus the chat template)."""
+def prompt(seed: int, num_tokens: int, words: Sequence[str]) -> list[dict[str, object]]:
+    """A new agent conversation whose user message is ``num_tokens`` tokens of ``words``
+    (``kvrelay.bench.tokens.filler_words``: each word one token), plus the template's."""
     rng = random.Random(seed)
-    text = ""
-    while len(text) < num_chars:
-        text += rng.choice(WORDS) + " "
+    text = "".join(rng.choice(words) for _ in range(num_tokens))
     return [{"role": "system", "content": f"You are coding agent {seed}."},
-            {"role": "user", "content": text[:num_chars]}]
+            {"role": "user", "content": text}]
 
 
 def chat(router: str, model: str, messages: list[dict[str, object]], name: str,
@@ -175,13 +172,14 @@ def p_pulled_tokens(prefill_url: str) -> float:
         httpx.get(f"{prefill_url}/metrics", timeout=30).text))
 
 
-def scenario(c: Cluster, mode: str, *, conversations: int, prompt_chars: int,
+def scenario(c: Cluster, mode: str, *, conversations: int, prompt_tokens: int,
              timeout_s: float, max_tokens: int) -> Run:
     """Six new conversations one after another, then a follow-up of the last one."""
     run = Run(mode)
+    words = filler_words(c.model)
     last: tuple[list[dict[str, object]], str] | None = None
     for i in range(conversations):
-        messages = prompt(seed=1000 + i, num_chars=prompt_chars)
+        messages = prompt(seed=1000 + i, num_tokens=prompt_tokens, words=words)
         request, answer = chat(c.router, c.model, messages, f"conversation {i + 1}",
                                timeout_s, max_tokens)
         run.requests.append(request)
@@ -220,7 +218,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--conversations", type=int, default=6)
-    parser.add_argument("--prompt-chars", type=int, default=1450,
+    parser.add_argument("--prompt-tokens", type=int, default=1450,
                         help="user message length (about 1,500 prompt tokens with the template)")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--timeout-s", type=float, default=60.0, help="client timeout")
@@ -234,7 +232,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"== {mode}: starting kvrelay up ...", file=sys.stderr, flush=True)
         with cluster(mode, run_dir) as c:
             runs.append(scenario(c, mode, conversations=args.conversations,
-                                 prompt_chars=args.prompt_chars, timeout_s=args.timeout_s,
+                                 prompt_tokens=args.prompt_tokens, timeout_s=args.timeout_s,
                                  max_tokens=args.max_tokens))
         print(summary(runs[-1:]), file=sys.stderr, flush=True)
     print(summary(runs))

@@ -68,8 +68,13 @@ def build_harness_model(out_dir: Path) -> None:
     import torch
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from kvrelay.models import MAX_MODEL_LEN, MODEL_SPECS, answer_token_ids, build_tokenizer
-    from kvrelay.models import shape_weights
+    from kvrelay.models import (
+        MAX_MODEL_LEN,
+        MODEL_SPECS,
+        answer_token_ids,
+        build_tokenizer,
+        shape_weights,
+    )
 
     tokenizer = build_tokenizer()
     vocab = len(tokenizer)

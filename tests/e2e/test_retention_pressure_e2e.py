@@ -19,6 +19,7 @@ import httpx
 import pytest
 from scripts.bench_retention_pressure import Cluster, cluster, prompt
 
+from kvrelay.bench.tokens import filler_words
 from kvrelay.client.pd import PDClient
 from kvrelay.client.prometheus import external_kv_tokens
 from kvrelay.core.retention_sync import RETAIN_S_KEY, RETENTION_URL_KEY, RetentionOrders
@@ -61,11 +62,12 @@ def test_abandoned_turns_are_released_under_pressure_and_the_last_one_still_pull
     small_d: Cluster, router: ConfirmingRouter
 ):
     params = {RETENTION_URL_KEY: router.url, RETAIN_S_KEY: 120}
+    words = filler_words(small_d.model)
     with PDClient(small_d.prefill, small_d.decode, small_d.model,
                   timeout_s=CLIENT_TIMEOUT_S) as client:
         turns = []
         for i in range(6):
-            messages = prompt(seed=2000 + i, num_chars=1450)
+            messages = prompt(seed=2000 + i, num_tokens=1450, words=words)
             try:
                 result = client.turn(messages, max_tokens=16, decode_params=params)
             except httpx.TimeoutException:

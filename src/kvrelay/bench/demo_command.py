@@ -24,9 +24,11 @@ recomputes every follow-up (``cost_model``) on the same engines as the reusing r
 STARTUP_TIMEOUT_S = 900.0
 """vLLM's CPU start-up takes ~1 min alone here, and several times that on a busy machine."""
 
-SIZES = {"bench": (250, 60), "tiny": (100, 40)}
-"""Words of the system prompt and of each tool output, per default model (a word is ~6
-tokens with the byte-level tokenizer); a local model dir gets the bench sizes."""
+SIZES = {"bench": (1400, 330), "tiny": (570, 230)}
+"""Words of the system prompt and of each tool output, per default model (a word, with its
+space, is ~1.2 tokens with the default models' BPE tokenizer: bench's conversation opens at
+~1.6k tokens and ends at ~3.5k after 6 turns, tiny's at ~0.7k and ~2k, as they did with the
+byte-level tokenizer); a local model dir gets the bench sizes."""
 
 
 def register(sub: Any) -> None:
@@ -41,11 +43,11 @@ def register(sub: Any) -> None:
                       help="the router without reuse opens the first pair (default: the "
                            "reusing one)")
     demo.add_argument("--system-words", type=int, default=None,
-                      help="words of the system prompt (default per model: bench 250, tiny "
-                           "100; a word is ~6 tokens)")
+                      help="words of the system prompt (default per model: bench 1400, tiny "
+                           "570; a word is ~1.2 tokens)")
     demo.add_argument("--tool-words", type=int, default=None,
-                      help="words of each turn's tool output (default per model: bench 60, "
-                           "tiny 40)")
+                      help="words of each turn's tool output (default per model: bench 330, "
+                           "tiny 230)")
     demo.add_argument("--out", type=Path, default=None, help="results folder")
     demo.add_argument("--bench", action="store_true",
                       help="then also the short agent benchmark and context sweep (pull mode)")

@@ -66,3 +66,20 @@ def default_counter(model: str) -> CountTokens:
     from kvrelay.cluster.launcher import resolve_model
 
     return chat_template_counter(resolve_model(model))
+
+
+def filler_words(model: str) -> list[str]:
+    """The texts of ``model``'s answer tokens (``kvrelay.models.answer_token_ids``: a space
+    and letters, e.g. ``" cache"``), for prompts of a known length: ``n`` of them joined are
+    exactly ``n`` tokens after a newline or a space (in a message's content, say).
+
+    ``model`` is a generated default size or a model directory; empty for a tokenizer that has
+    no such tokens.
+    """
+    from transformers import AutoTokenizer
+
+    from kvrelay.cluster.launcher import resolve_model
+    from kvrelay.models import answer_token_ids
+
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(resolve_model(model)))
+    return [str(tokenizer.decode([i])) for i in answer_token_ids(tokenizer)]
