@@ -45,6 +45,16 @@ class Answer:
         self.cached = details.get("cached_tokens") if isinstance(details, dict) else None
 
 
+def answer_ids(model: str) -> list[int]:
+    """The ids of ``model``'s answer tokens (``kvrelay.models.answer_token_ids``)."""
+    from transformers import AutoTokenizer
+
+    from kvrelay.cluster.launcher import resolve_model
+    from kvrelay.models import answer_token_ids
+
+    return answer_token_ids(AutoTokenizer.from_pretrained(str(resolve_model(model))))
+
+
 def send(url: str, model: str, messages: Sequence[Message], *, stream: bool = False,
          conversation_id: str | None = None, gateway_id: str | None = None,
          temperature: float = 0.0, max_tokens: int = 16,
@@ -115,11 +125,13 @@ def test_conversations_sharing_a_prefix_each_continue_their_own(
     shared = opening(40)
     n = 8
 
+    allowed = answer_ids(model)
+
     def first(i: int) -> Answer:
-        # printable ASCII only (the default model's byte-level ids 32..126): sampled text
-        # that renders back to the same tokens in the next prompt
+        # the model's answer tokens only (what it answers in greedily): sampled text that
+        # renders back to the same tokens in the next prompt
         return send(url, model, shared, temperature=1.0, max_tokens=24,
-                    extra={"allowed_token_ids": list(range(32, 127))})
+                    extra={"allowed_token_ids": allowed})
 
     with ThreadPoolExecutor(n) as pool:
         firsts = list(pool.map(first, range(n)))

@@ -22,7 +22,10 @@ def add_cluster_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--side-channel-base-port", type=int, default=d.side_channel_base_port)
     parser.add_argument("--device", choices=["cpu", "cuda"], default=d.device)
     parser.add_argument("--dtype", default=None, help="default: float32 on cpu, auto on cuda")
-    parser.add_argument("--max-model-len", type=int, default=d.max_model_len)
+    parser.add_argument("--max-model-len", type=int, default=d.max_model_len,
+                        help=f"default {d.max_model_len}: the generated models' context, in "
+                             "which agent harnesses' prompts fit; set it for a --model "
+                             "with a shorter one")
     parser.add_argument("--kv-cache-space-gib", type=int, default=d.kv_cache_space_gib)
     parser.add_argument("--ttl-s", type=int, default=d.decoder_kv_blocks_ttl_s,
                         help="decoder_kv_blocks_ttl: how long D keeps a finished turn's KV")

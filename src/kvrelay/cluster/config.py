@@ -114,7 +114,7 @@ class ClusterConfig:
     side_channel_base_port: int = 5600
     device: Literal["cpu", "cuda"] = "cpu"
     dtype: str = "float32"
-    max_model_len: int = 32768
+    max_model_len: int = 131072  # the generated models' context (kvrelay.models.MAX_MODEL_LEN)
     kv_cache_space_gib: int = 2
     decoder_kv_blocks_ttl_s: int = 480
     kv_recompute_threshold: int = 64

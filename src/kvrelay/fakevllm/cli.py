@@ -69,7 +69,7 @@ def add_fake_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default=None,
                         help="local HF model dir for tokenizer + chat template (default: tiny)")
     parser.add_argument("--served-model-name", default="tiny")
-    parser.add_argument("--max-model-len", type=int, default=32768)
+    parser.add_argument("--max-model-len", type=int, default=131072)
     parser.add_argument("--num-gpu-blocks", type=int, default=16384,
                         help="KV cache size in blocks of 128 tokens (a request that does not "
                              "fit waits, as in vLLM)")

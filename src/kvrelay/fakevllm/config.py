@@ -47,7 +47,7 @@ class FakeEngineConfig:
     """
 
     served_model_name: str = "tiny"
-    max_model_len: int = 32768
+    max_model_len: int = 131072  # the generated models' context (kvrelay.models.MAX_MODEL_LEN)
     block_size: int = 128
     num_gpu_blocks: int = 16384
     enable_prefix_caching: bool = True
