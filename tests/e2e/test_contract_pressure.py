@@ -33,6 +33,7 @@ from typing import Any
 import httpx
 import pytest
 
+from kvrelay.bench.tokens import filler_words
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.cluster.arguments import add_cluster_arguments
 from kvrelay.fakevllm import FakeCluster, FakeEngineConfig, ManualClock, latency_preset
@@ -50,7 +51,6 @@ LEASE_S = 30.0  # kvrelay up's kv_lease_duration (P's blocks wait this long for 
 GEN = 16
 LONG_GEN = 600
 """Step 5: ~300 prompt + 600 output tokens need 8 blocks each; two of them need 16 of 11."""
-WORDS = "alpha beta gamma delta tool call read write plan test".split()
 PATIENCE_S = 120.0
 """How long a step may take to show on the real cluster (a bound, not a measurement)."""
 
@@ -75,10 +75,11 @@ class Observed:
     growth_preempted: bool
 
 
-def first_message(seed: int) -> list[dict[str, Any]]:
+def first_turn_message(seed: int, words: list[str]) -> list[dict[str, Any]]:
+    """A ~600-token first turn: 590 of the model's one-token ``words``."""
     rng = random.Random(seed)
-    return [{"role": "user", "content": f"Conversation {seed}. " + " ".join(
-        rng.choice(WORDS) for _ in range(100))}]
+    return [{"role": "user", "content": f"Conversation {seed}." + "".join(
+        rng.choice(words) for _ in range(590))}]
 
 
 def metric(text: str, name: str) -> float:
@@ -88,6 +89,11 @@ def metric(text: str, name: str) -> float:
 async def scenario(prefill: str, decode: str, model: str,
                    pass_ttl: Callable[[], Awaitable[None]],
                    settle: Callable[[], Awaitable[None]]) -> Observed:
+    words = filler_words(model)
+
+    def first_message(seed: int) -> list[dict[str, Any]]:
+        return first_turn_message(seed, words)
+
     async with httpx.AsyncClient(timeout=300, trust_env=False) as http:
         async def d_metric(name: str) -> float:
             return metric((await http.get(f"{decode}/metrics")).text, name)
@@ -161,7 +167,7 @@ async def scenario(prefill: str, decode: str, model: str,
         waiting_at_the_end = await d_metric("vllm:num_requests_waiting")
 
         # Growth: both prompts fit, both outputs do not (ignore_eos: every token is made).
-        stories = [[{"role": "user", "content": f"Story {name}. " + "a tale of the sea " * 16}]
+        stories = [[{"role": "user", "content": f"Story {name}." + "".join(words[:290])}]
                    for name in ("X", "Y")]
         growth = await asyncio.wait_for(asyncio.gather(*(
             post(decode, story, LONG_GEN, None, ignore_eos=True) for story in stories)),

@@ -75,17 +75,21 @@ def test_tool_choice_none_answers_text(real_cluster: RealCluster):
 
 
 def test_named_tool_choice_constrains_the_output_to_that_tool(real_cluster: RealCluster):
-    """vLLM forces the named tool's call format; the random model then fills the arguments'
-    JSON with the whitespace the grammar allows until ``max_tokens``, so the call is cut off
-    (``length``) and stays text. What matters here: the request is served, and constrained."""
+    """vLLM forces the named tool's call format (a grammar over ``<tool_call>{"name":
+    "get_weather", "arguments": <JSON>}</tool_call>``); the random model (greedy) completes
+    the call within the budget with the shortest JSON value it prefers, and the hermes parser
+    returns it as a call of that tool and nothing else. What matters here: the request is
+    served, and constrained."""
     raw = client_for(real_cluster).chat.completions.with_raw_response.create(
         model=real_cluster.model, messages=opening(), tools=TOOLS,
         tool_choice={"type": "function", "function": {"name": "get_weather"}},
         max_tokens=48, temperature=0)
     assert raw.http_response.status_code == 200
     choice = raw.parse().choices[0]
-    content = choice.message.content or ""
-    assert content.replace("\n", "").startswith('<tool_call>{"name": "get_weather", "arguments": ')
+    calls = choice.message.tool_calls or []
+    assert [c.function.name for c in calls] == ["get_weather"], (choice.finish_reason, calls)
+    json.loads(calls[0].function.arguments)  # the grammar made it JSON
+    assert not choice.message.content
 
 
 def test_steered_tool_call_round_trips_and_the_tool_turn_pulls(real_cluster: RealCluster):

@@ -251,7 +251,8 @@ def test_a_wrong_fingerprint_makes_p_pull_only_the_verified_prefix(
     fingerprint is wrong from token 700 on (as a stale or forged one would be), P pulls only
     the prefix before it, and the answer equals a recompute."""
     with PDClient(real_cluster.prefill_url, real_cluster.decode_url, real_cluster.model) as c:
-        messages = opening(70)
+        # a long system prompt: the tampered token (700) lies well inside D's held tokens
+        messages = opening(70, system="You are a coding agent. " + words(800, random.Random(70)))
         first = c.turn(messages, max_tokens=16)
         held = first.retained
         assert held is not None and held.fingerprint is not None
