@@ -122,8 +122,8 @@ def test_an_evicted_entry_is_released_on_d_and_its_next_turn_recomputes(
     """
     model = real_cluster.model
     a_id, b_id = f"evicted-{secrets.token_hex(4)}", f"evictor-{secrets.token_hex(4)}"
-    a_turn1 = opening(2101, num_words=600)  # about 3,000 tokens retained on D
-    b_turn1 = opening(2102, num_words=20)  # about 250: B's retention cannot hide A's release
+    a_turn1 = opening(2101, num_words=2500)  # about 3,000 tokens retained on D
+    b_turn1 = opening(2102, num_words=200)  # about 300: B's retention cannot hide A's release
 
     a_text, action, reason = send(one_entry_router, model, a_turn1, a_id)
     assert (action, reason) == ("recompute", "no_entry")
