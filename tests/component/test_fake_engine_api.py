@@ -145,7 +145,11 @@ async def test_non_streamed_responses_are_shaped_like_vllm_032() -> None:
         assert cp["id"].startswith("cmpl-") and cp["object"] == "text_completion"
         choice = cd["choices"][0]
         assert choice["prompt_token_ids"] == d.model.encode_prompt(prompt)
-        assert choice["token_ids"] == [ord(ch) for ch in choice["text"]]
+        # The generated ids are answer tokens (one word each) that spell the text and that the
+        # tokenizer gives back from it.
+        assert all(t in d.model.answer_ids for t in choice["token_ids"])
+        assert d.model.decode(choice["token_ids"]) == choice["text"]
+        assert d.model.encode_prompt(choice["text"], False) == choice["token_ids"]
         assert len(choice["token_ids"]) == 8 == cd["usage"]["completion_tokens"]
         assert cd["kv_transfer_params"]["remote_num_tokens"] == len(choice["prompt_token_ids"]) + 7
 
@@ -161,7 +165,8 @@ async def test_return_token_ids_when_streaming() -> None:
         assert len(tokens) == 5
         for c in tokens:
             choice = c["choices"][0]
-            assert choice["token_ids"] == [ord(choice["delta"]["content"])]
+            assert len(choice["token_ids"]) == 1  # one answer token (a word) per chunk
+            assert p.model.decode(choice["token_ids"]) == choice["delta"]["content"]
             assert "prompt_token_ids" not in c
         assert "usage" not in chunks[-1]  # no include_usage: no usage chunk
 

@@ -97,7 +97,8 @@ async def test_hang_holds_requests_until_cleared() -> None:
             assert (await http.get(p.url + "/health")).status_code == 200
         p.faults.hang = False
         response = await pending
-        assert len(text_of(response)) == 2 and p.faults.num_hung == 0
+        assert response["usage"]["completion_tokens"] == 2 and p.faults.num_hung == 0
+        assert len(p.record(response["id"]).output_token_ids) == 2 and text_of(response)
 
 
 async def test_slow_stream_delays_every_token() -> None:
@@ -248,5 +249,7 @@ async def test_non_streamed_request_is_aborted_when_its_client_disconnects() -> 
         assert p.state.running == 0 and p.held() == []
         assert len(sleep.requested) == 1  # no token was produced after the disconnect
         sleep.gate.set()
-        assert len(text_of(await chat(p, PROMPT, max_tokens=2))) == 2  # the engine lives on
+        alive = await chat(p, PROMPT, max_tokens=2)  # the engine lives on
+        assert alive["usage"]["completion_tokens"] == 2 and text_of(alive)
+        assert len(p.record(alive["id"]).output_token_ids) == 2
         assert await reader.read() == b""

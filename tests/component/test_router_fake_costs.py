@@ -17,7 +17,10 @@ from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, ro
 from tests.component.router_rig import Chat
 from tests.costs import PULL_PAYS, RECOMPUTE_PAYS, fixed
 
-HISTORY = "Summarise the build log and list every failing test with its error. " * 12
+HISTORY = "Summarise the build log and list every failing test with its error. " * 48
+"""~820 tokens (~17 per repetition with the BPE tokenizer)."""
+STEP_REPEATS = 60
+"""A turn's new text: ``f"Step {i}: the tool printed "`` ~8 tokens, so ~480 tokens a turn."""
 
 
 class ClockSleep:
@@ -38,7 +41,8 @@ async def decisions(r: Routed, turns: int, *, conversation: str = "c") -> list[d
     chat = Chat(r, conversation, model="tiny", max_tokens=8)
     out: list[dict[str, Any]] = []
     for i in range(turns):
-        resp, _ = await chat.turn(HISTORY if i == 0 else f"Step {i}: the tool printed " * 20)
+        step = f"Step {i}: the tool printed " * STEP_REPEATS
+        resp, _ = await chat.turn(HISTORY if i == 0 else step)
         assert resp.status_code == 200, resp.text
         await r.settle()
         out.append(dict(await r.last_decision()))

@@ -31,6 +31,21 @@ from tests.component.router_rig import assert_no_internal_fields, stream_text
 
 FIRST = "Describe the water cycle for a curious ten year old, step by step. " * 5
 GUARDS = list(GUARD_CONFIGS)
+LONG_QUESTION = "Describe the water cycle for a curious ten year old, step by step. " * 12
+CHUNK = 16
+"""The prefix fingerprint's chunk: what a guard proves is a whole number of these."""
+
+
+def proven_prefix(held: RequestRecord, sent: RequestRecord) -> int:
+    """The tokens a guard can prove: the whole 16-token chunks of the prefix D's held context
+    (``held``'s prompt and answer) shares with the prompt of the request ``sent`` to P."""
+    context = [*held.prompt_token_ids, *held.output_token_ids]
+    same = 0
+    for a, b in zip(context, sent.prompt_token_ids, strict=False):
+        if a != b:
+            break
+        same += 1
+    return same // CHUNK * CHUNK
 
 
 class Conversation:
@@ -254,7 +269,9 @@ async def test_d_dying_mid_stream() -> None:
         assert (await conv.turn(FIRST))[0] == 200
         r.cluster.decode[0].faults.die_after_tokens = 3
         status, text, payloads = await conv.turn("more", settle=False)
-        assert status == 200 and len(text) == 3
+        died = r.cluster.decode[0].records[-1]
+        assert status == 200 and len(died.output_token_ids) == 3
+        assert text == r.cluster.decode[0].model.decode(died.output_token_ids)
         assert payloads[-1] == "[DONE]" and payloads[-2]["error"]["code"] == 502
         await r.settle()
         assert len(r.ctx.index) == 0
@@ -278,16 +295,19 @@ async def test_prefix_mismatch(guard: str) -> None:
     async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
         p, d = r.cluster.prefill[0], r.cluster.decode[0]
         conv = Conversation(r, max_tokens=64)
-        assert (await conv.turn("Hi there"))[0] == 200
+        assert (await conv.turn("Hi there, what is the water cycle?"))[0] == 200
         turn1 = d.records[-1]
         assert len(turn1.prompt_token_ids) + 64 - 1 >= ENGINE_CONFIG.kv_recompute_threshold
-        proven = len(turn1.prompt_token_ids) // 16 * 16  # the fingerprint's 16-token chunks
-        assert 0 < proven < ENGINE_CONFIG.kv_recompute_threshold
         conv.messages[-1]["content"] = " " + conv.messages[-1]["content"]
         status, text, payloads = await conv.turn("And then?")
         assert status == 200 and text == await conv.recompute_of_last()
         decision = await r.last_decision()
         rec = p.records[-1]
+        # the tokens part right after the question (BPE may fold the answer's added space
+        # into the template's last token): some whole chunks, fewer than the threshold
+        proven = proven_prefix(turn1, rec)
+        assert len(turn1.prompt_token_ids) - CHUNK <= proven <= len(turn1.prompt_token_ids)
+        assert 0 < proven < ENGINE_CONFIG.kv_recompute_threshold
         assert decision["verified_tokens"] == proven and decision["reused_tokens"] == 0
         assert payloads[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert rec.pulled_tokens == 0 and rec.computed_tokens == len(rec.prompt_token_ids)
@@ -349,15 +369,19 @@ async def test_partial_reuse_needs_the_block_size(guard: str) -> None:
     async with routed(engine_config=config, block_size=None) as r:
         p, d = r.cluster.prefill[0], r.cluster.decode[0]
         conv = Conversation(r)
-        assert (await conv.turn(FIRST))[0] == 200
-        params = d.records[-1].kv_transfer_params
-        assert params is not None and infer_block_size(parse_remote_blocks(params)) is None
-        proven = len(d.records[-1].prompt_token_ids) // 16 * 16
+        # ~310 prompt tokens: 4 blocks of 96, a count no power-of-two block size gives
+        assert (await conv.turn(LONG_QUESTION))[0] == 200
+        turn1 = d.records[-1]
+        params = turn1.kv_transfer_params
+        assert params is not None and len(params["remote_block_ids"][0]) == 4
+        assert infer_block_size(parse_remote_blocks(params)) is None
         conv.messages[-1]["content"] = " " + conv.messages[-1]["content"]
         status, text, _ = await conv.turn("And then?")
         assert status == 200 and text == await conv.recompute_of_last()
         decision = await r.last_decision()
         rec = p.records[-1]
+        proven = proven_prefix(turn1, rec)  # the question, in whole chunks
+        assert len(turn1.prompt_token_ids) - CHUNK <= proven <= len(turn1.prompt_token_ids)
         assert decision["verified_tokens"] == proven
         if guard == "connector":
             assert decision["reason"] == "pull" and decision["reused_tokens"] == proven

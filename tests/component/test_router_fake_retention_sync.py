@@ -16,7 +16,8 @@ from kvrelay.core.retention_sync import SYNC_INTERVAL_S
 from kvrelay.fakevllm import FakeEngine
 from tests.component.router_fake import ENGINE_CONFIG, Routed, routed, until
 
-SYSTEM = "You are a careful agent that fixes failing tests. " * 8
+SYSTEM = "You are a careful agent that fixes failing tests. " * 34
+"""~10 tokens a repetition: a conversation's first prompt is ~470 tokens (4 blocks of 128)."""
 
 
 def conversation(i: int) -> list[dict[str, Any]]:
@@ -92,6 +93,9 @@ async def test_a_turn_d_released_under_pressure_recomputes_released_never_pulls(
                 replies.append(await chat(c, conversation(i)))
                 await r.settle()
                 r.clock.advance(1.0)
+            # each turn D holds spans the blocks the config is sized for
+            held = [rec.kv_transfer_params for rec in d.records]
+            assert [len(k["remote_block_ids"][0]) for k in held if k] == [prompt_blocks] * 3
             await syncs_pass(r)
             history = follow_up(conversation(0), replies[0])
             found = await r.find({"model": "tiny", "messages": history})

@@ -187,7 +187,9 @@ async def test_openai_sdk_streaming_and_not() -> None:
                 extra_body={"conversation_id": "sdk"},
             )
             text = first.choices[0].message.content or ""
-            assert len(text) == 16
+            # 16 answer tokens, each a space and a word
+            assert first.usage is not None and first.usage.completion_tokens == 16
+            assert len(text.split()) == 16 and text.startswith(" ")
             assert getattr(first, "kv_transfer_params", None) is None
             assert first.usage is not None and first.usage.prompt_tokens_details is not None
             assert first.usage.prompt_tokens_details.cached_tokens == 0
@@ -204,7 +206,8 @@ async def test_openai_sdk_streaming_and_not() -> None:
                 for choice in chunk.choices:
                     parts.append(choice.delta.content or "")
                 usage = chunk.usage or usage
-            assert len("".join(parts)) == 16 and usage is not None
+            assert usage is not None and usage.completion_tokens == 16
+            assert len([p for p in parts if p]) == 16 == len("".join(parts).split())
             decision = await r.last_decision()
             assert decision["reason"] == "pull" and decision["reused_tokens"] > 0
             assert usage.prompt_tokens_details is not None
@@ -212,7 +215,8 @@ async def test_openai_sdk_streaming_and_not() -> None:
             await r.settle()
             comp = await client.completions.create(
                 model="tiny", prompt=FIRST, max_tokens=8, extra_body={"conversation_id": "c2"})
-            assert len(comp.choices[0].text) == 8
+            assert comp.usage is not None and comp.usage.completion_tokens == 8
+            assert len(comp.choices[0].text.split()) == 8
             models = await client.models.list()
             assert [m.id for m in models.data] == ["tiny"]
             with pytest.raises(openai.BadRequestError) as bad:

@@ -287,7 +287,9 @@ async def test_d_dying_mid_stream_commits_nothing(version: VllmVersion) -> None:
         payloads = sse_events(resp.text)
         assert_no_internal_fields(payloads)
         assert payloads[-1] == "[DONE]" and payloads[-2]["error"]["code"] == 502
-        assert len(stream_text(payloads)) == 3
+        died = d.records[-1]
+        assert len(died.output_token_ids) == 3  # 3 answer tokens (words) reached the client
+        assert stream_text(payloads) == d.model.decode(died.output_token_ids)
         await r.settle()
         assert len(r.ctx.index) == 0
         assert count(r.ctx.metrics, "turn_entries", "committed") == 0

@@ -247,10 +247,11 @@ async def test_d_killed_mid_stream(ref: FakeEngine, config: FakeEngineConfig) ->
         await until(lambda: len(d0.records[-1].output_token_ids) == 3 and gate.waiting == 1,
                     "D-0 streamed 3 tokens")
         old_d0 = d0.engine_id
+        streamed = list(d0.records[-1].output_token_ids)
         await d0.crash()
         audit.died(d0, old_d0)
         reply = await turn2
-        assert reply.status == 200 and len(reply.text) == 3
+        assert reply.status == 200 and reply.text == d0.model.decode(streamed)  # 3 tokens
         assert reply.events[-1] == "[DONE]"
         err = reply.events[-2]["error"]
         assert err["code"] == 502 and set(err) == {"message", "type", "param", "code"}

@@ -30,7 +30,8 @@ METRICS_KEY = "MK"
 LOOKUPS = "kvrelay_router_text_lookups_total"
 DIGESTS = "kvrelay_router_text_lookup_digests_total"
 LOG = ("the keeper's log: wind from the west, two ships seen, the lamp trimmed at dusk and "
-       "the oil measured at dawn; ")
+       "the oil measured at dawn; ") * 3
+"""~335 bytes, ~120 tokens: a turn holds more than the recompute threshold, in under 1 KiB."""
 QUESTION = "Q: what did the keeper see on the night of the great storm? " * 6 + "A:"
 
 
@@ -89,6 +90,8 @@ async def test_a_completions_lookup_costs_the_same_with_3_or_103_entries_in_the_
     router = rig.router
     async with router.client(limits=NO_KEEPALIVE) as c:
         mine = await complete(c, f"[mine] {LOG}")
+        # under 1 KiB (one anchor), above the recompute threshold (64 by default) in tokens
+        assert len(f"[0000] {LOG}".encode()) < 1024 and mine.json()["usage"]["prompt_tokens"] > 64
         await fill(c, 0, 2)
         await settled(router)
         few = await digests_per_lookup(router, c, QUESTION)
