@@ -50,3 +50,20 @@ def test_default_counter_counts_with_the_model_s_own_tokenizer(real_counter):
     by_size, by_dir = default_counter("tiny"), default_counter(str(ensure_model("tiny")))
     for messages in CASES:
         assert by_size(messages) == by_dir(messages) == real_counter(messages)
+
+
+def test_filler_words_are_one_token_each(real_counter):
+    from kvrelay.bench.tokens import filler_words
+
+    words = filler_words("tiny")
+    empty = real_counter([{"role": "user", "content": ""}])
+    text = "".join(words[:50]) + "".join(reversed(words[-50:]))
+    assert real_counter([{"role": "user", "content": text}]) == empty + 100
+
+
+def test_filler_words_refuse_a_tokenizer_without_such_words(monkeypatch):
+    from kvrelay.bench import tokens
+
+    monkeypatch.setattr("kvrelay.models.answer_token_ids", lambda tokenizer: [])
+    with pytest.raises(ValueError, match="no one-token words"):
+        tokens.filler_words("tiny")

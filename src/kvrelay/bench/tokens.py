@@ -73,8 +73,8 @@ def filler_words(model: str) -> list[str]:
     and letters, e.g. ``" cache"``), for prompts of a known length: ``n`` of them joined are
     exactly ``n`` tokens after a newline or a space (in a message's content, say).
 
-    ``model`` is a generated default size or a model directory; empty for a tokenizer that has
-    no such tokens.
+    ``model`` is a generated default size or a model directory. Raises ``ValueError`` for a
+    tokenizer without such tokens (e.g. SentencePiece, whose words start with ``"▁"``).
     """
     from transformers import AutoTokenizer
 
@@ -82,4 +82,8 @@ def filler_words(model: str) -> list[str]:
     from kvrelay.models import answer_token_ids
 
     tokenizer: Any = AutoTokenizer.from_pretrained(str(resolve_model(model)))
-    return [str(tokenizer.decode([i])) for i in answer_token_ids(tokenizer)]
+    words = [str(tokenizer.decode([i])) for i in answer_token_ids(tokenizer)]
+    if not words:
+        raise ValueError(f"{model}: its tokenizer has no one-token words (a space and letters) "
+                         "to size prompts with")
+    return words
