@@ -66,33 +66,16 @@ def build_harness_model(out_dir: Path) -> None:
     (the harnesses send none), it ends an answer after ``MEAN_ANSWER_TOKENS`` on average
     (calibrated on a sample of the tokenizer's corpus)."""
     import torch
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    from transformers import AutoTokenizer, Qwen3ForCausalLM
 
-    from kvrelay.models import (
-        MAX_MODEL_LEN,
-        MODEL_SPECS,
-        answer_token_ids,
-        build_tokenizer,
-        shape_weights,
-    )
+    from kvrelay.models import MODEL_SPECS, answer_token_ids, ensure_model
 
-    tokenizer = build_tokenizer()
-    vocab = len(tokenizer)
+    tiny = ensure_model("tiny")
+    tokenizer = AutoTokenizer.from_pretrained(tiny)
+    model = Qwen3ForCausalLM.from_pretrained(tiny, dtype=torch.float32)
     spec = MODEL_SPECS["tiny"]
-    eos_id = tokenizer.convert_tokens_to_ids("<|im_end|>")
-    pad_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
-    config = Qwen3Config(
-        vocab_size=vocab, hidden_size=spec.hidden_size,
-        intermediate_size=spec.intermediate_size, num_hidden_layers=spec.num_hidden_layers,
-        num_attention_heads=spec.num_attention_heads,
-        num_key_value_heads=spec.num_key_value_heads, head_dim=spec.head_dim,
-        max_position_embeddings=MAX_MODEL_LEN, tie_word_embeddings=False,
-        rope_theta=1_000_000.0, bos_token_id=None, eos_token_id=eos_id, pad_token_id=pad_id,
-        torch_dtype="float32")
-    torch.manual_seed(spec.seed)
-    model = Qwen3ForCausalLM(config).to(torch.float32)
+    eos_id = model.config.eos_token_id
     printable = answer_token_ids(tokenizer)
-    shape_weights(model, spec, printable)
     lm_head = model.lm_head.weight
     with torch.no_grad():
         hidden = _answer_states(model, tokenizer, printable)
@@ -106,11 +89,8 @@ def build_harness_model(out_dir: Path) -> None:
             p = torch.softmax(logits, dim=-1)[:, eos_id].mean().item()
             lo, hi = (mid, hi) if p < 1 / MEAN_ANSWER_TOKENS else (lo, mid)
         lm_head[eos_id, 0] = spec.margin + lo
-    out_dir.mkdir(parents=True, exist_ok=True)
+    shutil.copytree(tiny, out_dir)  # tokenizer, config, generation config
     model.save_pretrained(out_dir, safe_serialization=True)
-    tokenizer.save_pretrained(out_dir)
-    (out_dir / "generation_config.json").write_text(
-        json.dumps({"eos_token_id": eos_id, "pad_token_id": pad_id}) + "\n")
 
 
 def _answer_states(model: object, tokenizer: object, printable: list[int]) -> object:
