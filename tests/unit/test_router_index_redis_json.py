@@ -60,6 +60,35 @@ def test_identity_ignores_times_only() -> None:
         replace(e, blocks=replace(e.blocks, request_id="x")))
 
 
+IDENTITY_BEFORE_RELEASE_AT_EXPIRY = "ea86a2a4eb356f5a73aae62006190559"
+"""``entry_identity(entry())`` as computed before ``release_at_expiry`` existed."""
+
+
+@pytest.mark.parametrize("flag", [False, True])
+def test_release_at_expiry_round_trips(flag: bool) -> None:
+    e = replace(entry(), release_at_expiry=flag)
+    text = entry_to_json(e, wall_offset_s=1.7e9)
+    back = entry_from_json(text, wall_offset_s=1.7e9)
+    assert back == e and back.release_at_expiry is flag
+    assert ("release_at_expiry" in json.loads(text)) is flag  # written only when set
+
+
+def test_an_unflagged_entry_keeps_its_json_and_identity() -> None:
+    """Entries stored before the field existed read back unflagged, and an unflagged
+    entry's JSON and identity are what they were; the flag is not part of the identity
+    (the same D request stored again, flagged, replaces it)."""
+    e = entry()
+    doc = json.loads(entry_to_json(e, wall_offset_s=0.0))
+    assert sorted(doc) == ["block_size", "conversation", "created_wall_s", "expires_wall_s",
+                           "node", "num_bytes", "params", "turn", "v"]
+    assert entry_identity(e) == IDENTITY_BEFORE_RELEASE_AT_EXPIRY
+    assert entry_identity(replace(e, release_at_expiry=True)) == entry_identity(e)
+    flagged = new_entry(decode_node_id="decode-0", blocks=e.blocks, now_s=100.0, turn=3,
+                        conversation="0123456789abcdef", num_bytes=9000,
+                        release_at_expiry=True)
+    assert flagged == replace(e, release_at_expiry=True)
+
+
 def test_no_token_ids_only_digests() -> None:
     text = entry_to_json(entry(), wall_offset_s=0.0)
     assert "1000,1001,1002" not in text.replace(" ", "")
@@ -76,6 +105,8 @@ def test_no_token_ids_only_digests() -> None:
     lambda d: d["params"].update(kvrelay_fingerprint="!!not base64!!"),
     lambda d: d["params"].pop("kvrelay_fingerprint"),
     lambda d: d.update(expires_wall_s=None),
+    lambda d: d.update(release_at_expiry=1),
+    lambda d: d.update(release_at_expiry="true"),
 ])
 def test_malformed_entries_are_refused(mutate: object) -> None:
     doc = json.loads(entry_to_json(entry(), wall_offset_s=0.0))

@@ -83,6 +83,12 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     conversation's turns share (``conversation_tag``). ``released`` is set once D said it
     freed the blocks before any P read them (a ``core.retention_sync.ReleaseCause``): such an
     entry is never pulled (the policy answers ``released``).
+
+    ``release_at_expiry``: D keeps the blocks past the entry's expiry (the router shortened
+    the turn's retention after D answered, so ``expires_at_s`` is earlier than D's own
+    deadline), so the index orders D to release them once the entry expires on the router's
+    clock (``router.index.ConversationIndex``, release orders). False (the default): D frees
+    them at its own deadline, which the entry's expiry tracks.
     """
 
     decode_node_id: str
@@ -94,6 +100,7 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     num_bytes: int = 0
     block_size: int | None = None
     released: str | None = None
+    release_at_expiry: bool = False
 
     def __post_init__(self) -> None:
         if self.blocks.direction != "decode_to_prefill":
@@ -152,6 +159,7 @@ def new_entry(
     ttl_s: float = DEFAULT_DECODER_KV_BLOCKS_TTL_S,
     safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S,
     block_size: int | None = None,
+    release_at_expiry: bool = False,
 ) -> ConversationEntry:
     """The entry for a turn D just finished, at router time ``now_s``.
 
@@ -159,6 +167,7 @@ def new_entry(
     ``ttl_s`` must be D's ``decoder_kv_blocks_ttl``; ``safety_margin_s`` is subtracted
     because D's clock started before the router saw the response. A ``block_size`` that does
     not match the number of blocks D reported is dropped to ``None`` (whole reuse only).
+    ``release_at_expiry`` is passed through (``ConversationEntry``).
     """
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -173,6 +182,7 @@ def new_entry(
         conversation=conversation,
         num_bytes=num_bytes,
         block_size=block_size if blocks_match(blocks, block_size) else None,
+        release_at_expiry=release_at_expiry,
     )
 
 

@@ -20,10 +20,11 @@ Contracts:
   entries per ref, at most ``MAX_ENTRIES_PER_REF``, the oldest pushed out first): entries
   with the same anchor and answer hold the same tokens, so N identical conversations whose
   turns finished together each find one. Storing the same entry again (equal but for its
-  times and ``released``: the same D request) replaces it. ``lookup`` returns the newest
-  entry of a ref that D still holds (a released one only when there is no other). An
-  entry a later turn continued without consuming it (recompute, direct) stays until that
-  turn commits (``commit`` drops it then, and D releases it).
+  times, ``released`` and ``release_at_expiry``: the same D request) replaces it.
+  ``lookup`` returns the newest entry of a ref that D still holds (a released one only
+  when there is no other). An entry a later turn continued without consuming it
+  (recompute, direct) stays until that turn commits (``commit`` drops it then, and D
+  releases it).
 * ``claim(ref, entry)`` is the single-use guarantee: it atomically removes one entry of the
   ref and returns it: ``entry`` (compared by value) when still stored, else another entry of
   the ref D still holds (interchangeable: the caller decides again on what it got), else
@@ -249,8 +250,10 @@ class _Item:
 
 
 def _identity(entry: ConversationEntry) -> ConversationEntry:
-    """What tells two entries apart: everything but their times and ``released``."""
-    return replace(entry, expires_at_s=0.0, created_at_s=0.0, released=None)
+    """What tells two entries apart: everything but their times, ``released`` and
+    ``release_at_expiry`` (as ``index_redis.entry_identity``)."""
+    return replace(entry, expires_at_s=0.0, created_at_s=0.0, released=None,
+                   release_at_expiry=False)
 
 
 _Key = tuple[EntryRef, int]

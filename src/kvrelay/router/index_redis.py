@@ -390,7 +390,9 @@ class EntryFormatError(ValueError):
 
 
 def _body(entry: ConversationEntry) -> dict[str, Any]:
-    """Everything of the entry but its (clock-dependent) times, as JSON values."""
+    """Everything of the entry but its (clock-dependent) times, ``released`` (kept beside
+    the JSON) and ``release_at_expiry`` (how long the router keeps it, like its times), as
+    JSON values: what ``entry_identity`` digests."""
     return {
         "v": FORMAT_VERSION,
         "node": entry.decode_node_id,
@@ -403,16 +405,21 @@ def _body(entry: ConversationEntry) -> dict[str, Any]:
 
 
 def entry_identity(entry: ConversationEntry) -> str:
-    """Digest of the entry without its times: what ``claim`` compares exactly."""
+    """Digest of the entry without its times, ``released`` and ``release_at_expiry``: what
+    ``claim`` compares exactly (the same D request stored again has the same identity)."""
     canonical = json.dumps(_body(entry), sort_keys=True, separators=(",", ":"))
     return hashlib.blake2b(canonical.encode("utf-8"), digest_size=16).hexdigest()
 
 
 def entry_to_json(entry: ConversationEntry, *, wall_offset_s: float) -> str:
-    """The entry as JSON, its times moved to the wall clock (``local + wall_offset_s``)."""
+    """The entry as JSON, its times moved to the wall clock (``local + wall_offset_s``).
+    ``release_at_expiry`` is written only when set, so an unflagged entry's JSON is what it
+    was before the field existed (same ``FORMAT_VERSION``)."""
     doc = _body(entry)
     doc["expires_wall_s"] = entry.expires_at_s + wall_offset_s
     doc["created_wall_s"] = entry.created_at_s + wall_offset_s
+    if entry.release_at_expiry:
+        doc["release_at_expiry"] = True
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
@@ -420,8 +427,8 @@ def entry_from_json(
     text: str | bytes, *, wall_offset_s: float, released: str | None = None
 ) -> ConversationEntry:
     """Inverse of ``entry_to_json`` (times back on the local clock; ``released``: the cause
-    stored beside the JSON once D released the entry); ``EntryFormatError`` for anything
-    else."""
+    stored beside the JSON once D released the entry; an absent ``release_at_expiry`` is
+    false); ``EntryFormatError`` for anything else."""
     try:
         doc = json.loads(text)
         if doc["v"] != FORMAT_VERSION:
@@ -438,6 +445,7 @@ def entry_from_json(
             num_bytes=_typed(doc["num_bytes"], int),
             block_size=None if block_size is None else _typed(block_size, int),
             released=released or None,
+            release_at_expiry=_typed(doc.get("release_at_expiry", False), bool),
         )
     except EntryFormatError:
         raise
