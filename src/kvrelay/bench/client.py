@@ -24,13 +24,14 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any, Literal, Self
 
 import httpx
 
 from kvrelay.bench.tokens import ChatMessage
+from kvrelay.bench.tool_calls import ToolUse
 from kvrelay.client.sse import (
     DONE,
     Usage,
@@ -82,7 +83,8 @@ def decision_from_headers(headers: Mapping[str, str]) -> Decision | None:
 
 @dataclass(frozen=True)
 class TurnResult:
-    """One request's measurements; ``error`` is set (and ``ok`` false) when it failed."""
+    """One request's measurements; ``error`` is set (and ``ok`` false) when it failed.
+    ``tool_call``: the tool call the answer made (only the Messages client reads them)."""
 
     status: int
     text: str
@@ -93,6 +95,7 @@ class TurnResult:
     completion_tokens: int
     decision: Decision | None
     error: str | None = None
+    tool_call: ToolUse | None = None
 
     @property
     def ok(self) -> bool:
@@ -256,7 +259,7 @@ class ChatClient:
     async def aclose(self) -> None:
         await self.http.aclose()
 
-    async def __aenter__(self) -> ChatClient:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -269,8 +272,14 @@ class ChatClient:
         max_tokens: int,
         conversation_id: str | None = None,
         stream: bool = True,
+        tool_call: bool = False,
     ) -> TurnResult:
-        """Send one turn and measure it (see the module docstring)."""
+        """Send one turn and measure it (see the module docstring). ``tool_call=True`` is a
+        ``ValueError``: chat completions here do not force tool calls (``MessagesClient``
+        does)."""
+        if tool_call:
+            raise ValueError("the chat client cannot force a tool call: use the Messages "
+                             "client (bench --api messages)")
         body: dict[str, object] = {
             "model": self.model,
             "messages": [dict(m) for m in messages],
@@ -282,12 +291,20 @@ class ChatClient:
         if stream:
             body["stream_options"] = {"include_usage": True}
         headers = {CONVERSATION_HEADER: conversation_id} if conversation_id else {}
+        if stream:
+            return await self._measured(
+                lambda started: self._streamed(body, headers, started), conversation_id)
+        return await self._measured(
+            lambda started: self._whole(body, headers, started), conversation_id)
+
+    async def _measured(
+        self, send: Callable[[float], Awaitable[TurnResult]], conversation_id: str | None
+    ) -> TurnResult:
+        """``send(t0)`` with transport errors and bodies that are not JSON returned as a
+        failed ``TurnResult``, and the ``/stats`` fallback for a decision without headers."""
         started = self.clock()
         try:
-            if stream:
-                result = await self._streamed(body, headers, started)
-            else:
-                result = await self._whole(body, headers, started)
+            result = await send(started)
         except (httpx.HTTPError, ValueError) as exc:  # ValueError: a body that is not JSON
             return TurnResult(0, "", None, None, self.clock() - started, None, 0, None,
                               error=f"{type(exc).__name__}: {exc}")
