@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from kvrelay.bench.tokens import byte_template_counter, chat_template_counter
 from kvrelay.bench.workloads import (
     BLOCK_TOKENS,
+    TOOL_CALL_TOKENS,
     Pacing,
     ThinkTime,
     WorkloadError,
@@ -205,3 +206,113 @@ def test_abandoned_conversations_keep_a_prefix_of_their_turns():
     assert cut.params["abandon_p"] == 0.3
     with pytest.raises(WorkloadError):
         agent_workload(count, conversations=1, abandon_p=1.0)
+
+
+def workload_digest(w):
+    """A digest of everything a workload's conversations send, when and how long."""
+    import hashlib
+    import json
+
+    data = [[c.conversation_id, c.start_s, c.context_tokens,
+             [[[dict(m) for m in t.new_messages], t.max_tokens, t.think_s, t.target_tokens,
+               t.measured] for t in c.turns]] for c in w.conversations]
+    return hashlib.sha256(json.dumps(data, sort_keys=True).encode()).hexdigest()
+
+
+def test_without_tool_calls_the_agent_workload_is_the_one_built_before_tools():
+    # the digest of this very workload as agent_workload built it before it modelled tool
+    # calls (same messages, think times, starts and abandonment)
+    before_tools = "1228850aa0198fb10ab2ed27ba7eed57f577774eea792d4f4a60f74399b1d030"
+    args = dict(conversations=6, turns=7, system_tokens=300, user_tokens=40, answer_tokens=20,
+                pacing=Pacing(ThinkTime("lognormal", 2.0, 1.5, 9.0), 3.0), abandon_p=0.3,
+                seed=5, salt="g")
+    w = agent_workload(count, **args)
+    assert workload_digest(w) == before_tools and w.num_turns == 19
+    assert not any(t.tool_call for c in w.conversations for t in c.turns)
+    assert w.params["tool_p"] == 0.0
+    # the tool-time distribution changes nothing without tool calls
+    assert workload_digest(agent_workload(count, tool_time=ThinkTime("constant", 99.0),
+                                          **args)) == before_tools
+
+
+TOOLS = dict(conversations=40, turns=8, system_tokens=300, user_tokens=40, answer_tokens=20,
+             pacing=Pacing(ThinkTime("constant", 50.0), 1.0), tool_p=0.7,
+             tool_time=ThinkTime("lognormal", 2.0, 1.5, 6.0), seed=2, salt="t")
+
+
+def test_tool_call_turns_are_followed_by_tool_results_after_tool_times():
+    w = agent_workload(count, **TOOLS)
+    assert w == agent_workload(count, **TOOLS)  # deterministic
+    assert w != agent_workload(count, **{**TOOLS, "seed": 3})
+    turns = [t for c in w.conversations for t in c.turns]
+    calls = sum(t.tool_call for t in turns)
+    assert 0.55 < calls / len(turns) < 0.85  # binomial, 320 draws of p = 0.7
+    tool_gaps = []
+    for conv in w.conversations:
+        assert conv.turns[0].think_s == 0.0
+        for prev, turn in itertools.pairwise(conv.turns):
+            assert prev.max_tokens == 20 + (TOOL_CALL_TOKENS if prev.tool_call else 0)
+            (message,) = turn.new_messages
+            if prev.tool_call:  # the harness comes back with the tool's result
+                assert message["role"] == "tool"
+                assert message["content"].startswith("Tool result:\n")
+                tool_gaps.append(turn.think_s)
+            else:  # the user comes back with a task after a think time
+                assert message["role"] == "user" and message["content"].startswith("Task: ")
+                assert turn.think_s == 50.0
+    # drawn from the tool time (lognormal, median 2 * exp(-1.5**2 / 2) = 0.65 s), cut at 6
+    below = [g for g in tool_gaps if g < 6.0]
+    assert len(tool_gaps) > 100 and max(tool_gaps) == 6.0
+    assert len(set(below)) == len(below) and 0.4 < statistics.median(tool_gaps) < 1.0
+    # planned sizes: the module contract, tool calls planned as max_tokens of answer
+    assert_targets_hit(w, count)
+    assert w.params["tool_p"] == 0.7
+    assert (w.params["tool_time"], w.params["tool_mean_s"], w.params["tool_sigma"],
+            w.params["tool_max_s"]) == ("lognormal", 2.0, 1.5, 6.0)
+    assert w.params["tool_call_tokens"] == TOOL_CALL_TOKENS
+    with pytest.raises(WorkloadError):
+        agent_workload(count, conversations=1, tool_p=1.5)
+
+
+def test_tool_call_targets_hold_with_the_real_tokenizer():
+    real = chat_template_counter(ensure_model("tiny"))
+    w = agent_workload(real, conversations=2, turns=6, tool_p=0.6, seed=4)
+    assert any(t.tool_call for c in w.conversations for t in c.turns)
+    assert_targets_hit(w, real)
+
+
+def test_tool_calls_draw_from_their_own_streams():
+    base = agent_workload(count, **{**TOOLS, "tool_p": 0.3})
+    more = agent_workload(count, **TOOLS)
+    for a, b in zip(base.conversations, more.conversations, strict=True):
+        # a turn that calls a tool at p = 0.3 calls one at p = 0.7 too (one uniform draw each)
+        assert all(tb.tool_call for ta, tb in zip(a.turns, b.turns, strict=True)
+                   if ta.tool_call)
+        assert a.start_s == b.start_s
+
+
+def test_abandonment_follows_replies_only():
+    full = agent_workload(count, **TOOLS)
+    cut = agent_workload(count, **{**TOOLS, "abandon_p": 0.5})
+    for a, b in zip(full.conversations, cut.conversations, strict=True):
+        assert a.turns[: len(b.turns)] == b.turns
+        if len(b.turns) < len(a.turns):  # cut: the user never came back after a reply
+            assert not b.turns[-1].tool_call
+    assert sum(len(c.turns) for c in cut.conversations) < full.num_turns
+    # with every answer a tool call, the harness always comes back: nothing is abandoned
+    calls = agent_workload(count, **{**TOOLS, "tool_p": 1.0, "abandon_p": 0.9})
+    assert all(len(c.turns) == 8 for c in calls.conversations)
+
+
+def test_a_tool_turns_budget_holds_the_fake_engines_whole_call():
+    from kvrelay.bench.messages_client import TOOL_NAME
+    from kvrelay.fakevllm.messages_api import ToolCall
+    from kvrelay.fakevllm.model import FakeModel
+
+    model = FakeModel.load()
+    call = ToolCall(TOOL_NAME)
+    for answer_tokens in (1, 48):
+        generated = [model.answer_ids[0]] * (answer_tokens + TOOL_CALL_TOKENS)
+        text = model.decode(call.output(model, generated))
+        block = call.tool_use("id", text)
+        assert block is not None and set(block["input"]) == {"input"}, text

@@ -11,7 +11,17 @@ assuming every earlier answer is ``max_tokens`` tokens long (``planned_history``
 with placeholder text of that length). Contract for the sweep and agent generators, checked by
 ``tests/unit/test_bench_workloads``:
 ``target - BLOCK_TOKENS < count_tokens(planned_history(conv, i)) <= target``. (Replayed
-turns carry the recorded prompt's length instead, see ``replay``.)
+turns carry the recorded prompt's length instead, see ``replay``.) The contract holds for the
+agent generator's tool calls too: a tool-call turn's answer is planned like any answer, as
+``max_tokens`` tokens of assistant text (``max_tokens`` then includes the call's wrapper,
+``TOOL_CALL_TOKENS``), and the tool result is a ``tool`` message counted as such. It is a
+plan in chat-template tokens: over the Messages API the served prompt also holds the tools'
+definitions, and a call renders as the template writes tool calls, so real prompts differ
+from the plan by a near-constant amount.
+
+Tool calls. A turn with ``tool_call`` asks the client to force its answer to be a call of
+the one tool (``messages_client``); the next turn then opens with the tool's result, a
+``tool`` message (``bench.tool_calls`` says how the runner ties it to the call's id).
 
 Determinism: equal arguments (``seed``, ``salt``, sizes, the counter) give equal workloads.
 The ``salt`` opens every conversation's first message, so two runs with different salts
@@ -30,6 +40,12 @@ from kvrelay.bench.tokens import ChatMessage, CountTokens
 
 #: vLLM's KV block size: the precision the token targets are held to.
 BLOCK_TOKENS = 128
+#: What a tool-call turn's ``max_tokens`` adds to the answer's tokens for the call's wrapper.
+#: The fake engine writes a forced call of the tool ``run`` as ``<tool_call>{"name": "run",
+#: "arguments": {"input": "`` + the answer + ``"}}</tool_call>``, the wrapper one token per
+#: character: 66 tokens (``tests/unit/test_bench_workloads`` checks it fits); a call cut off
+#: before its end is no call.
+TOOL_CALL_TOKENS = 80
 
 WorkloadKind = Literal["sweep", "agent", "replay"]
 ThinkKind = Literal["constant", "exponential", "lognormal", "uniform"]
@@ -118,13 +134,16 @@ class Pacing:
 class TurnSpec:
     """One request: append ``new_messages``, wait ``think_s`` (from the previous answer's end;
     ignored for the first turn), send with ``max_tokens``. ``measured`` marks the turns a
-    report focuses on (the sweep's follow-up)."""
+    report focuses on (the sweep's follow-up). ``tool_call``: the client forces the answer
+    to be a tool call (the next turn's ``new_messages`` then start with its ``tool`` result,
+    and its ``think_s`` is the tool's execution time)."""
 
     new_messages: tuple[ChatMessage, ...]
     max_tokens: int
     think_s: float = 0.0
     target_tokens: int = 0
     measured: bool = True
+    tool_call: bool = False
 
 
 @dataclass(frozen=True)
@@ -288,6 +307,11 @@ def sweep_workload(
     })
 
 
+#: The default tool execution time (workload seconds): lognormal, mean 8 s, sigma 1.5, cut
+#: at a 120 s tool timeout (Claude Code's Bash tool's default).
+TOOL_TIME = ThinkTime("lognormal", 8.0, 1.5, 120.0)
+
+
 def agent_workload(
     count: CountTokens,
     *,
@@ -298,62 +322,105 @@ def agent_workload(
     answer_tokens: int = 300,
     pacing: Pacing | None = None,
     abandon_p: float = 0.0,
+    tool_p: float = 0.0,
+    tool_time: ThinkTime | None = None,
     seed: int = 0,
     salt: str = "",
 ) -> Workload:
     """Agent sessions: ``conversations`` concurrent loops of ``turns`` turns each.
 
     Turn 1's prompt is a ``system_tokens`` system prompt plus a ``user_tokens`` task; every
-    later turn appends the answer (``answer_tokens`` = ``max_tokens``) and ``user_tokens``
-    more (turns 2, 4, ... read as tool results, the others as tasks). The planned prompt of
-    turn ``k`` (1-based) is ``system_tokens + k * user_tokens + (k - 1) * answer_tokens``:
-    each new message absorbs the template tokens, so the error never accumulates. Think
-    times, arrivals and concurrency come from ``pacing`` (``Pacing()`` when ``None``).
+    later turn appends the previous answer (its ``max_tokens``) and ``user_tokens`` more.
+    The planned prompt of turn ``k`` (1-based) is ``system_tokens + k * user_tokens`` plus
+    the ``max_tokens`` of turns ``1 .. k-1``: each new message absorbs the template tokens,
+    so the error never accumulates. Think times, arrivals and concurrency come from
+    ``pacing`` (``Pacing()`` when ``None``).
 
-    ``abandon_p``: after each turn but the last, the conversation is abandoned (its later
-    turns are never sent) with this probability, drawn from a seeded stream of its own, so
-    conversations have ``min(turns, Geometric(abandon_p))`` turns and the turns they keep
-    are the same as with ``abandon_p = 0`` (abandoned sessions: their last turn's KV is
-    never read again, what retention has to find out).
+    ``tool_p``: each turn's answer is a tool call (``TurnSpec.tool_call``, ``max_tokens =
+    answer_tokens + TOOL_CALL_TOKENS``) with this probability, drawn from a seeded stream of
+    its own; the next turn appends the tool's result (a ``tool`` message of ``user_tokens``,
+    ``Tool result:\n...``) after a gap drawn from ``tool_time`` (``TOOL_TIME`` when
+    ``None``; a stream of its own), not a think time. After a reply (no tool call) the next
+    turn is a user task (``Task: ...``) after a think time. With ``tool_p = 0`` the workload
+    is exactly the one this function built before it modelled tools: no tool calls, every
+    later turn a user message, turns 2, 4, ... reading as tool results, the others as tasks.
+
+    ``abandon_p``: after each turn that ends in a reply, but the last, the user never comes
+    back (the later turns are never sent) with this probability, drawn from a seeded stream
+    of its own (one draw per turn, tool-call turns included, so the draws do not depend on
+    ``tool_p``); after a tool call the harness always comes back. Without tool calls,
+    conversations have ``min(turns, Geometric(abandon_p))`` turns. The turns kept are the
+    same as with ``abandon_p = 0`` (abandoned sessions: their last turn's KV is never read
+    again, what retention has to find out).
     """
     if not 0.0 <= abandon_p < 1.0:
         raise WorkloadError("abandon_p is a probability in [0, 1)")
+    if not 0.0 <= tool_p <= 1.0:
+        raise WorkloadError("tool_p is a probability in [0, 1]")
     pacing = pacing or Pacing()
+    tool_time = tool_time or TOOL_TIME
     if conversations < 1 or turns < 1:
         raise WorkloadError("agent sessions need at least one conversation and one turn")
     if pacing.arrival_mean_s < 0:
         raise WorkloadError("arrival_mean_s must be >= 0")
     think = pacing.think
-    answer: ChatMessage = {"role": "assistant", "content": placeholder_answer(answer_tokens, count)}
+    answers: dict[int, ChatMessage] = {}
+
+    def answer(max_tokens: int) -> ChatMessage:
+        if max_tokens not in answers:
+            answers[max_tokens] = {"role": "assistant",
+                                   "content": placeholder_answer(max_tokens, count)}
+        return answers[max_tokens]
+
     starts = pacing.starts("agent", seed)
     convs: list[ConversationSpec] = []
     for index in range(conversations):
         rng = random.Random(f"agent/{seed}/{index}")
+        tools = random.Random(f"agent-tools/{seed}/{index}")
+        tool_gaps = random.Random(f"agent-tool-time/{seed}/{index}")
         opening = appending((), "system", _opening(salt, seed, index, "agent"))
         history = opening(fill_text(opening, count, system_tokens, rng))
         specs: list[TurnSpec] = []
+        target = system_tokens
         for k in range(1, turns + 1):
+            after_tool = k > 1 and specs[-1].tool_call
             if k > 1:
-                history.append(answer)
-            target = system_tokens + k * user_tokens + (k - 1) * answer_tokens
-            build = appending(history, "user", "Tool result:\n" if k % 2 == 0 else "Task: ")
+                history.append(answer(specs[-1].max_tokens))
+                target += specs[-1].max_tokens
+            target += user_tokens
+            if after_tool:
+                build = appending(history, "tool", "Tool result:\n")
+            else:
+                untooled = tool_p == 0 and k % 2 == 0
+                build = appending(history, "user", "Tool result:\n" if untooled else "Task: ")
             history = build(fill_text(build, count, target, rng))
+            gap = (tool_time.sample(tool_gaps) if after_tool
+                   else think.sample(rng) if k > 1 else 0.0)
+            tool_call = tools.random() < tool_p
             specs.append(TurnSpec(
                 tuple(history) if k == 1 else (history[-1],),
-                answer_tokens,
-                think_s=think.sample(rng) if k > 1 else 0.0,
+                answer_tokens + (TOOL_CALL_TOKENS if tool_call else 0),
+                think_s=gap,
                 target_tokens=target,
+                tool_call=tool_call,
             ))
         kept = 1
         abandon = random.Random(f"agent-abandon/{seed}/{index}")
-        while kept < turns and not (abandon_p > 0 and abandon.random() < abandon_p):
+        while kept < turns:
+            gone = abandon_p > 0 and abandon.random() < abandon_p
+            if gone and not specs[kept - 1].tool_call:
+                break
             kept += 1
         convs.append(ConversationSpec(f"agent-{index}", tuple(specs[:kept]),
                                       start_s=next(starts)))
+    tool_params: dict[str, object] = {
+        "tool_p": tool_p, "tool_time": tool_time.kind, "tool_mean_s": tool_time.mean_s,
+        "tool_sigma": tool_time.sigma, "tool_call_tokens": TOOL_CALL_TOKENS,
+        **({} if tool_time.max_s is None else {"tool_max_s": tool_time.max_s})}
     return Workload("agent", tuple(convs), concurrency=pacing.concurrency or conversations,
                     params={
         "conversations": conversations, "turns": turns, "abandon_p": abandon_p,
         "system_tokens": system_tokens,
         "user_tokens": user_tokens, "answer_tokens": answer_tokens, **pacing.params(),
-        "seed": seed, "salt": salt,
+        **tool_params, "seed": seed, "salt": salt,
     })
