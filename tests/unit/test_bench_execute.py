@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import asyncio
 import itertools
+import json
 
 import pytest
 
 from kvrelay.bench.client import Decision, StreamMeter, TurnResult, decision_from_headers
 from kvrelay.bench.execute import run_workload
 from kvrelay.bench.tokens import byte_template_counter as count
+from kvrelay.bench.tool_calls import ToolUse
 from kvrelay.bench.workloads import (
     ConversationSpec,
     Pacing,
@@ -31,7 +33,8 @@ class FakeSender:
         self.in_flight = 0
         self.max_in_flight = 0
 
-    async def chat(self, messages, *, max_tokens, conversation_id=None, stream=True):
+    async def chat(self, messages, *, max_tokens, conversation_id=None, stream=True,
+                   tool_call=False):
         self.calls.append((conversation_id, [dict(m) for m in messages], max_tokens))
         turn = sum(1 for c in self.calls if c[0] == conversation_id)
         self.in_flight += 1
@@ -120,6 +123,61 @@ async def test_a_failed_turn_ends_its_conversation_only():
         ("agent-0", 1, True), ("agent-0", 2, False),
         ("agent-1", 1, True), ("agent-1", 2, True), ("agent-1", 3, True), ("agent-1", 4, True)]
     assert (2, 2) in seen and sum(1 + s for _, s in seen) == 8
+
+
+
+class ToolSender:
+    """Answers a forced turn with the tool call ``call-<n>`` (``cut``: the n-th request's
+    forced call is cut off: text), any other with ``answer-<n>``."""
+
+    def __init__(self, cut=()):
+        self.calls = []
+        self.cut = set(cut)
+
+    async def chat(self, messages, *, max_tokens, conversation_id=None, stream=True,
+                   tool_call=False):
+        self.calls.append(([dict(m) for m in messages], tool_call))
+        n = len(self.calls)
+        if tool_call and n not in self.cut:
+            call = ToolUse(f"call-{n}", "run", json.dumps({"input": f"cmd {n}"}))
+            return TurnResult(200, "", 0.01, None, 0.02, 100, 60, None, tool_call=call)
+        return TurnResult(200, f"answer-{n}", 0.01, None, 0.02, 100, 3, None)
+
+
+def tool_result(text):
+    return {"role": "tool", "content": f"Tool result:\n{text}"}
+
+
+async def test_tool_calls_enter_the_history_and_their_results_carry_their_ids():
+    turns = (
+        TurnSpec(({"role": "user", "content": "Task: a"},), 70, tool_call=True),
+        TurnSpec((tool_result("one"),), 70, think_s=3.0, tool_call=True),
+        TurnSpec((tool_result("two"),), 10, think_s=4.0),
+        TurnSpec(({"role": "user", "content": "Task: b"},), 70, think_s=9.0, tool_call=True),
+        TurnSpec((tool_result("three"),), 10, think_s=1.0),
+    )
+    sender = ToolSender(cut={4})  # turn 4's forced call is cut off
+    sleeps = Sleeps()
+    records = await run_workload(Workload("agent", (ConversationSpec("c", turns),)), sender,
+                                 mode="m", sleep=sleeps)
+    assert [forced for _, forced in sender.calls] == [True, True, False, True, False]
+    assert sleeps.calls == [3.0, 4.0, 9.0, 1.0]
+    last = sender.calls[-1][0]
+    assert last == [
+        {"role": "user", "content": "Task: a"},
+        ToolUse("call-1", "run", '{"input": "cmd 1"}').message(),
+        {"role": "tool", "content": "Tool result:\none", "tool_use_id": "call-1"},
+        ToolUse("call-2", "run", '{"input": "cmd 2"}').message(),
+        {"role": "tool", "content": "Tool result:\ntwo", "tool_use_id": "call-2"},
+        {"role": "assistant", "content": "answer-3"},
+        {"role": "user", "content": "Task: b"},
+        {"role": "assistant", "content": "answer-4"},  # the cut-off call: its text
+        {"role": "user", "content": "Tool result:\nthree"},  # so its result as user text
+    ]
+    # (forced, the answer made a call, the turn followed a call)
+    assert [(r.tool_call, r.made_tool_call, r.after_tool_call) for r in records] == [
+        (True, True, False), (True, True, True), (False, False, True),
+        (True, False, False), (False, False, False)]
 
 
 def test_stream_meter_times_the_first_content_chunk():

@@ -1,4 +1,5 @@
-"""Drive a ``Workload`` through a ``ChatClient``: conversations, think times, histories.
+"""Drive a ``Workload`` through a client (``ChatClient``, ``MessagesClient``): conversations,
+think times, histories, tool calls.
 
 Contract of ``run_workload``:
 
@@ -6,6 +7,12 @@ Contract of ``run_workload``:
   at once (``1``: strictly one after another, in order);
 * a conversation's history is its turns' messages interleaved with the answers the server
   actually generated, so each prompt extends the previous prompt + answer exactly;
+* tool calls (``TurnSpec.tool_call``: the client forces the answer to be one): an answer
+  that made a tool call enters the history as that call, and the next turn's ``tool``
+  messages carry its id; after an answer that made none (a forced call cut off, say) they
+  are sent as user messages with the same text (``bench.tool_calls``). A record says
+  whether its turn forced a call, whether the answer made one, and whether the turn
+  followed one (``after_tool_call``: the previous answer was a tool call);
 * before every turn but the first it sleeps ``think_s`` after the previous answer ended;
 * a failed turn is recorded and ends its conversation (later turns would not extend a
   history the server holds);
@@ -24,6 +31,7 @@ from typing import Protocol
 from kvrelay.bench.client import TurnResult
 from kvrelay.bench.metrics import TurnRecord
 from kvrelay.bench.tokens import ChatMessage
+from kvrelay.bench.tool_calls import ToolUse, answer_tool_results
 from kvrelay.bench.workloads import ConversationSpec, Workload
 
 Sleep = Callable[[float], Awaitable[None]]
@@ -33,7 +41,9 @@ OnTurn = Callable[[TurnRecord, int], None]
 
 
 class TurnSender(Protocol):
-    """What ``run_workload`` needs from a client (``ChatClient`` is one)."""
+    """What ``run_workload`` needs from a client (``ChatClient`` and ``MessagesClient`` are
+    ones). ``tool_call``: force the answer to be a tool call (a client that cannot raises
+    ``ValueError``); the call it made comes back in ``TurnResult.tool_call``."""
 
     async def chat(
         self,
@@ -42,6 +52,7 @@ class TurnSender(Protocol):
         max_tokens: int,
         conversation_id: str | None = None,
         stream: bool = True,
+        tool_call: bool = False,
     ) -> TurnResult: ...
 
 
@@ -100,13 +111,15 @@ async def _conversation(
     history: list[ChatMessage] = []
     records: list[TurnRecord] = []
     conversation_id = id_prefix + conv.conversation_id
+    previous_call: ToolUse | None = None
     for number, spec in enumerate(conv.turns, start=1):
         if number > 1 and spec.think_s > 0:
             await sleep(spec.think_s)
-        history.extend(spec.new_messages)
+        history.extend(answer_tool_results(spec.new_messages, previous_call))
         sent_at = clock() - run_started
         result = await client.chat(
-            list(history), max_tokens=spec.max_tokens, conversation_id=conversation_id
+            list(history), max_tokens=spec.max_tokens, conversation_id=conversation_id,
+            tool_call=spec.tool_call,
         )
         decision = result.decision
         record = TurnRecord(
@@ -130,11 +143,16 @@ async def _conversation(
             decision_source=decision.source if decision else None,
             error=result.error,
             released_cause=decision.released_cause if decision else None,
+            tool_call=spec.tool_call,
+            made_tool_call=result.tool_call is not None,
+            after_tool_call=previous_call is not None,
         )
         records.append(record)
         if on_turn is not None:
             on_turn(record, 0 if result.ok else len(conv.turns) - number)
         if not result.ok:
             break
-        history.append({"role": "assistant", "content": result.text})
+        previous_call = result.tool_call
+        history.append(previous_call.message() if previous_call is not None
+                       else {"role": "assistant", "content": result.text})
     return records

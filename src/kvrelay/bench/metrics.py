@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Iterable, Mapping, Sequence
-from dataclasses import asdict, dataclass, fields
+from dataclasses import MISSING, asdict, dataclass, fields
 from typing import Any
 
 
@@ -47,6 +47,13 @@ class TurnRecord:
     error: str | None
     released_cause: str | None = None
     """For reason ``released``: why D freed the blocks (pressure, headroom, router)."""
+    tool_call: bool = False
+    """The turn forced its answer to be a tool call (``TurnSpec.tool_call``)."""
+    made_tool_call: bool = False
+    """The answer was a tool call (a forced one cut off by ``max_tokens`` is not)."""
+    after_tool_call: bool = False
+    """The turn continued a tool call: the previous turn's answer was one (the harness came
+    back with the tool's result); else it followed a reply to the user (or it is turn 1)."""
 
     @property
     def succeeded(self) -> bool:
@@ -57,7 +64,10 @@ class TurnRecord:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> TurnRecord:
-        values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)}
+        """The record ``to_json`` wrote; a field missing from ``data`` is ``None``, or its
+        default when it has one (records written before it existed)."""
+        values: dict[str, Any] = {f.name: data.get(f.name) for f in fields(cls)
+                                  if f.name in data or f.default is MISSING}
         return cls(**values)
 
 
