@@ -3,6 +3,8 @@ sampled step function, the per-mode figures, and issue #21's goals."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from kvrelay.bench.metrics import TurnRecord
@@ -19,13 +21,15 @@ from kvrelay.bench.retention_report import (
 
 def turn(conv: str, number: int, ttft_s: float | None, action: str | None = "pull",
          reason: str | None = "pull", reused: int | None = 512,
-         error: str | None = None, cause: str | None = None) -> TurnRecord:
+         error: str | None = None, cause: str | None = None, *, tool_call: bool = False,
+         made: bool | None = None, after_tool: bool = False) -> TurnRecord:
     return TurnRecord(
         mode="m", workload="agent", conversation_id=conv, turn=number, context_tokens=None,
         target_tokens=600, measured=True, think_s=0.0, sent_at_s=0.0, prompt_tokens=600,
         completion_tokens=8, ttft_s=ttft_s, tpot_s=None, e2e_s=1.0, action=action,
         reason=reason, reused_tokens=reused, decision_source="header", error=error,
-        released_cause=cause)
+        released_cause=cause, tool_call=tool_call,
+        made_tool_call=tool_call if made is None else made, after_tool_call=after_tool)
 
 
 def test_block_seconds_integrates_the_samples_as_steps_up_to_the_end() -> None:
@@ -64,6 +68,32 @@ def test_summary_counts_new_turns_follow_ups_and_hits() -> None:
     assert "released/pressure 1" in "\n".join(markdown_table({"managed": s}, []))
     with pytest.raises(ValueError):
         summarize_retention("managed", records, trace, time_scale=0.0)
+
+
+
+def test_follow_up_hits_split_by_what_they_continued() -> None:
+    records = [
+        turn("a", 1, 0.1, action="recompute", reason="new_conversation", reused=None,
+             tool_call=True),
+        turn("a", 2, 0.05, after_tool=True, tool_call=True),
+        turn("a", 3, 0.05, action="recompute", reason="expired", reused=0, after_tool=True),
+        turn("a", 4, 0.05, action="recompute", reason="expired", reused=0, tool_call=True,
+             made=False),
+        turn("a", 5, 0.05),  # the call was cut off: a follow-up of a reply
+        turn("a", 6, None, error="timeout", after_tool=True),  # failed: not a follow-up
+    ]
+    s = summarize_retention("managed", records, DecodeTrace((), 1.0, 0), time_scale=1.0)
+    assert (s.followups, s.pulled, s.hit_rate) == (4, 2, 0.5)  # the overall figure as ever
+    assert (s.followups_after_tool, s.pulled_after_tool, s.hit_rate_after_tool) == (2, 1, 0.5)
+    assert (s.followups_after_reply, s.pulled_after_reply, s.hit_rate_after_reply) == (
+        2, 1, 0.5)
+    assert (s.tool_call_turns, s.tool_calls_made) == (3, 2)
+    table = "\n".join(markdown_table({"managed": s}, []))
+    assert "| hit rate after a tool call | 50.0% (1/2) |" in table
+    assert "| hit rate after a reply | 50.0% (1/2) |" in table
+    assert "| tool-call turns (calls made) | 3 (2) |" in table
+    none = summarize_retention("none", records[:1], DecodeTrace((), 1.0, 0), time_scale=1.0)
+    assert none.hit_rate_after_tool is None and none.hit_rate_after_reply is None
 
 
 def summary(mode: str, p99: float | None, hit: float | None, blocks: float,
@@ -126,3 +156,35 @@ async def test_the_warm_up_sends_one_short_turn_and_fails_loudly() -> None:
     async with ChatClient("http://router", "m", transport=httpx.MockTransport(down)) as client:
         with pytest.raises(RuntimeError, match="warm-up"):
             await warm_up(client, "managed-warmup")
+
+
+async def test_the_warm_up_goes_over_the_benchs_api() -> None:
+    import httpx
+
+    from kvrelay.bench.messages_client import MessagesClient
+    from kvrelay.bench.retention_bench import warm_up
+
+    seen: list[httpx.Request] = []
+
+    def ok(request: httpx.Request) -> httpx.Response:
+        seen.append(request)
+        return httpx.Response(200, headers={"content-type": "text/event-stream"}, text=(
+            'event: content_block_delta\ndata: {"type": "content_block_delta", "index": 0, '
+            '"delta": {"type": "text_delta", "text": "hi"}}\n\n'
+            'event: message_stop\ndata: {"type": "message_stop"}\n\n'))
+
+    async with MessagesClient("http://router", "m", transport=httpx.MockTransport(ok)) as c:
+        await warm_up(c, "managed-warmup")
+    assert [r.url.path for r in seen] == ["/v1/messages"]
+    assert seen[0].headers["x-conversation-id"] == "managed-warmup"
+
+
+def test_the_chat_api_cannot_send_tool_calls(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from kvrelay.cli import main
+
+    code = main(["bench", "retention", "--api", "chat", "--out", str(tmp_path)])
+    assert code == 2
+    assert "--tool-p 0" in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())

@@ -8,7 +8,12 @@ sampled trace of D. This module turns them into figures and checks the goals:
 * **new-conversation TTFT**: turn 1 of each conversation (its TTFT is where D's admission
   waits for blocks shows: a decode request that does not fit waits); p50 and p99;
 * **follow-up hit rate**: turns >= 2 that succeeded and pulled (action ``pull`` with reused
-  tokens > 0), over all turns >= 2 that succeeded;
+  tokens > 0), over all turns >= 2 that succeeded; beside it the same rate split by what the
+  follow-up continued (``TurnRecord.after_tool_call``): *after a tool call* (the harness came
+  back with the tool's result after its execution time) and *after a reply* (the user came
+  back after a think time). The two split counts add up to the overall ones;
+* **tool-call turns**: turns that forced a tool call, and how many of their answers made one
+  (a call cut off by ``max_tokens`` is none; its follow-up counts as after a reply);
 * **retained block-seconds**: the integral of D's held blocks over the sampled span (a step
   function: each sample holds until the next), times the time scale, so the figure is in
   the workload's (unscaled) seconds;
@@ -84,6 +89,14 @@ class RetentionSummary:
     releases: dict[str, int]
     followup_reasons: dict[str, int]
     misses: dict[str, int] = field(default_factory=dict)
+    tool_call_turns: int = 0
+    tool_calls_made: int = 0
+    followups_after_tool: int = 0
+    pulled_after_tool: int = 0
+    hit_rate_after_tool: float | None = None
+    followups_after_reply: int = 0
+    pulled_after_reply: int = 0
+    hit_rate_after_reply: float | None = None
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -101,6 +114,10 @@ def summarize_retention(
     pulled = sum(1 for r in followups if _pulled(r))
     reasons = Counter(f"{r.action}/{r.reason}" for r in followups)
     misses = Counter(miss_cause(r) for r in followups if not _pulled(r))
+    after_tool = [r for r in followups if r.after_tool_call]
+    after_reply = [r for r in followups if not r.after_tool_call]
+    pulled_tool = sum(1 for r in after_tool if _pulled(r))
+    pulled_reply = pulled - pulled_tool
     return RetentionSummary(
         mode=mode,
         conversations=len({r.conversation_id for r in records}),
@@ -117,6 +134,14 @@ def summarize_retention(
         releases={k: v for k, v in sorted(trace.releases.items()) if v},
         followup_reasons=dict(sorted(reasons.items())),
         misses=dict(sorted(misses.items())),
+        tool_call_turns=sum(1 for r in records if r.tool_call),
+        tool_calls_made=sum(1 for r in records if r.made_tool_call),
+        followups_after_tool=len(after_tool),
+        pulled_after_tool=pulled_tool,
+        hit_rate_after_tool=pulled_tool / len(after_tool) if after_tool else None,
+        followups_after_reply=len(after_reply),
+        pulled_after_reply=pulled_reply,
+        hit_rate_after_reply=pulled_reply / len(after_reply) if after_reply else None,
     )
 
 
@@ -192,6 +217,14 @@ def markdown_table(summaries: Mapping[str, RetentionSummary],
         ("new-conversation TTFT p99 (ms)", [ms(s.new_ttft_p99_s) for s in modes]),
         ("follow-ups", [str(s.followups) for s in modes]),
         ("follow-up hit rate", [f"{pct(s.hit_rate)} ({s.pulled})" for s in modes]),
+        ("hit rate after a tool call", [
+            f"{pct(s.hit_rate_after_tool)} ({s.pulled_after_tool}/{s.followups_after_tool})"
+            for s in modes]),
+        ("hit rate after a reply", [
+            f"{pct(s.hit_rate_after_reply)} ({s.pulled_after_reply}/{s.followups_after_reply})"
+            for s in modes]),
+        ("tool-call turns (calls made)", [f"{s.tool_call_turns} ({s.tool_calls_made})"
+                                          for s in modes]),
         ("retained block-seconds", [f"{s.block_seconds:,.0f}" for s in modes]),
         ("peak retained blocks", [str(s.peak_blocks) for s in modes]),
         ("peak waiting requests on D", [str(s.peak_waiting) for s in modes]),
