@@ -95,16 +95,30 @@ def _retention_parser(kinds: Any) -> None:
     """``bench retention``: issue #21's benchmark (``bench.retention_bench``)."""
     r = kinds.add_parser(
         "retention", help="managed vs stock vs no retention on fake engines under D memory "
-        "pressure (agent sessions, heavy-tailed think times, abandoned conversations)")
+        "pressure (agent sessions over the Messages API: tool calls with heavy-tailed tool "
+        "times, replies with heavy-tailed think times, abandoned conversations)")
     r.add_argument("--modes", default="managed,stock,none",
                    help="comma-separated, run in order: managed, stock, none")
     r.add_argument("--conversations", type=int, default=24)
     r.add_argument("--max-turns", type=int, default=8)
     r.add_argument("--abandon-p", type=float, default=0.3,
-                   help="probability a conversation is abandoned after each turn")
+                   help="probability the user never comes back after a reply")
+    r.add_argument("--tool-p", type=float, default=0.8,
+                   help="probability a turn's answer is a tool call (default 0.8)")
+    r.add_argument("--tool-mean-s", type=float, default=8.0,
+                   help="mean tool execution time (lognormal), workload seconds (default 8)")
+    r.add_argument("--tool-sigma", type=float, default=1.5,
+                   help="tool execution time's lognormal sigma (default 1.5)")
+    r.add_argument("--tool-max-s", type=float, default=120.0,
+                   help="the tool timeout: execution times are cut to it, workload seconds "
+                        "(default 120, Claude Code's Bash default)")
+    r.add_argument("--api", choices=["messages", "chat"], default="messages",
+                   help="the API the turns go over (default messages, Claude Code's; chat "
+                        "only with --tool-p 0: it cannot force tool calls)")
     r.add_argument("--system-tokens", type=int, default=512)
     r.add_argument("--user-tokens", type=int, default=96, help="user/tool turn tokens")
-    r.add_argument("--answer-tokens", type=int, default=48, help="max_tokens per answer")
+    r.add_argument("--answer-tokens", type=int, default=48,
+                   help="max_tokens per answer (a tool call's adds its wrapper's tokens)")
     r.add_argument("--think", choices=["exponential", "lognormal", "uniform", "constant"],
                    default="lognormal")
     r.add_argument("--think-mean-s", type=float, default=60.0,
@@ -160,22 +174,28 @@ def _run_retention(args: argparse.Namespace) -> int:
         modes = parse_retention_modes(args.modes)
         if not args.time_scale > 0:
             raise ValueError("--time-scale must be > 0")
+        if args.api == "chat" and args.tool_p != 0:
+            raise ValueError("--api chat cannot force tool calls: use --tool-p 0 with it "
+                             "(or --api messages)")
         scale = args.time_scale
         salt = args.salt if args.salt is not None else secrets.token_hex(3)
         pacing = Pacing(ThinkTime(args.think, args.think_mean_s / scale, args.think_sigma,
                                   args.think_max_s / scale),
                         args.arrival_mean_s / scale)
+        tool_time = ThinkTime("lognormal", args.tool_mean_s / scale, args.tool_sigma,
+                              args.tool_max_s / scale)
         workload = agent_workload(
             default_counter(args.model), conversations=args.conversations,
             turns=args.max_turns, system_tokens=args.system_tokens,
             user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, pacing=pacing,
-            abandon_p=args.abandon_p, seed=args.seed, salt=salt)
+            abandon_p=args.abandon_p, tool_p=args.tool_p, tool_time=tool_time,
+            seed=args.seed, salt=salt)
         options = RetentionBenchOptions(
             time_scale=scale, ttl_s=args.ttl_s, decode_kv_blocks=args.decode_kv_blocks,
             retention_headroom=args.retention_headroom, latency=args.fake_latency,
             vllm_version=args.fake_vllm_version, tenant=args.tenant, id_prefix=f"{salt}-",
             extra_body={"ignore_eos": True}, timeout_s=args.timeout_s,
-            router_args=tuple(args.router_arg))
+            router_args=tuple(args.router_arg), api=args.api)
     except (ValueError, WorkloadError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -191,8 +211,10 @@ def _run_retention(args: argparse.Namespace) -> int:
         r.mode: summarize_retention(r.mode, r.run.records, r.trace, scale) for r in runs}
     goals = check_goals(summaries)
     lines = [f"`{' '.join(sys.argv)}`", "",
-             f"{len(workload.conversations)} conversations, {workload.num_turns} turns; "
-             f"time scale {scale:g}; D {args.decode_kv_blocks} blocks; TTL {args.ttl_s:g} s",
+             f"{len(workload.conversations)} conversations, {workload.num_turns} turns "
+             f"({sum(t.tool_call for c in workload.conversations for t in c.turns)} tool "
+             f"calls, over {args.api}); time scale {scale:g}; D {args.decode_kv_blocks} "
+             f"blocks; TTL {args.ttl_s:g} s",
              "", *markdown_table(summaries, goals)]
     out.mkdir(parents=True, exist_ok=True)
     (out / "retention.md").write_text("\n".join(lines) + "\n")

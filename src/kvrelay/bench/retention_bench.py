@@ -1,8 +1,19 @@
 """``kvrelay bench retention``: managed vs stock vs no retention on fake engines, one run.
 
-Issue #21's benchmark. One agent workload (heavy-tailed think times, conversations
-abandoned after each turn) runs through three modes, one after another, each on fresh fake
-engines (1 P, 1 D, ``--engines fake``'s latency preset) with a fresh router:
+Issue #21's benchmark. One agent workload runs through three modes, one after another, each
+on fresh fake engines (1 P, 1 D, ``--engines fake``'s latency preset) with a fresh router.
+
+**The workload** models an agent (``workloads.agent_workload``): most turns end in a **tool
+call** (``tool_p``; the harness runs the tool and comes back with its result after the tool's
+execution time, heavy-tailed and cut at the tool timeout), the others in a **reply** to the
+user, who comes back after a heavy-tailed think time, or never (``abandon_p``, after replies
+only). The turns go over the Anthropic Messages API (``api="messages"``, Claude Code's:
+``messages_client``), where the fake engine forces tool calls (``tool_choice``) as vLLM does;
+``api="chat"`` sends chat completions and takes no tool calls (``tool_p = 0``, the benchmark
+as it was before tool calls). A tool-call turn's TTFT is its first argument delta: the call's
+head (``<tool_call>{"name": "run", "arguments": {"input": "``, ~50 tokens on the fake, one
+per character) is decoded first, so TTFTs of tool-call turns, turn 1 included, carry that
+decode (~0.25 s at the ``cpu`` preset's 5 ms/token) in every mode. The modes:
 
 * ``managed``: bidirectional transfer, D runs kvrelay's retention (per-turn
   ``kvrelay_retain_s`` learned by the router, releases under pressure, over headroom, at the
@@ -22,8 +33,9 @@ divided by ``time_scale``; latencies (prefill, transfer, decode) are not. Block-
 reported in workload seconds (x ``time_scale``).
 
 **Warm-up.** Before a mode is timed, one short turn of its own conversation goes through
-the router (``warm_up``): a fresh engine's first request is slower and would otherwise be
-one of the ~24 new-conversation TTFT samples, near their p99.
+the router (``warm_up``, with the same client, so over the same API): a fresh engine's first
+request is slower and would otherwise be one of the ~24 new-conversation TTFT samples, near
+their p99.
 
 **D's trace.** While a mode runs, D's ``/fake/info`` is sampled every
 ``sample_interval_s``: held blocks (every retained turn's blocks) and waiting requests.
@@ -44,7 +56,8 @@ from pathlib import Path
 from typing import Any, Literal, TextIO
 
 from kvrelay.bench.client import ChatClient, StatsDecisions
-from kvrelay.bench.execute import run_workload
+from kvrelay.bench.execute import TurnSender, run_workload
+from kvrelay.bench.messages_client import MessagesClient
 from kvrelay.bench.progress import Progress
 from kvrelay.bench.report import ModeRun
 from kvrelay.bench.retention_report import DecodeTrace
@@ -60,6 +73,7 @@ from kvrelay.cluster.fake_engines import FakeLatency
 from kvrelay.fakevllm.versions import VllmVersion
 
 RetentionModeName = Literal["managed", "stock", "none"]
+RetentionApi = Literal["messages", "chat"]
 RETENTION_MODES: tuple[RetentionModeName, ...] = ("managed", "stock", "none")
 #: After the last turn, how much longer than D's TTL sampling may wait for D to hold nothing.
 DRAIN_MARGIN_S = 2.0
@@ -79,7 +93,8 @@ def parse_retention_modes(text: str) -> tuple[RetentionModeName, ...]:
 class RetentionBenchOptions:
     """How the modes run (module docstring). ``ttl_s``: stock's global TTL in workload
     seconds; ``retention_headroom``: managed D's share of the cache kept free of retention
-    (``None``: the fake's default, none)."""
+    (``None``: the fake's default, none); ``api``: the API the turns go over (``chat``
+    cannot force the workload's tool calls)."""
 
     time_scale: float = 16.0
     ttl_s: float = 480.0
@@ -94,6 +109,7 @@ class RetentionBenchOptions:
     timeout_s: float = 300.0
     progress: TextIO | None = None
     router_args: tuple[str, ...] = ()
+    api: RetentionApi = "messages"
 
 
 @dataclass
@@ -146,7 +162,8 @@ def run_mode(
                "--pull-cost-factor", repr(REPLAY_PULL_COST_FACTOR),
                "--fixed-costs", REPLAY_FIXED_COSTS, *options.router_args],
     )
-    info = {"retention": mode, "ttl_s": settings.ttl_s, "time_scale": settings.time_scale,
+    info = {"retention": mode, "api": options.api, "ttl_s": settings.ttl_s,
+            "time_scale": settings.time_scale,
             "engine_ttl_s": settings.engine_ttl_s, "decode_kv_blocks": options.decode_kv_blocks,
             "retention_headroom": engines.retention_headroom, "run_dir": str(run_dir)}
     print(f"{mode}: D {options.decode_kv_blocks} blocks, TTL {settings.engine_ttl_s:.2f} s "
@@ -196,10 +213,11 @@ async def _bench(
                 await asyncio.wait_for(traffic_done.wait(), options.sample_interval_s)
 
     progress = Progress(mode, workload.num_turns, options.progress)
+    client_class = MessagesClient if options.api == "messages" else ChatClient
     async with httpx.AsyncClient(timeout=10.0) as http, \
-            ChatClient(router_url, model, timeout_s=options.timeout_s,
-                       stats=StatsDecisions(options.tenant),
-                       extra_body=options.extra_body) as client:
+            client_class(router_url, model, timeout_s=options.timeout_s,
+                         stats=StatsDecisions(options.tenant),
+                         extra_body=options.extra_body) as client:
         await warm_up(client, f"{options.id_prefix}{mode}-warmup")
         started = time.perf_counter()
         task = asyncio.create_task(sampler(http))
@@ -222,12 +240,12 @@ async def _bench(
 WARM_UP_MESSAGES: tuple[ChatMessage, ...] = ({"role": "user", "content": "warm up"},)
 
 
-async def warm_up(client: ChatClient, conversation_id: str) -> None:
+async def warm_up(client: TurnSender, conversation_id: str) -> None:
     """One short turn through the router before a mode is timed: a fresh engine's and
     router's first request pays one-off costs (imports, connections, first allocations) that
     would otherwise land in that mode's new-conversation TTFT p99. Its retained turn is one
     block; it is not in the records and sampling starts after it."""
-    result = await client.chat(WARM_UP_MESSAGES, max_tokens=4,
+    result = await client.chat(list(WARM_UP_MESSAGES), max_tokens=4,
                                conversation_id=conversation_id)
     if not result.ok:
         raise RuntimeError(f"warm-up turn failed: {result.error or result.status}")
