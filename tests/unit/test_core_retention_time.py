@@ -15,6 +15,7 @@ from kvrelay.core.retention_time import (
     bin_of,
     bin_upper_s,
     decide_retain_s,
+    plan_retention,
 )
 
 CONFIG = RetentionTimeConfig(quantile=0.9, min_samples=20, router_margin_s=25.0)
@@ -130,3 +131,46 @@ def test_the_pull_window_is_the_lower_gap_quantile_never_above_the_retention() -
     tight = decide_retain_s([histogram([300.0] * 40)], ttl_s=60.0, free_fraction=None,
                             config=config)
     assert tight.pull_window_s == tight.retain_s == 60.0
+
+
+def test_tool_calls_and_replies_are_learned_apart_and_d_is_told_the_longer() -> None:
+    """An agent: tool results come back in 1-8 s, users after 100-300 s. Before D answers
+    nobody knows which it will be: D is told the replies' time; once the answer is a tool
+    call, the entry keeps only the tools' time (``shortened``); a reply keeps D's."""
+    rng = random.Random(3)
+    tools = histogram([rng.uniform(1.0, 8.0) for _ in range(200)])
+    users = histogram([rng.uniform(100.0, 300.0) for _ in range(50)])
+    plan = plan_retention([None, tools], [None, users], ttl_s=TTL, free_fraction=None,
+                          config=CONFIG)
+    assert plan.tool.reason == plan.user.reason == "learned"
+    assert plan.tool.retain_s < 25.0 + 8.0 * 1.25 < 100.0 + 25.0 <= plan.user.retain_s
+    assert plan.on_d == plan.user == plan.after("user")
+    assert plan.after("tool") == plan.tool
+    assert plan.shortened("tool") and not plan.shortened("user")
+
+
+def test_a_kind_with_too_few_gaps_keeps_d_at_the_prior_and_an_unseen_kind_does_not() -> None:
+    """Few replies seen yet: their retention is the prior (D's TTL), and D is told it, so a
+    reply's follow-up is not lost while it learns. No tool call ever seen (a chat deployment
+    without tools): the replies' learned time is D's, as before kinds existed; a turn that
+    ends in a tool call after all keeps it too."""
+    tools = histogram([3.0] * 200)
+    plan = plan_retention([tools], [histogram([150.0] * 5)], ttl_s=TTL, free_fraction=None,
+                          config=CONFIG)
+    assert plan.user.reason == "prior" and plan.on_d.retain_s == TTL
+    assert plan.shortened("tool")
+    chat_only = plan_retention([None, GapHistogram()], [histogram([150.0] * 200)], ttl_s=TTL,
+                               free_fraction=None, config=CONFIG)
+    assert chat_only.tool.reason == "prior" and chat_only.on_d == chat_only.user
+    assert chat_only.on_d.reason == "learned" and chat_only.on_d.retain_s < TTL
+    assert not chat_only.shortened("tool") and not chat_only.shortened("user")
+    nothing = plan_retention([], [], ttl_s=TTL, free_fraction=None, config=CONFIG)
+    assert nothing.on_d.retain_s == TTL and not nothing.shortened("tool")
+
+
+def test_d_short_of_blocks_shortens_both_kinds() -> None:
+    tools, users = histogram([3.0] * 100), histogram([200.0] * 100)
+    roomy = plan_retention([tools], [users], ttl_s=TTL, free_fraction=0.5, config=CONFIG)
+    tight = plan_retention([tools], [users], ttl_s=TTL, free_fraction=0.05, config=CONFIG)
+    assert tight.on_d.reason == "headroom" and tight.on_d.retain_s < roomy.on_d.retain_s
+    assert tight.tool.retain_s <= roomy.tool.retain_s

@@ -14,6 +14,7 @@ has been sent the entry must be dropped, whatever the outcome of that turn.
 from __future__ import annotations
 
 import hashlib
+from typing import Literal
 
 import msgspec
 from msgspec.structs import replace
@@ -24,6 +25,11 @@ from kvrelay.core.params import RemoteBlocks
 
 DEFAULT_DECODER_KV_BLOCKS_TTL_S = 480.0
 """vLLM's default ``decoder_kv_blocks_ttl``."""
+
+GapKind = Literal["tool", "user"]
+"""What a conversation waits for after a turn: its client's tools (the answer ended in a
+tool call: the client runs them and comes back within their run time) or its user (a reply:
+the user thinks, or never comes back)."""
 
 DEFAULT_EXPIRY_SAFETY_MARGIN_S = 10.0
 """Covers the gap between D starting its TTL and the router seeing the response."""
@@ -89,6 +95,9 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     deadline), so the index orders D to release them once the entry expires on the router's
     clock (``router.index.ConversationIndex``, release orders). False (the default): D frees
     them at its own deadline, which the entry's expiry tracks.
+
+    ``waits_for``: how D's answer ended (``GapKind``): the gap until the conversation's next
+    turn is learned per kind (``core.retention_time``).
     """
 
     decode_node_id: str
@@ -101,6 +110,7 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     block_size: int | None = None
     released: str | None = None
     release_at_expiry: bool = False
+    waits_for: GapKind = "user"
 
     def __post_init__(self) -> None:
         if self.blocks.direction != "decode_to_prefill":
@@ -160,6 +170,7 @@ def new_entry(
     safety_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S,
     block_size: int | None = None,
     release_at_expiry: bool = False,
+    waits_for: GapKind = "user",
 ) -> ConversationEntry:
     """The entry for a turn D just finished, at router time ``now_s``.
 
@@ -167,7 +178,7 @@ def new_entry(
     ``ttl_s`` must be D's ``decoder_kv_blocks_ttl``; ``safety_margin_s`` is subtracted
     because D's clock started before the router saw the response. A ``block_size`` that does
     not match the number of blocks D reported is dropped to ``None`` (whole reuse only).
-    ``release_at_expiry`` is passed through (``ConversationEntry``).
+    ``release_at_expiry`` and ``waits_for`` are passed through (``ConversationEntry``).
     """
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -183,6 +194,7 @@ def new_entry(
         num_bytes=num_bytes,
         block_size=block_size if blocks_match(blocks, block_size) else None,
         release_at_expiry=release_at_expiry,
+        waits_for=waits_for,
     )
 
 

@@ -14,8 +14,17 @@ retention from what the router has seen:
 * **Learned online, per scope.** ``GapHistogram`` counts observed gaps in log-spaced bins
   (bounded memory, heavy tails kept; older samples decay so a changed workload is followed).
   ``decide_retain_s`` uses the narrowest of the histograms it is given (say a conversation
-  id's, then its tenant's, then all traffic's) that holds ``min_samples``; with none, the
-  prior: D's TTL (what stock vLLM does).
+  id's, then its tenant's, then all traffic's) that holds enough gaps
+  (``RetentionTimeConfig.samples_needed``: ``min_samples``, and ``1 / (1 - quantile)`` for
+  a high quantile); with none, the prior: D's TTL (what stock vLLM does).
+* **Per kind of gap.** What follows a turn depends on how it ended (``GapKind``): after a
+  tool call the client runs the tool and comes back within the tool's run time (seconds,
+  bounded by the harness's tool timeout), after a reply the user thinks for minutes, or
+  never comes back. The two are learned apart and ``plan_retention`` decides both before D
+  answers (``RetainPlan``): D is told the longer, as it cannot tell how its answer ends; the
+  router, once it has read the answer, keeps the entry ``after(kind)`` and releases D's
+  blocks when that is shorter (``RetainPlan.shortened``). A kind without enough gaps of its
+  own uses the gaps of every kind (a chat deployment without tools learns as one kind).
 * **D's headroom.** When D's last sync shows less than ``low_free_fraction`` of its KV cache
   available to live work (``available_fraction``: free blocks and retained ones, which D
   releases on demand under pressure), the time shrinks in proportion (to ``min_scale`` of it
@@ -41,7 +50,7 @@ from typing import Literal
 
 import msgspec
 
-from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S
+from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S, GapKind
 from kvrelay.core.policy import PolicyConfig
 
 GAP_MIN_S = 0.25
@@ -107,7 +116,7 @@ class RetentionTimeConfig:
     ``ttl_safety_margin_s + near_expiry_s`` (the defaults: ``tune.model``'s
     ``DEFAULT_ROUTER_MARGIN_S``)."""
 
-    quantile: float = 0.95
+    quantile: float = 0.99
     pull_quantile: float = 0.8
     min_samples: int = 32
     router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + PolicyConfig().near_expiry_s
@@ -126,6 +135,15 @@ class RetentionTimeConfig:
             raise ValueError("router_margin_s must be >= 0 and min_window_s > 0")
         if not 0.0 <= self.low_free_fraction < 1.0 or not 0.0 < self.min_scale <= 1.0:
             raise ValueError("low_free_fraction in [0, 1), min_scale in (0, 1]")
+
+    @property
+    def samples_needed(self) -> int:
+        """Gaps a histogram needs before its quantile is used: ``min_samples``, and at
+        least ``1 / (1 - quantile)`` (a high quantile of fewer gaps is only their maximum,
+        which errs short on a heavy tail)."""
+        if self.quantile >= 1.0:
+            return self.min_samples
+        return max(self.min_samples, math.ceil(1.0 / (1.0 - self.quantile) - 1e-9))
 
     @property
     def floor_s(self) -> float:
@@ -166,8 +184,8 @@ def decide_retain_s(
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
     floor_s = min(config.floor_s, ttl_s)
-    chosen = next((h for h in histograms if h is not None and h.samples >= config.min_samples),
-                  None)
+    need = config.samples_needed
+    chosen = next((h for h in histograms if h is not None and h.samples >= need), None)
     reason: RetainReason = "prior"
     retain_s, quantile_s, window_s = ttl_s, None, None
     if chosen is not None:
@@ -181,3 +199,46 @@ def decide_retain_s(
     retain_s = min(ttl_s, max(floor_s, retain_s))
     return RetainTime(retain_s, reason, quantile_s,
                       None if window_s is None else min(window_s, retain_s))
+
+
+class RetainPlan(msgspec.Struct, frozen=True):
+    """A turn's retention for each way it can end (module docstring): ``user`` after a
+    reply, ``tool`` after a tool call; ``on_d`` what D is told (``kvrelay_retain_s``,
+    ``kvrelay_pull_window_s``): the longer of the kinds seen, since D cannot tell how its
+    answer ends."""
+
+    user: RetainTime
+    tool: RetainTime
+    on_d: RetainTime
+
+    def after(self, kind: GapKind) -> RetainTime:
+        """The retention once the answer is known to end this way."""
+        return self.tool if kind == "tool" else self.user
+
+    def shortened(self, kind: GapKind) -> bool:
+        """Whether the entry keeps less than D was told (the router then releases D's
+        blocks at the entry's expiry)."""
+        return self.after(kind).retain_s < self.on_d.retain_s
+
+
+def plan_retention(
+    tool: Sequence[GapHistogram | None],
+    user: Sequence[GapHistogram | None],
+    *,
+    ttl_s: float,
+    free_fraction: float | None,
+    config: RetentionTimeConfig,
+) -> RetainPlan:
+    """``decide_retain_s`` for each kind from its own histograms (narrowest first). A kind
+    with too few gaps keeps the prior (D's TTL: retention errs long while it learns). A kind
+    never seen (no gap in any of its histograms: a chat deployment without tools never sees
+    a tool call's) does not lengthen what D is told; a turn that ends that way after all
+    keeps D's time."""
+    kinds = {
+        "user": decide_retain_s(user, ttl_s=ttl_s, free_fraction=free_fraction, config=config),
+        "tool": decide_retain_s(tool, ttl_s=ttl_s, free_fraction=free_fraction, config=config),
+    }
+    seen = [kinds[k] for k, hs in (("user", user), ("tool", tool))
+            if any(h is not None and h.samples > 0 for h in hs)]
+    on_d = max(seen, key=lambda t: t.retain_s) if seen else kinds["user"]
+    return RetainPlan(user=kinds["user"], tool=kinds["tool"], on_d=on_d)

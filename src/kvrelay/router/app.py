@@ -192,6 +192,7 @@ def create_app(
             learned=RetentionTimeConfig(
                 quantile=config.retain_quantile,
                 router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
+                min_window_s=config.retain_min_window_s,
             ) if config.learned_retention else None,
         ),
         tag_key=config.conversation_tag_key(),

@@ -88,7 +88,7 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "turns, docs/router.md \"Retention\")")
     parser.add_argument("--retain-quantile", type=float, default=None,
                         help="share of returning follow-ups the learned retention time "
-                             "waits for (default 0.95)")
+                             "waits for, per kind of turn end (default 0.99)")
     parser.add_argument("--report-wait-s", type=float, default=None)
     parser.add_argument("--health-interval-s", type=float, default=None)
     parser.add_argument("--max-entries", type=int, default=None,

@@ -19,6 +19,13 @@ recompute, direct): the conversation has moved on, so that entry is dropped and 
 ordered to release it (``ConversationIndex`` release orders) instead of holding it to
 its TTL; of a fork's branches, the first to commit wins and the others recompute.
 
+How long the entry lives: D keeps the turn ``ttl_s`` (what it was told). With learned
+retention (``PendingTurn.plan``) the answer shows how the turn ended
+(``DecodeAnswer.waits_for``: a tool call or a reply); when that kind's time is shorter than
+D's, the entry keeps only that and is flagged ``release_at_expiry``, so the index orders D
+to release the blocks once the entry expires (a tool call's follow-up comes within the
+tool's run time or not at all).
+
 The client's response never waits for any of this. A later turn that continues this one
 waits for it (``wait_for``), bounded by ``report_wait_s``.
 """
@@ -35,7 +42,7 @@ from dataclasses import dataclass, field
 import msgspec
 from msgspec.structs import replace
 
-from kvrelay.core.conversation import new_entry, with_fingerprint
+from kvrelay.core.conversation import GapKind, new_entry, with_fingerprint
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.identity import (
     Continuation,
@@ -54,6 +61,7 @@ from kvrelay.core.report import (
     report_items,
     turn_id_for,
 )
+from kvrelay.core.retention_time import RetainPlan
 from kvrelay.router.blocks import LayoutError, retained_layout
 from kvrelay.router.index import (
     ConversationIndex,
@@ -80,6 +88,8 @@ class DecodeAnswer(msgspec.Struct, frozen=True):
     num_bytes: int
     prompt_token_ids: Sequence[int] | None = None
     output_token_ids: Sequence[int] = ()
+    waits_for: GapKind = "user"
+    """How the answer ended: with a tool call (``tool``) or a reply (``user``)."""
 
 
 @dataclass(eq=False, slots=True)
@@ -95,6 +105,8 @@ class PendingTurn:
     ttl_s: float
     num_prompt_tokens: int | None
     max_output_tokens: int | None
+    plan: RetainPlan | None = None
+    waits_for: GapKind = "user"
     slot: Continuation | None = None
     anchor: bytes | None = None
     num_bytes: int = 0
@@ -179,8 +191,11 @@ class ReportDesk:
         ttl_s: float,
         num_prompt_tokens: int | None,
         max_output_tokens: int | None,
+        plan: RetainPlan | None = None,
     ) -> PendingTurn:
-        """Register a D request about to be sent; its ``turn_id`` goes into the request."""
+        """Register a D request about to be sent; its ``turn_id`` goes into the request.
+        ``ttl_s`` is how long D keeps the turn; ``plan`` (learned retention) how long the
+        entry keeps it once the answer shows how the turn ended."""
         p = PendingTurn(
             turn_id=issue_turn_id(self._key, secrets.token_bytes(12), decode_node_id),
             identity=identity,
@@ -191,6 +206,7 @@ class ReportDesk:
             ttl_s=ttl_s,
             num_prompt_tokens=num_prompt_tokens,
             max_output_tokens=max_output_tokens,
+            plan=plan,
         )
         self._by_turn[p.turn_id] = p
         self._by_anchor.setdefault((identity.scope, identity.anchor), set()).add(p)
@@ -254,6 +270,7 @@ class ReportDesk:
         else:
             p.slot = answer.chat
         p.num_bytes = p.identity.prompt_bytes + answer.num_bytes
+        p.waits_for = answer.waits_for
         if answer.prompt_token_ids is not None:
             p.token_ids = (answer.prompt_token_ids, answer.output_token_ids)
         if retained is False:
@@ -366,6 +383,7 @@ class ReportDesk:
             self.settle(p, "bad_block_layout")
             return
         done = p.response_done_s if p.response_done_s is not None else self._clock()
+        shortened = p.plan is not None and p.plan.shortened(p.waits_for)
         entry = new_entry(
             decode_node_id=p.decode_node_id,
             blocks=blocks,
@@ -373,9 +391,12 @@ class ReportDesk:
             turn=p.number,
             conversation=p.conversation,
             num_bytes=p.num_bytes,
-            ttl_s=p.ttl_s,
+            ttl_s=p.plan.after(p.waits_for).retain_s if p.plan is not None and shortened
+            else p.ttl_s,
             safety_margin_s=self._margin,
             block_size=block_size,
+            waits_for=p.waits_for,
+            release_at_expiry=shortened,
         )
         ref = EntryRef(p.identity.scope, p.anchor or p.identity.anchor, slot.slot())
         try:

@@ -152,8 +152,9 @@ class RouterConfig:
     (``internal_host``:``internal_port``, default ``port + 1``; 0: any free port, bound when
     the server starts), which D reaches as ``internal_url``. ``learned_retention``: tell a D
     running kvrelay's connector how long to keep each turn (``kvrelay_retain_s``, the
-    ``retain_quantile`` of the gaps between turns seen, ``core.retention_time``); off, D keeps
-    every turn its TTL.
+    ``retain_quantile`` of the gaps between turns seen, per kind, ``core.retention_time``,
+    never shorter than the router's margins + ``retain_min_window_s``); off, D keeps every
+    turn its TTL.
 
     ``costs`` are the prefill and pull lines each P's cost estimates start from (``None``:
     ``core.costs``' priors); with ``learn_costs=False`` the router never updates them from
@@ -192,7 +193,8 @@ class RouterConfig:
     expired_retention_s: float = 300.0
     recent_decisions: int = 100
     learned_retention: bool = True
-    retain_quantile: float = 0.95
+    retain_quantile: float = 0.99
+    retain_min_window_s: float = 5.0
     log_level: str = "info"
     state: str | None = None
     state_timeout_ms: float = 50.0
@@ -275,6 +277,8 @@ class RouterConfig:
             raise ConfigError("health_failures_to_down and max_connections must be >= 1")
         if not 0.0 < self.retain_quantile <= 1.0:
             raise ConfigError("retain_quantile must be in (0, 1]")
+        if not self.retain_min_window_s > 0:
+            raise ConfigError("retain_min_window_s must be positive")
         if self.max_entries < 1 or self.recent_decisions < 0:
             raise ConfigError("max_entries must be >= 1 and recent_decisions >= 0")
         for node in self.decode:
@@ -622,6 +626,7 @@ ENV_KEYS = {
     "TURN_LOG": "turn_log",
     "LEARNED_RETENTION": "learned_retention",
     "RETAIN_QUANTILE": "retain_quantile",
+    "RETAIN_MIN_WINDOW_S": "retain_min_window_s",
     "RESPONSE_STORE": "response_store",
     "RESPONSE_STORE_TTL_S": "response_store_ttl_s",
     "RESPONSE_STORE_MAX_MB": "response_store_max_mb",
@@ -644,7 +649,7 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         elif key in ("kv_recompute_threshold", "block_size"):
             out[key] = _number(suffix, value, int)
         elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s", "retain_quantile",
-                     "response_store_ttl_s"):
+                     "retain_min_window_s", "response_store_ttl_s"):
             out[key] = _number(suffix, value, float)
         else:
             out[key] = value

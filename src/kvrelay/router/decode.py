@@ -83,16 +83,17 @@ class Decoder:
         direct = turn.decision.action == "direct"
         turn.decode_node = node
         turn.move(TurnState.DECODING)
-        retention, retain_s = ctx.retention.decode_params(turn, node)
+        retention = ctx.retention.decode_params(turn, node)
         pending = ctx.desk.open(
             identity=req.identity,
             tenant=req.tenant,
             conversation=turn.conversation,
             number=turn.number,
             decode_node_id=node.node_id,
-            ttl_s=retain_s,
+            ttl_s=retention.retain_s,
             num_prompt_tokens=None if direct else turn.prompt_tokens,
             max_output_tokens=req.max_output_tokens,
+            plan=retention.plan,
         )
         turn.pending = pending
         if turn.found is not None and not turn.decision.consumes_entry:
@@ -104,8 +105,8 @@ class Decoder:
         if pending.awaits_report:
             d_params[REPORT_URL_KEY], d_params[REPORT_TURN_KEY] = \
                 ctx.config.report_url, pending.turn_id
-        if retention is not None:
-            d_params.update(retention)
+        if retention.keys is not None:
+            d_params.update(retention.keys)
         body = req.adapter.decode_body(req.body, d_params, token_ids=ids)
         rewrite = Rewrite(
             cached_tokens=turn.cached_tokens
@@ -299,6 +300,7 @@ class Decoder:
             num_bytes=len(text.encode("utf-8")),
             prompt_token_ids=prompt_ids,
             output_token_ids=output_ids,
+            waits_for="tool" if calls else "user",
         )
 
     async def _lose(self, turn: Turn, pending: PendingTurn, outcome: str) -> None:

@@ -71,7 +71,7 @@ class Planner:
                                     entry.created_at_s)
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
-            ctx.retention.observe_gap(req, gap_s)
+            ctx.retention.observe_gap(req, gap_s, entry.waits_for)
         if found is not None and not req.adapter.tokenizable \
                 and not ctx.nodes.verifies_pulls(p.node_id):
             found = None  # a stock P, and no /tokenize for this API: no pull can be proven

@@ -26,11 +26,14 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 ``decode_params`` gives a decode request to a D that runs kvrelay's connector
 (``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
 learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
-D keeps the turn, ``core.retention_time.decide_retain_s`` from the gaps between turns seen
-(``router.retain_times``, fed by ``observe_gap``) and D's share available to live work at
-its last sync (free blocks and retained ones, which D releases on demand); and once gaps are
-learned, ``kvrelay_pull_window_s``: within how long the follow-up is likely (D releases turns
-past it first).
+D keeps the turn, ``core.retention_time.plan_retention`` from the gaps between turns seen
+(``router.retain_times``, fed by ``observe_gap``, per kind: after a tool call, after a
+reply) and D's share available to live work at its last sync (free blocks and retained ones,
+which D releases on demand); and once gaps are learned, ``kvrelay_pull_window_s``: within how
+long the follow-up is likely (D releases turns past it first). D is told the longer of the
+two kinds' times (``RetainPlan.on_d``); the plan goes with the turn (``DecodeRetention``), and
+once the answer is read the entry keeps its kind's time, ordering D to release the blocks at
+the entry's expiry when that is shorter (``commit``, ``ConversationEntry.release_at_expiry``).
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ import logging
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+from kvrelay.core.conversation import GapKind
 from kvrelay.core.retention_sync import (
     PULL_WINDOW_S_KEY,
     RELEASE_CAUSES,
@@ -51,9 +55,10 @@ from kvrelay.core.retention_sync import (
     decode_sync,
 )
 from kvrelay.core.retention_time import (
+    RetainPlan,
     RetentionTimeConfig,
     available_fraction,
-    decide_retain_s,
+    plan_retention,
 )
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
@@ -86,6 +91,18 @@ class DRetention:
                                   num_blocks_total=self.sync.num_blocks_total)
 
 
+@dataclass(frozen=True)
+class DecodeRetention:
+    """What ``decode_params`` decided for one decode request: the keys for D's params
+    (``None`` for a D without kvrelay's connector), how long D keeps the turn (what the
+    entry's expiry follows unless the plan shortens it), and the plan per kind (``None``
+    unless learned)."""
+
+    keys: Mapping[str, object] | None
+    retain_s: float
+    plan: RetainPlan | None = None
+
+
 class RetentionDesk:
     """D's syncs and the router's orders for one router app (module docstring).
     ``learned``: how per-turn retention times are learned (``None``: none are sent)."""
@@ -109,33 +126,33 @@ class RetentionDesk:
         self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
 
-    def observe_gap(self, req: TurnRequest, gap_s: float) -> None:
-        """A turn arrived ``gap_s`` after the turn it continues ended."""
-        self._gaps.observe(req, gap_s)
+    def observe_gap(self, req: TurnRequest, gap_s: float, kind: GapKind = "user") -> None:
+        """A turn arrived ``gap_s`` after the turn it continues ended (``kind``: how that
+        turn ended)."""
+        self._gaps.observe(req, gap_s, kind)
 
-    def decode_params(
-        self, turn: Turn, node: NodeConfig
-    ) -> tuple[Mapping[str, object] | None, float]:
-        """kvrelay's retention keys for ``turn``'s decode request to ``node`` (``None`` for
-        a D without kvrelay's connector), and how long D keeps the turn (what the entry's
-        expiry on the router clock follows)."""
+    def decode_params(self, turn: Turn, node: NodeConfig) -> DecodeRetention:
+        """kvrelay's retention keys for ``turn``'s decode request to ``node``, how long D
+        keeps the turn and the plan per kind (``DecodeRetention``)."""
         if not self._nodes.manages_retention(node.node_id):
-            return None, node.ttl_s
+            return DecodeRetention(None, node.ttl_s)
         if self._learned is None:
-            return {RETENTION_URL_KEY: self.url}, node.ttl_s
+            return DecodeRetention({RETENTION_URL_KEY: self.url}, node.ttl_s)
         state = self.latest(node.node_id)
-        decided = decide_retain_s(
-            self._gaps.histograms(turn.request), ttl_s=node.ttl_s,
-            free_fraction=state.free_fraction if state is not None else None,
+        req = turn.request
+        plan = plan_retention(
+            self._gaps.histograms(req, "tool"), self._gaps.histograms(req, "user"),
+            ttl_s=node.ttl_s, free_fraction=state.free_fraction if state is not None else None,
             config=self._learned,
         )
+        decided = plan.on_d
         self._metrics.child(self._metrics.retain_decisions, decided.reason).inc()
         self._metrics.retain_seconds.observe(decided.retain_s)
         turn.retain_s = decided.retain_s
         keys: dict[str, object] = {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}
         if decided.pull_window_s is not None:
             keys[PULL_WINDOW_S_KEY] = decided.pull_window_s
-        return keys, decided.retain_s
+        return DecodeRetention(keys, decided.retain_s, plan)
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, or once D went down or restarted)."""
