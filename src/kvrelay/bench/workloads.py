@@ -15,9 +15,11 @@ turns carry the recorded prompt's length instead, see ``replay``.) The contract 
 agent generator's tool calls too: a tool-call turn's answer is planned like any answer, as
 ``max_tokens`` tokens of assistant text (``max_tokens`` then includes the call's wrapper,
 ``TOOL_CALL_TOKENS``), and the tool result is a ``tool`` message counted as such. It is a
-plan in chat-template tokens: over the Messages API the served prompt also holds the tools'
-definitions, and a call renders as the template writes tool calls, so real prompts differ
-from the plan by a near-constant amount.
+plan in chat-template tokens, not the served prompt: over the Messages API the prompt also
+holds the tools' definitions (a constant, ~180 tokens with ``tiny``), and a call re-sent in
+the history renders as the template writes tool calls, in fewer tokens than the answer took
+(the fake writes the call's wrapper one token per character: ~45 tokens fewer per call
+with ``tiny``).
 
 Tool calls. A turn with ``tool_call`` asks the client to force its answer to be a call of
 the one tool (``messages_client``); the next turn then opens with the tool's result, a
