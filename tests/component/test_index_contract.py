@@ -588,3 +588,188 @@ async def test_a_completions_lookup_looks_into_at_most_max_text_blocks(
         assert found is not None and found.entry.decode_node_id == "d1"
     finally:
         await index.aclose()
+
+
+# -- release at expiry (both indexes) ---------------------------------------------------------
+
+
+def flagged(node: str = "d0", engine: str = "A", request: str = "f",
+            expires_at_s: float = 130.0) -> ConversationEntry:
+    """An entry whose retention the router shortened after D answered: it expires (router
+    clock) at ``expires_at_s``, long before D's own deadline."""
+    return replace(entry(node, engine, request=request), expires_at_s=expires_at_s,
+                   release_at_expiry=True)
+
+
+async def test_a_flagged_entry_is_ordered_released_once_when_it_expires(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """Not before its expiry, once after; the entry stays (the next turn sees it
+    ``expired``) but is never claimed, and dropping it later orders nothing more."""
+    index, clock = made
+    ref = stored_at(TURN1, "tool call")
+    e = flagged()
+    await index.put(ref, e, tenant="t")
+    clock.now = 129.0
+    assert await index.take_releases("d0", "A") == ()
+    clock.now = 131.0
+    assert await index.take_releases("d1", "A") == ()  # another D
+    assert await index.take_releases("d0", "A") == ("f",)
+    assert await index.take_releases("d0", "A") == ()
+    found = await index.lookup(follow("tool call"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.request_id == "f"
+    assert found.entry.is_expired(clock.now) and found.entry.released is None
+    assert await index.claim(ref, found.entry) is None  # D frees it: never pulled
+    assert await index.drop(ref, found.entry) is True  # the expired turn drops it, release=True
+    assert await index.take_releases("d0", "A") == ()
+
+
+async def test_an_order_at_expiry_for_another_engine_is_discarded(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """D restarted (a new engine id): its old engine's blocks are gone; the order is
+    discarded, never delivered to the old engine later, and dropping the entry orders
+    nothing either."""
+    index, clock = made
+    ref = stored_at(TURN1, "old engine")
+    await index.put(ref, flagged(engine="A"), tenant="t")
+    clock.now = 131.0
+    assert await index.take_releases("d0", "B") == ()
+    assert await index.take_releases("d0", "A") == ()
+    assert await index.drop(ref) is True
+    assert await index.take_releases("d0", "A") == ()
+
+
+async def test_a_flagged_entry_stored_again_replaces_the_unflagged_one(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    index, clock = made
+    ref = stored_at(TURN1, "again")
+    await index.put(ref, entry("d0", "A", request="f"), tenant="t")
+    await index.put(ref, flagged(), tenant="t")  # the same D request: not part of identity
+    assert len(index) == 1
+    clock.now = 131.0
+    assert await index.take_releases("d0", "A") == ("f",)
+
+
+async def test_an_evicted_ordered_entry_orders_nothing_more(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """The tenant cap (3 in the fixture) pushes out the ordered entry: no second order; the
+    unordered ones it pushes out are ordered as before."""
+    index, clock = made
+    await index.put(stored_at(TURN1, "f"), flagged(), tenant="t")
+    clock.now = 131.0
+    assert await index.take_releases("d0", "A") == ("f",)
+    for i in range(3):
+        await index.put(stored_at(TURN1, f"n{i}"), entry("d0", "A", request=f"n{i}"),
+                        tenant="t")
+    assert await index.lookup(follow("f")) is None  # type: ignore[arg-type]
+    assert await index.take_releases("d0", "A") == ()
+    await index.put(stored_at(TURN1, "n3"), entry("d0", "A", request="n3"), tenant="t")
+    assert await index.take_releases("d0", "A") == ("n0",)
+
+
+async def test_claimed_released_or_dropped_flagged_entries_are_not_ordered_at_expiry(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """A claimed entry (P reads it), one D released or asked to free, and one dropped
+    (its order queued then) get no order at expiry."""
+    index, clock = made
+    refs = {name: stored_at(TURN1, name) for name in ("claimed", "released", "asked",
+                                                      "dropped", "kept")}
+    for i, name in enumerate(refs):
+        await index.put(refs[name], flagged(request=name), tenant=f"t{i}")
+    assert await index.claim(refs["claimed"], flagged(request="claimed")) is not None
+    await index.mark_released("d0", "A", [Released("released", "pressure")])
+    assert await index.release_requested("d0", "A", ["asked"]) == ("asked",)
+    assert await index.drop(refs["dropped"], flagged(request="dropped")) is True
+    assert await index.take_releases("d0", "A") == ("dropped",)
+    clock.now = 131.0
+    assert await index.take_releases("d0", "A") == ("kept",)
+    assert await index.take_releases("d0", "A") == ()
+    assert await index.drop(refs["released"]) is True and await index.drop(refs["asked"])
+    assert await index.take_releases("d0", "A") == ()
+
+
+async def test_an_unflagged_expired_entry_is_not_ordered_at_expiry(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """D frees it at its own deadline; the index orders it only when it drops it."""
+    index, clock = made
+    ref = stored_at(TURN1, "plain")
+    e = replace(entry("d0", "A", request="plain"), expires_at_s=130.0)
+    await index.put(ref, e, tenant="t")
+    clock.now = 131.0
+    assert await index.take_releases("d0", "A") == ()
+    found = await index.lookup(follow("plain"))  # type: ignore[arg-type]
+    assert found is not None and found.entry.is_expired(clock.now)
+    assert await index.drop(ref, found.entry) is True
+    assert await index.take_releases("d0", "A") == ("plain",)
+
+
+async def test_orders_at_expiry_come_in_expiry_order_within_the_limit(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """Queued orders first; a take looks at no more than ``limit`` due entries (released
+    ones count), so the rest comes with the next sync; one not due yet waits."""
+    index, clock = made
+    expiries = {"r3": 133.0, "r1": 131.0, "late": 300.0, "r2": 132.0, "gone": 120.0,
+                "gone2": 121.0, "gone3": 122.0}
+    for i, (name, at) in enumerate(expiries.items()):
+        await index.put(stored_at(TURN1, name), flagged(request=name, expires_at_s=at),
+                        tenant=f"t{i}")
+    await index.mark_released("d0", "A", [Released(g, "pressure")
+                                          for g in ("gone", "gone2", "gone3")])
+    await index.put(stored_at(TURN1, "q"), entry("d0", "A", request="q"), tenant="q")
+    assert await index.drop(stored_at(TURN1, "q")) is True
+    clock.now = 140.0
+    assert await index.take_releases("d0", "A", limit=2) == ("q",)  # gone: looked at
+    assert await index.take_releases("d0", "A", limit=2) == ("r1",)  # gone2, gone3, r1
+    assert await index.take_releases("d0", "A", limit=2) == ("r2", "r3")
+    assert await index.take_releases("d0", "A", limit=2) == ()
+    clock.now = 301.0
+    assert await index.take_releases("d0", "A", limit=2) == ("late",)
+
+
+async def test_drop_node_or_engine_leaves_nothing_to_order_at_expiry(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    index, clock = made
+    await index.put(stored_at(TURN1, "a"), flagged("d0", "A", "a"), tenant="t")
+    await index.put(stored_at(TURN1, "b"), flagged("d1", "A", "b"), tenant="u")
+    assert await index.drop_node("d0") == 1 and await index.drop_engine("d1", "A") == 1
+    clock.now = 131.0
+    assert await index.take_releases("d0", "A") == ()
+    assert await index.take_releases("d1", "A") == ()
+
+
+async def test_the_due_set_expires_and_leaves_with_its_entries(
+    redis_server: RedisServer,
+) -> None:
+    """Redis: a flagged entry is in its D's due set (PX like the entry), an unflagged one
+    is not; removing or ordering an entry takes it out."""
+    clock = Clock()
+    index = redis_index(redis_server, clock, deployment="due")
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        due = index.due_set("d0")
+        assert due == "kvrelay:due:due:d0"
+        await index.put(stored_at(TURN1, "plain"), entry("d0", "A", request="p"), tenant="t")
+        assert await raw.exists(due) == 0
+        a, b = flagged(request="a"), flagged(request="b", expires_at_s=150.0)
+        await index.put(stored_at(TURN1, "a"), a, tenant="t")
+        await index.put(stored_at(TURN1, "b"), b, tenant="t")
+        key_a = index.entry_key(stored_at(TURN1, "a"), a)
+        assert await raw.zscore(due, key_a) == pytest.approx((EPOCH + 130.0) * 1000)
+        assert 0 < await raw.pttl(due) <= 50_000 + 300_000  # expiry + retention, in ms
+        assert await raw.pttl(due) >= await raw.pttl(key_a)
+        assert await index.drop(stored_at(TURN1, "a"), a) is True
+        assert await raw.zcard(due) == 1
+        clock.now = 151.0
+        assert await index.take_releases("d0", "A") == ("a", "b")  # a: queued by the drop
+        assert await raw.exists(due) == 0
+        assert await raw.hget(index.entry_key(stored_at(TURN1, "b"), b), "ord") == "1"
+    finally:
+        await raw.aclose()
+        await index.aclose()

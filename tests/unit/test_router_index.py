@@ -7,6 +7,7 @@ import asyncio
 
 from msgspec.structs import replace
 
+from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.identity import TEXT_BLOCK_BYTES, TEXT_FINE_BYTES, scope_of
 from kvrelay.router.index import (
     MAX_TEXT_BLOCKS,
@@ -313,3 +314,46 @@ async def test_completions_ends_leave_with_their_entries() -> None:
     for ref in refs:
         await index.drop(ref)
     assert len(index) == 0 and index._ends == {}
+
+
+def flagged(request: str, expires_at_s: float = 130.0) -> ConversationEntry:
+    e = entry()
+    return replace(e, blocks=replace(e.blocks, request_id=request), expires_at_s=expires_at_s,
+                   release_at_expiry=True)
+
+
+async def test_purging_a_flagged_entry_orders_its_release_once() -> None:
+    """Purged ``expired_retention_s`` after expiry: one already ordered at expiry orders
+    nothing more; one no sync ordered yet is ordered by the purge, once."""
+    clock = Clock()
+    evicted: list[EvictReason] = []
+    index = InMemoryIndex(clock=clock, expired_retention_s=60, sweep_interval_s=1,
+                          on_evict=lambda e, why: evicted.append(why))
+    turn1 = chat(SYSTEM, FIRST)
+    await index.put(stored_at(turn1, "a"), flagged("a"), tenant="t")
+    clock.now = 131.0
+    assert await index.take_releases("d0", BLOCKS.engine_id) == ("a",)
+    await index.put(stored_at(turn1, "b"), flagged("b", expires_at_s=140.0), tenant="t")
+    clock.now = 201.0  # past a's and b's expiry + 60: the next call sweeps
+    assert await index.lookup(chat(SYSTEM, FIRST, assistant("a"), user("x"))) is None
+    assert evicted == ["expired", "expired"] and len(index) == 0
+    assert await index.take_releases("d0", BLOCKS.engine_id) == ("b",)
+    assert await index.take_releases("d0", BLOCKS.engine_id) == ()
+
+
+async def test_a_sweep_drops_what_can_no_longer_be_ordered_from_the_expiry_heaps() -> None:
+    """Claimed flagged entries leave their node's heap at the next sweep, not only when a
+    sync pops them: the heaps hold what may still be ordered (bounded memory)."""
+    clock = Clock()
+    index = InMemoryIndex(clock=clock, sweep_interval_s=1)
+    turn1 = chat(SYSTEM, FIRST)
+    for i in range(50):
+        await index.put(stored_at(turn1, f"c{i}"), flagged(f"c{i}", 400.0), tenant="t")
+        assert await index.claim(stored_at(turn1, f"c{i}"), flagged(f"c{i}", 400.0))
+    await index.put(stored_at(turn1, "kept"), flagged("kept", 400.0), tenant="t")
+    assert len(index._due["d0"]) == 51
+    assert index.sweep() == 0
+    assert [item[2] for item in index._due["d0"]] == [(stored_at(turn1, "kept"), 51)]
+    assert await index.claim(stored_at(turn1, "kept"), flagged("kept", 400.0))
+    index.sweep()
+    assert index._due == {}

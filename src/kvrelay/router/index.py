@@ -33,14 +33,28 @@ Contracts:
 * ``drop(ref, entry=None)`` (``None``: every entry of the ref), ``drop_scope`` (an explicit
   conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many.
 * Release orders: every entry the index removes but a claimed one (a pull consumes it), a
-  released one, and those ``drop_node``/``drop_engine`` remove (D's blocks are gone), or
-  ``drop(..., release=False)``, queues a release order for its D request id on its D:
+  released one, one already ordered at its expiry (below), and those
+  ``drop_node``/``drop_engine`` remove (D's blocks are gone), or ``drop(...,
+  release=False)``, queues a release order for its D request id on its D:
   ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for another
   engine of that D are discarded) for the answer to D's next sync. ``mark_released`` marks
   the entries D said it released (its sync): they are never claimed, and ``lookup`` returns
   one only when its ref has no other, so the turn recomputes with reason ``released``. A
   release of a request with no entry yet (D's sync overtook the turn's commit) is kept
   (bounded) and the entry ``put`` later is stored released.
+* Release at expiry: an entry flagged ``release_at_expiry`` (D keeps its blocks past the
+  entry's expiry) is ordered released once it expires on the router's clock.
+  ``take_releases(node_id, engine_id)`` also returns, once each (within the same
+  ``limit``), the D request ids of that node's flagged entries whose ``expires_at_s`` has
+  passed and that are not released (``released`` set, ``RELEASING`` included); one for
+  another engine of that node is discarded (and never ordered). A claimed or removed entry
+  is no longer in the index, so it is never ordered so (one removed with release queued its
+  order then). An ordered entry stays in the index until purged, so the next turn still
+  reports ``expired``; D no longer holds it, so it is never claimed and ``lookup`` returns
+  it only when its ref has no other; removing it later (purge, eviction, drop) queues no
+  second order. Bounded work: flagged entries are kept per node in expiry order (in memory
+  a heap, in Redis a sorted set); a take looks at no more than ``limit`` entries that are
+  due, never at every entry (what is left comes with the next sync).
 * D asks before it frees a turn itself (pressure, headroom: ``RetentionSync.releasing``).
   ``release_requested(node_id, engine_id, ids)`` marks those entries released
   (``RELEASING``; a release D reports later names the cause) so no claim can take them, and
@@ -65,6 +79,7 @@ Entries hold block locations and a token fingerprint; refs are digests: no conte
 
 from __future__ import annotations
 
+import heapq
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Mapping
@@ -244,9 +259,17 @@ e.g. identical conversations whose turns finished together); more push out the o
 
 @dataclass
 class _Item:
+    """A stored entry; ``ordered`` once its release at expiry was ordered (D frees it)."""
+
     ref: EntryRef
     tenant: str
     entry: ConversationEntry
+    ordered: bool = False
+
+    @property
+    def held(self) -> bool:
+        """Whether D still holds the entry's blocks for a P (neither released nor ordered)."""
+        return self.entry.released is None and not self.ordered
 
 
 def _identity(entry: ConversationEntry) -> ConversationEntry:
@@ -259,6 +282,9 @@ def _identity(entry: ConversationEntry) -> ConversationEntry:
 _Key = tuple[EntryRef, int]
 """An entry's place in memory: its ref and the sequence number of the ``put`` that stored it."""
 
+_Due = tuple[float, int, _Key]
+"""A flagged entry's place in its node's expiry heap: (``expires_at_s``, sequence, key)."""
+
 
 class InMemoryIndex:
     """A ``ConversationIndex`` in this process (LRU-capped, expired entries purged
@@ -268,8 +294,10 @@ class InMemoryIndex:
     (``expired``, ``capacity`` or ``overflow``), never for explicit ``drop*``/``claim``;
     ``on_text_digests(n)`` after each completions lookup (module docstring, bounded work).
     A completions entry's end offset is kept per (scope, anchor, fine digest), so a lookup
-    tries only the ends that share the request's text up to their fine boundary.
-    No method awaits, so each is atomic on the event loop.
+    tries only the ends that share the request's text up to their fine boundary. Entries
+    flagged ``release_at_expiry`` are pushed on their node's expiry heap by ``put``;
+    ``take_releases`` pops the due ones, skipping those no longer stored (lazily: a sweep
+    drops them from the heaps). No method awaits, so each is atomic on the event loop.
     """
 
     def __init__(
@@ -303,6 +331,7 @@ class InMemoryIndex:
         self._by_scope: dict[bytes, dict[_Key, None]] = {}
         self._by_request: dict[tuple[str, str], dict[_Key, None]] = {}
         self._releases: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        self._due: dict[str, list[_Due]] = {}
         self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._reading: dict[tuple[str, str], int] = {}
 
@@ -405,6 +434,9 @@ class InMemoryIndex:
         self._by_tenant.setdefault(tenant, OrderedDict())[key] = None
         self._by_scope.setdefault(ref.scope, {})[key] = None
         self._by_request.setdefault((entry.decode_node_id, entry.request_id), {})[key] = None
+        if entry.release_at_expiry:
+            heapq.heappush(self._due.setdefault(entry.decode_node_id, []),
+                           (entry.expires_at_s, key[1], key))
         members = self._refs[ref]
         while len(members) > self._max_ref:
             self._evict((ref, next(iter(members))), "overflow")
@@ -416,7 +448,7 @@ class InMemoryIndex:
 
     async def claim(self, ref: EntryRef, entry: ConversationEntry) -> ConversationEntry | None:
         key = self._member(ref, entry)
-        if key is None or self._items[key].entry.released is not None:
+        if key is None or not self._items[key].held:
             key = self._best(ref, usable_only=True) if ref in self._refs else None
         if key is None:
             return None
@@ -446,6 +478,7 @@ class InMemoryIndex:
         return len(keys)
 
     async def drop_node(self, node_id: str) -> int:
+        self._due.pop(node_id, None)  # every entry on it leaves
         return self._drop_where(lambda e: e.decode_node_id == node_id)
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int:
@@ -498,17 +531,38 @@ class InMemoryIndex:
     async def take_releases(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[str, ...]:
-        queue = self._releases.get(node_id)
-        if not queue:
-            return ()
         out: list[str] = []
-        while queue and len(out) < limit:
-            (engine, request_id), _ = queue.popitem(last=False)
-            if engine == engine_id:
-                out.append(request_id)
-        if not queue:
-            del self._releases[node_id]
+        queue = self._releases.get(node_id)
+        if queue:
+            while queue and len(out) < limit:
+                (engine, request_id), _ = queue.popitem(last=False)
+                if engine == engine_id:
+                    out.append(request_id)
+            if not queue:
+                del self._releases[node_id]
+        self._take_due(node_id, engine_id, limit, out)
         return tuple(out)
+
+    def _take_due(self, node_id: str, engine_id: str, limit: int, out: list[str]) -> None:
+        """Order the release of ``node_id``'s flagged entries that expired (module
+        docstring, release at expiry) into ``out`` while it has room (``limit``), looking
+        at no more than ``limit`` due heap items; each is marked ``ordered``."""
+        due = self._due.get(node_id)
+        if not due:
+            return
+        now = self._clock()
+        looked = 0
+        while due and len(out) < limit and looked < limit and due[0][0] <= now:
+            key = heapq.heappop(due)[2]
+            looked += 1
+            item = self._items.get(key)
+            if item is None or not item.held:
+                continue  # claimed, removed, released or ordered already
+            item.ordered = True
+            if item.entry.decode_engine_id == engine_id:
+                out.append(item.entry.request_id)
+        if not due:
+            del self._due[node_id]
 
     def sweep(self) -> int:
         """Purge entries expired more than ``expired_retention_s`` ago; returns the count."""
@@ -520,7 +574,19 @@ class InMemoryIndex:
         ]
         for key in stale:
             self._evict(key, "expired")
+        for node_id, due in list(self._due.items()):
+            pending = [one for one in due if self._pending(one[2])]
+            if not pending:
+                del self._due[node_id]
+            elif len(pending) < len(due):
+                heapq.heapify(pending)
+                self._due[node_id] = pending
         return len(stale)
+
+    def _pending(self, key: _Key) -> bool:
+        """Whether the entry at ``key`` may still be ordered released at its expiry."""
+        item = self._items.get(key)
+        return item is not None and item.held
 
     def _maybe_sweep(self) -> None:
         if self._clock() >= self._next_sweep:
@@ -541,15 +607,15 @@ class InMemoryIndex:
         return None
 
     def _best(self, ref: EntryRef, *, usable_only: bool = False) -> _Key | None:
-        """The newest entry at ``ref`` D still holds; else (unless ``usable_only``) the
-        newest released one, so the turn learns why it recomputes."""
+        """The newest entry at ``ref`` D still holds (``_Item.held``); else (unless
+        ``usable_only``) the newest other one, so the turn learns why it recomputes."""
         members = self._refs.get(ref)
         if not members:
             return None
         newest: _Key | None = None
         for seq in reversed(members):
             key = (ref, seq)
-            if self._items[key].entry.released is None:
+            if self._items[key].held:
                 return key
             newest = newest or key
         return None if usable_only else newest
@@ -601,7 +667,7 @@ class InMemoryIndex:
             requests.pop(key, None)
             if not requests:
                 del self._by_request[(entry.decode_node_id, entry.request_id)]
-        if release and entry.released is None:
+        if release and item.held:
             queue = self._releases.setdefault(entry.decode_node_id, OrderedDict())
             queue[(entry.decode_engine_id, entry.request_id)] = None
             while len(queue) > MAX_QUEUED_RELEASES:

@@ -9,7 +9,9 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:e:{scope}:{anchor}:{slot}:{member}`` – a hash per entry (``member`` =
   ``entry_identity``: several entries live at one ref): ``json`` (``entry_to_json``), ``id``,
   ``exp`` (wall-clock expiry, s), ``node``, ``engine``, ``tokens``, ``rid`` (D's request
-  id), ``rel`` (the cause, once D released it), and the keys of the sets it is indexed in.
+  id), ``rel`` (the cause, once D released it), ``ord`` (once its release at expiry was
+  ordered: D frees it, so it is held no more and removing it orders nothing), and the keys
+  of the sets it is indexed in (``dx``: its D's due set, when flagged).
 * ``{ns}:r:{scope}:{anchor}:{slot}`` – the members of a ref, by when they were stored
   (at most ``MAX_ENTRIES_PER_REF``; the oldest is pushed out and released).
 * ``{ns}:b:{scope}:{anchor}`` – the slots under a chat anchor; under a completions block's
@@ -27,9 +29,14 @@ load balancer picks, and pulls from the D the entry names.
   ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
   claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
 * ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
-  every entry the index drops but a claim, a released one and ``drop_node``/``drop_engine``
-  queues one in the same script, so whichever replica D syncs with delivers it
-  (``take_releases``).
+  every entry the index drops but a claim, a released one, an ordered one (``ord``) and
+  ``drop_node``/``drop_engine`` queues one in the same script, so whichever replica D syncs
+  with delivers it (``take_releases``).
+* ``{ns}:due:{node_id}`` – a sorted set of a D's entries flagged ``release_at_expiry``, by
+  wall-clock expiry (ms, rounded up), added by ``put`` and left by an entry removed.
+  ``take_releases`` pops the due ones (at most its ``limit`` looked at per call, in the
+  same script as the queue), skips those gone, released, ordered or of another
+  engine, and orders the others once (``ord``).
 
 A chat lookup is one round trip (one script probes every anchor in order). A completions
 lookup is at most three, each bounded whatever the scope holds: which of the request's
@@ -96,12 +103,14 @@ RELEASE_QUEUE_TTL_MS = 600_000
 """A D that has not synced for this long has lost its queue (its orders are moot by then)."""
 
 # Remove one entry and its index memberships; release == 1 queues a release order for its D
-# request id on its D (unless D released it already). Prepended to the scripts.
+# request id on its D (unless D released it already or it was ordered at its expiry).
+# Prepended to the scripts.
 _REMOVE = """
 local function remove(k, release)
   local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az', 'rx', 'mem', 'qx',
-                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end')
+                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end', 'dx', 'ord')
   if f[1] then redis.call('ZREM', f[1], k) end
+  if f[17] then redis.call('ZREM', f[17], k) end
   if f[7] then
     redis.call('ZREM', f[7], f[8])
     if redis.call('ZCARD', f[7]) == 0 then
@@ -117,26 +126,27 @@ local function remove(k, release)
   if f[5] then redis.call('ZREM', f[5], k) end
   if f[6] then redis.call('ZREM', f[6], k) end
   if f[9] and redis.call('GET', f[9]) == k then redis.call('DEL', f[9]) end
-  if release == 1 and f[12] and not f[11] then
+  if release == 1 and f[12] and not f[11] and not f[18] then
     redis.call('RPUSH', f[12], f[13] .. '\\t' .. f[10])
     redis.call('LTRIM', f[12], -@MAXQ@, -1)
     redis.call('PEXPIRE', f[12], @QTTL@)
   end
   return redis.call('DEL', k)
 end
--- the newest entry of a ref set D still holds, else (unless usable) the newest released
--- one: {key, json, cause or ''}; members whose key expired are cleaned
+-- the newest entry of a ref set D still holds (neither released nor ordered), else (unless
+-- usable) the newest other one: {key, json, cause or ''}; members whose key expired are
+-- cleaned
 local function best(rk, ep, usable)
   local fallback = nil
   for _, m in ipairs(redis.call('ZREVRANGE', rk, 0, -1)) do
     local k = ep .. m
-    local v = redis.call('HMGET', k, 'json', 'rel')
+    local v = redis.call('HMGET', k, 'json', 'rel', 'ord')
     if not v[1] then
       redis.call('ZREM', rk, m)
-    elseif not v[2] then
+    elseif not v[2] and not v[3] then
       return {k, v[1], ''}
     elseif not fallback then
-      fallback = {k, v[1], v[2]}
+      fallback = {k, v[1], v[2] or ''}
     end
   end
   if usable then return nil end
@@ -201,10 +211,11 @@ return out
 
 # put: KEYS = entry, node set, bucket, scope set, tenant lru, total lru, LRU counter, ref set,
 # request key (D's request id -> entry key), D's release queue, a completions entry's fine key
-# (else its bucket again). ARGV = json, id, exp (wall s), node, engine, tokens, ttl ms, slot,
-# member, tenant cap, total cap, node-set score (exp ms), D request id, per-ref cap, fine
-# digest (hex) and end offset ('' for chat). Returns {evicted for capacity, total size,
-# pushed out of the ref}.
+# (else its bucket again), D's due set. ARGV = json, id, exp (wall s), node, engine, tokens,
+# ttl ms, slot, member, tenant cap, total cap, node-set score (exp ms), D request id, per-ref
+# cap, fine digest (hex) and end offset ('' for chat), due-set score (exp ms rounded up; ''
+# unless flagged release_at_expiry). Returns {evicted for capacity, total size, pushed out of
+# the ref}.
 _PUT = _REMOVE + """
 if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1], 0) end
 redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'node', ARGV[4],
@@ -220,6 +231,10 @@ if prior and string.sub(prior, 1, 1) == '!' then
   end
 end
 redis.call('ZADD', KEYS[2], ARGV[12], KEYS[1])
+if ARGV[17] ~= '' then
+  redis.call('HSET', KEYS[1], 'dx', KEYS[12])
+  redis.call('ZADD', KEYS[12], ARGV[17], KEYS[1])
+end
 if ARGV[16] ~= '' then
   redis.call('HSET', KEYS[1], 'fk', KEYS[11], 'fine', ARGV[15], 'end', ARGV[16])
   if redis.call('ZCARD', KEYS[8]) == 0 then redis.call('HINCRBY', KEYS[11], ARGV[16], 1) end
@@ -233,7 +248,7 @@ redis.call('ZADD', KEYS[5], seq, KEYS[1])
 redis.call('ZADD', KEYS[6], seq, KEYS[1])
 redis.call('ZADD', KEYS[8], seq, ARGV[9])
 redis.call('SET', KEYS[9], KEYS[1], 'PX', ARGV[7])
-for _, i in ipairs({2, 3, 4, 5, 6, 8, 11}) do
+for _, i in ipairs({2, 3, 4, 5, 6, 8, 11, 12}) do
   if redis.call('PTTL', KEYS[i]) < tonumber(ARGV[7]) then
     redis.call('PEXPIRE', KEYS[i], ARGV[7])
   end
@@ -259,16 +274,16 @@ return {evicted, redis.call('ZCARD', KEYS[6]), overflow}
 
 # claim: KEYS = the entry's key, its ref set; ARGV = id, exp (wall s), tolerance, the entry
 # key prefix of the ref, how long the read it starts may last (ms; '{request key}:r').
-# Removes the entry if it is still the expected one and D holds it, else another entry of
-# the ref D holds, and marks its read in progress; returns {key, json, '1' if it was the
-# expected one else '0'} of what it removed, or {}.
+# Removes the entry if it is still the expected one and D holds it (neither released nor
+# ordered), else another entry of the ref D holds, and marks its read in progress; returns
+# {key, json, '1' if it was the expected one else '0'} of what it removed, or {}.
 _CLAIM = _REMOVE + """
 local function reading(k)
   local q = redis.call('HGET', k, 'qx')
   if q then redis.call('SET', q .. ':r', '1', 'PX', ARGV[5]) end
 end
-local cur = redis.call('HMGET', KEYS[1], 'id', 'exp', 'rel', 'json')
-if cur[1] and cur[1] == ARGV[1] and not cur[3]
+local cur = redis.call('HMGET', KEYS[1], 'id', 'exp', 'rel', 'json', 'ord')
+if cur[1] and cur[1] == ARGV[1] and not cur[3] and not cur[5]
     and math.abs(tonumber(cur[2]) - tonumber(ARGV[2])) <= tonumber(ARGV[3]) then
   reading(KEYS[1])
   remove(KEYS[1], 0)
@@ -371,15 +386,33 @@ end
 return out
 """.replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
-# the release orders queued for D: KEYS = D's queue; ARGV = D's engine id, how many at most.
-# Orders for another engine (D restarted: those blocks are gone) are discarded.
+# the release orders for D: KEYS = D's queue, D's due set; ARGV = D's engine id, how many
+# at most (queued orders taken, due entries looked at, ids returned), now (wall ms). The
+# queued orders first, then the flagged entries that expired (score <= now): each is taken
+# out of the due set, and one D still holds (not gone, released or ordered) is marked
+# ordered and, for D's engine, returned. Orders for another engine (D restarted: those
+# blocks are gone) are discarded.
 _TAKE_RELEASES = """
-local items = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
 local out = {}
-if not items then return out end
+local items = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
 local p = ARGV[1] .. '\\t'
-for _, it in ipairs(items) do
+for _, it in ipairs(items or {}) do
   if string.sub(it, 1, #p) == p then table.insert(out, string.sub(it, #p + 1)) end
+end
+local room = tonumber(ARGV[2]) - #out
+if room <= 0 then return out end
+local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[3], 'LIMIT', 0, ARGV[2])
+for _, k in ipairs(due) do
+  if room <= 0 then break end
+  redis.call('ZREM', KEYS[2], k)
+  local v = redis.call('HMGET', k, 'rid', 'engine', 'rel', 'ord')
+  if v[1] and not v[3] and not v[4] then
+    redis.call('HSET', k, 'ord', '1')
+    if v[2] == ARGV[1] then
+      table.insert(out, v[1])
+      room = room - 1
+    end
+  end
 end
 return out
 """
@@ -583,6 +616,10 @@ class RedisIndex:
     def release_queue(self, node_id: str) -> str:
         return f"{self._ns}:rel:{quote(node_id, safe='')}"
 
+    def due_set(self, node_id: str) -> str:
+        """D's entries flagged ``release_at_expiry``, by wall-clock expiry (ms)."""
+        return f"{self._ns}:due:{quote(node_id, safe='')}"
+
     def _tenant_lru(self, tenant: str) -> str:
         return f"{self._ns}:t:{quote(tenant, safe='')}"
 
@@ -683,12 +720,13 @@ class RedisIndex:
                   self._bucket(ref.scope, ref.anchor), self._scope_key(ref.scope),
                   self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq",
                   self.ref_key(ref), self._request_key(node, entry.request_id),
-                  self.release_queue(node), fine_key],
+                  self.release_queue(node), fine_key, self.due_set(node)],
             args=[entry_to_json(entry, wall_offset_s=offset), member,
                   repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
                   ref.slot.hex(), member, self._max_tenant, self._max,
                   math.floor(expires_wall * 1000), entry.request_id, self._max_ref,
-                  fine, end],
+                  fine, end,
+                  math.ceil(expires_wall * 1000) if entry.release_at_expiry else ""],
         ), None)
         self._nodes_seen.add(node)
         if result is not None:
@@ -769,7 +807,8 @@ class RedisIndex:
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[str, ...]:
         result = await self._quiet("release", self._take_releases(
-            keys=[self.release_queue(node_id)], args=[engine_id, limit]), None)
+            keys=[self.release_queue(node_id), self.due_set(node_id)],
+            args=[engine_id, limit, self._now_ms()]), None)
         return tuple(result or ())
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]:
