@@ -14,7 +14,7 @@ import httpx
 import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
-from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.retention_sync import (
     PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
@@ -276,13 +276,14 @@ async def test_a_pulled_entry_is_never_ordered_released() -> None:
         assert await orders_for(r) == []
 
 
-def learn_gaps(r: Routed, gap_s: float, n: int = 40) -> None:
+def learn_gaps(r: Routed, gap_s: float, n: int = 120, kind: GapKind = "user") -> None:
     """Tell the router ``n`` follow-ups came ``gap_s`` after their turn (as ``plan`` does
-    when it finds an entry), in the default tenant."""
+    when it finds an entry), in the default tenant; ``kind``: how the turn they followed
+    ended (a reply, a tool call)."""
     req = parse_request("chat", json.dumps({"model": "tiny", "messages": first_turn()}).encode(),
                         {}, "default", IdRules(()))
     for _ in range(n):
-        r.ctx.retention.observe_gap(req, gap_s)
+        r.ctx.retention.observe_gap(req, gap_s, kind)
 
 
 async def retain_s_sent(r: Routed) -> object:
@@ -365,3 +366,85 @@ async def test_a_turn_d_asks_to_free_is_dropped_and_answered_then_recomputes_rel
         metrics = parse_prometheus((await r.get("/metrics")).text)
         assert metric(metrics, "kvrelay_router_release_requests_total",
                       node=r.ctx.config.decode[0].node_id, answer="dropped") == 2
+
+
+RUN: dict[str, Any] = {"name": "run", "description": "Run a shell command",
+                       "input_schema": {"type": "object", "properties": {
+                           "input": {"type": "string"}}, "required": ["input"]}}
+
+
+def agent_body(messages: list[dict[str, Any]], *, tool_call: bool) -> dict[str, Any]:
+    """A Messages request as an agent sends it (always the same ``tools``); a tool call is
+    forced (``tool_choice``), as the fake answers it like vLLM does."""
+    body: dict[str, Any] = {"model": "tiny", "max_tokens": 96 if tool_call else 16,
+                            "tools": [RUN], "messages": messages}
+    if tool_call:
+        body["tool_choice"] = {"type": "tool", "name": "run"}
+    return body
+
+
+async def agent_turn(r: Routed, task: str, *, tool_call: bool) -> tuple[dict[str, Any],
+                                                                        ConversationEntry]:
+    """One first turn over ``/v1/messages``; returns its follow-up's body (a tool result,
+    or the user's next message) and the entry the router committed for it."""
+    first = [{"role": "user", "content": task}]
+    async with r.client() as c:
+        resp = await c.post("/v1/messages", json=agent_body(first, tool_call=tool_call))
+    assert resp.status_code == 200, resp.text
+    await r.settle()
+    content = resp.json()["content"]
+    if tool_call:
+        assert [b["type"] for b in content] == ["tool_use"]
+        reply: list[dict[str, Any]] = [{"type": "tool_result",
+                                        "tool_use_id": content[0]["id"], "content": "ok"}]
+    else:
+        assert [b["type"] for b in content] == ["text"]
+        reply = [{"type": "text", "text": "Now run the tests."}]
+    body = agent_body([*first, {"role": "assistant", "content": content},
+                       {"role": "user", "content": reply}], tool_call=False)
+    found = await r.find(body, endpoint="messages")
+    assert found is not None
+    return body, found.entry
+
+
+async def test_a_tool_call_turn_is_kept_for_the_tool_gaps_then_released_on_d() -> None:
+    """Tool results come back ~20 s after a tool call, users ~200 s after a reply. Before D
+    answers, nobody knows which its answer will be: D is told to keep the turn for the
+    replies' time. A turn that ended in a tool call keeps its entry only for the tools'
+    time and, once that expires on the router's clock, D's next sync is answered with its
+    release (once), long before D's own deadline; a reply's entry keeps D's time and is not
+    ordered released. The gap of each follow-up is learned under the kind it followed."""
+    async with routed(engine_config=SILENT_D) as r:
+        async with r.client() as c:
+            await chat(c, conversation(0))  # D's capabilities are known after its first answer
+            await r.settle()
+        learn_gaps(r, 200.0, kind="user")
+        learn_gaps(r, 20.0, kind="tool")
+        margin = r.ctx.config.ttl_safety_margin_s + r.ctx.config.policy.near_expiry_s
+        safety = r.ctx.config.ttl_safety_margin_s
+        tool_follow_up, tool = await agent_turn(r, "Fix the failing test.", tool_call=True)
+        told = await retain_s_sent(r)
+        assert isinstance(told, float) and margin + 200.0 <= told < margin + 200.0 * 1.25
+        assert (tool.waits_for, tool.release_at_expiry) == ("tool", True)
+        kept = tool.expires_at_s - tool.created_at_s + safety
+        assert margin + 20.0 <= kept < margin + 20.0 * 1.25 < told
+        reply_follow_up, reply = await agent_turn(r, "Explain the bug.", tool_call=False)
+        assert (reply.waits_for, reply.release_at_expiry) == ("user", False)
+        assert reply.expires_at_s - reply.created_at_s + safety == pytest.approx(
+            await retain_s_sent(r))
+        assert await orders_for(r) == []
+        r.clock.advance(kept)  # the tool call's entry expired on the router's clock
+        assert await orders_for(r) == [tool.request_id]
+        assert await orders_for(r) == []
+        async with r.client() as c:
+            late = await c.post("/v1/messages", json=tool_follow_up)
+            on_time = await c.post("/v1/messages", json=reply_follow_up)
+        assert late.headers["x-kvrelay-action"] == "recompute"
+        assert on_time.headers["x-kvrelay-reason"] == "pull"
+        await r.settle()
+        gaps = r.ctx.retention._gaps.histograms  # what plan observed
+        req = parse_request("messages", json.dumps(tool_follow_up).encode(), {}, "default",
+                            IdRules(()))
+        tool_seen, user_seen = gaps(req, "tool")[-1], gaps(req, "user")[-1]
+        assert tool_seen is not None and user_seen is not None
+        assert (tool_seen.samples, user_seen.samples) == (121, 121)

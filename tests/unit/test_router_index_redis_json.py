@@ -73,6 +73,18 @@ def test_release_at_expiry_round_trips(flag: bool) -> None:
     assert ("release_at_expiry" in json.loads(text)) is flag  # written only when set
 
 
+@pytest.mark.parametrize("kind", ["user", "tool"])
+def test_how_the_answer_ended_round_trips(kind: str) -> None:
+    """``waits_for`` (how D's answer ended: a tool call, a reply) comes back as stored;
+    written only when not the default, and not part of the identity."""
+    e = replace(entry(), waits_for=kind)
+    text = entry_to_json(e, wall_offset_s=1.7e9)
+    back = entry_from_json(text, wall_offset_s=1.7e9)
+    assert back == e and back.waits_for == kind
+    assert ("waits_for" in json.loads(text)) is (kind == "tool")
+    assert entry_identity(e) == IDENTITY_BEFORE_RELEASE_AT_EXPIRY
+
+
 def test_an_unflagged_entry_keeps_its_json_and_identity() -> None:
     """Entries stored before the field existed read back unflagged, and an unflagged
     entry's JSON and identity are what they were; the flag is not part of the identity
@@ -107,6 +119,8 @@ def test_no_token_ids_only_digests() -> None:
     lambda d: d.update(expires_wall_s=None),
     lambda d: d.update(release_at_expiry=1),
     lambda d: d.update(release_at_expiry="true"),
+    lambda d: d.update(waits_for="banana"),
+    lambda d: d.update(waits_for=1),
 ])
 def test_malformed_entries_are_refused(mutate: object) -> None:
     doc = json.loads(entry_to_json(entry(), wall_offset_s=0.0))

@@ -273,10 +273,10 @@ class _Item:
 
 
 def _identity(entry: ConversationEntry) -> ConversationEntry:
-    """What tells two entries apart: everything but their times, ``released`` and
-    ``release_at_expiry`` (as ``index_redis.entry_identity``)."""
+    """What tells two entries apart: everything but their times, ``released``,
+    ``release_at_expiry`` and ``waits_for`` (as ``index_redis.entry_identity``)."""
     return replace(entry, expires_at_s=0.0, created_at_s=0.0, released=None,
-                   release_at_expiry=False)
+                   release_at_expiry=False, waits_for="user")
 
 
 _Key = tuple[EntryRef, int]

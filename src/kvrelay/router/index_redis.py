@@ -77,7 +77,7 @@ from redis.asyncio.retry import Retry
 from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
-from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.identity import Probe, RequestIdentity, text_fine_of
 from kvrelay.core.params import KVParamsError, parse_remote_blocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
@@ -424,8 +424,8 @@ class EntryFormatError(ValueError):
 
 def _body(entry: ConversationEntry) -> dict[str, Any]:
     """Everything of the entry but its (clock-dependent) times, ``released`` (kept beside
-    the JSON) and ``release_at_expiry`` (how long the router keeps it, like its times), as
-    JSON values: what ``entry_identity`` digests."""
+    the JSON), ``release_at_expiry`` and ``waits_for`` (how long the router keeps it, like
+    its times), as JSON values: what ``entry_identity`` digests."""
     return {
         "v": FORMAT_VERSION,
         "node": entry.decode_node_id,
@@ -446,13 +446,16 @@ def entry_identity(entry: ConversationEntry) -> str:
 
 def entry_to_json(entry: ConversationEntry, *, wall_offset_s: float) -> str:
     """The entry as JSON, its times moved to the wall clock (``local + wall_offset_s``).
-    ``release_at_expiry`` is written only when set, so an unflagged entry's JSON is what it
-    was before the field existed (same ``FORMAT_VERSION``)."""
+    ``release_at_expiry`` and ``waits_for`` are written only when not their defaults, so
+    such an entry's JSON is what it was before the fields existed (same
+    ``FORMAT_VERSION``)."""
     doc = _body(entry)
     doc["expires_wall_s"] = entry.expires_at_s + wall_offset_s
     doc["created_wall_s"] = entry.created_at_s + wall_offset_s
     if entry.release_at_expiry:
         doc["release_at_expiry"] = True
+    if entry.waits_for != "user":
+        doc["waits_for"] = entry.waits_for
     return json.dumps(doc, sort_keys=True, separators=(",", ":"))
 
 
@@ -461,7 +464,7 @@ def entry_from_json(
 ) -> ConversationEntry:
     """Inverse of ``entry_to_json`` (times back on the local clock; ``released``: the cause
     stored beside the JSON once D released the entry; an absent ``release_at_expiry`` is
-    false); ``EntryFormatError`` for anything else."""
+    false, an absent ``waits_for`` ``user``); ``EntryFormatError`` for anything else."""
     try:
         doc = json.loads(text)
         if doc["v"] != FORMAT_VERSION:
@@ -479,11 +482,20 @@ def entry_from_json(
             block_size=None if block_size is None else _typed(block_size, int),
             released=released or None,
             release_at_expiry=_typed(doc.get("release_at_expiry", False), bool),
+            waits_for=_waits_for(doc.get("waits_for", "user")),
         )
     except EntryFormatError:
         raise
     except (ValueError, KeyError, TypeError, KVParamsError) as exc:
         raise EntryFormatError(f"malformed conversation entry: {exc}") from exc
+
+
+def _waits_for(value: Any) -> GapKind:
+    if value == "tool":
+        return "tool"
+    if value == "user":
+        return "user"
+    raise EntryFormatError(f"waits_for is 'tool' or 'user', got {value!r}")
 
 
 def _typed(value: Any, kind: type[T]) -> T:
