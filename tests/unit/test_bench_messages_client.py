@@ -82,15 +82,16 @@ class Server:
         return result
 
 
-async def test_a_streamed_text_answer_is_measured_from_its_first_delta() -> None:
+async def test_a_streamed_text_answer_is_measured_from_its_first_block() -> None:
     server = Server(lambda r: httpx.Response(200, headers={**SSE, **DECISION}, text=stream(
         start(), block({"type": "text", "text": ""}), {"type": "ping"}, text("Hel"),
         text("lo"), text(" you"), *stop(3))))
     async with server.client() as client:
         r = await client.chat(HISTORY, max_tokens=3, conversation_id="c1")
     assert r.ok, r.error
-    # events 1..3 (start, block, ping) carry no content: the first delta is the 4th
-    assert (r.ttft_s, r.tpot_s, r.e2e_s) == (4.0, 1.0, 10.0)
+    # event 1 is message_start, the answer's block starts with the 2nd; the first delta is
+    # the 4th (after a ping), the last the 6th: TPOT over the deltas
+    assert (r.ttft_s, r.tpot_s, r.e2e_s) == (2.0, 1.0, 10.0)
     assert (r.text, r.prompt_tokens, r.completion_tokens, r.tool_call) == (
         "Hello you", 100, 3, None)
     assert r.decision is not None
@@ -115,7 +116,7 @@ async def test_a_streamed_tool_call_is_parsed_from_its_json_deltas() -> None:
     assert r.ok, r.error
     assert r.tool_call == ToolUse("toolu_7", "run", '{"input": "ls -la"}')
     assert r.tool_call.input == {"input": "ls -la"}
-    assert (r.ttft_s, r.text, r.completion_tokens) == (3.0, "", 60)
+    assert (r.ttft_s, r.text, r.completion_tokens) == (2.0, "", 60)
     assert r.tpot_s == 1.0  # over the argument deltas: the call's head came before them
     assert server.body()["tool_choice"] == {"type": "tool", "name": "run"}
 
@@ -126,7 +127,15 @@ async def test_a_call_cut_off_is_no_tool_call() -> None:
         json_piece('{"input": "ab'), *stop(20))))
     async with server.client() as client:
         r = await client.chat(HISTORY, max_tokens=20, tool_call=True)
-    assert r.ok and r.tool_call is None and r.ttft_s == 3.0
+    assert r.ok and r.tool_call is None and r.ttft_s == 2.0
+
+
+async def test_without_a_block_start_the_first_delta_is_the_first_token() -> None:
+    server = Server(lambda r: httpx.Response(200, headers=SSE, text=stream(
+        start(), {"type": "ping"}, text("Hi"), text("!"), *stop(2))))
+    async with server.client() as client:
+        r = await client.chat(HISTORY, max_tokens=2)
+    assert r.ok and (r.ttft_s, r.text) == (3.0, "Hi!")
 
 
 async def test_failures_are_returned_not_raised() -> None:

@@ -291,17 +291,19 @@ def test_tool_calls_draw_from_their_own_streams():
         assert a.start_s == b.start_s
 
 
-def test_abandonment_follows_replies_only():
+def test_abandonment_follows_every_turn_whatever_the_tool_calls():
     full = agent_workload(count, **TOOLS)
     cut = agent_workload(count, **{**TOOLS, "abandon_p": 0.5})
     for a, b in zip(full.conversations, cut.conversations, strict=True):
         assert a.turns[: len(b.turns)] == b.turns
-        if len(b.turns) < len(a.turns):  # cut: the user never came back after a reply
-            assert not b.turns[-1].tool_call
+    ends = [c.turns[-1].tool_call for c in cut.conversations if len(c.turns) < 8]
+    assert True in ends and False in ends  # cut after tool calls and after replies
     assert sum(len(c.turns) for c in cut.conversations) < full.num_turns
-    # with every answer a tool call, the harness always comes back: nothing is abandoned
-    calls = agent_workload(count, **{**TOOLS, "tool_p": 1.0, "abandon_p": 0.9})
-    assert all(len(c.turns) == 8 for c in calls.conversations)
+    # the draws do not depend on tool_p: the same conversations are cut as without tools
+    calls = agent_workload(count, **{**TOOLS, "tool_p": 1.0, "abandon_p": 0.5})
+    plain = agent_workload(count, **{**TOOLS, "tool_p": 0.0, "abandon_p": 0.5})
+    assert [len(c.turns) for c in calls.conversations] == [
+        len(c.turns) for c in plain.conversations] == [len(c.turns) for c in cut.conversations]
 
 
 def test_a_tool_turns_budget_holds_the_fake_engines_whole_call():

@@ -99,7 +99,11 @@ def _retention_parser(kinds: Any) -> None:
         "times, replies with heavy-tailed think times, abandoned conversations)")
     r.add_argument("--modes", default="managed,stock,none",
                    help="comma-separated, run in order: managed, stock, none")
-    r.add_argument("--conversations", type=int, default=24)
+    r.add_argument("--conversations", type=int, default=48)
+    r.add_argument("--prelude-conversations", type=int, default=64,
+                   help="conversations of the same workload (another seed) run unmeasured "
+                        "first, so the router's learned retention is a steady state's "
+                        "(0: start cold)")
     r.add_argument("--max-turns", type=int, default=8)
     r.add_argument("--abandon-p", type=float, default=0.3,
                    help="probability the user never comes back after a reply")
@@ -167,7 +171,13 @@ def _run_retention(args: argparse.Namespace) -> int:
         summarize_retention,
     )
     from kvrelay.bench.tokens import default_counter
-    from kvrelay.bench.workloads import Pacing, ThinkTime, WorkloadError, agent_workload
+    from kvrelay.bench.workloads import (
+        Pacing,
+        ThinkTime,
+        Workload,
+        WorkloadError,
+        agent_workload,
+    )
     from kvrelay.cluster.launcher import ServiceStartError
 
     try:
@@ -184,12 +194,20 @@ def _run_retention(args: argparse.Namespace) -> int:
                         args.arrival_mean_s / scale)
         tool_time = ThinkTime("lognormal", args.tool_mean_s / scale, args.tool_sigma,
                               args.tool_max_s / scale)
-        workload = agent_workload(
-            default_counter(args.model), conversations=args.conversations,
-            turns=args.max_turns, system_tokens=args.system_tokens,
-            user_tokens=args.user_tokens, answer_tokens=args.answer_tokens, pacing=pacing,
-            abandon_p=args.abandon_p, tool_p=args.tool_p, tool_time=tool_time,
-            seed=args.seed, salt=salt)
+        if args.prelude_conversations < 0:
+            raise ValueError("--prelude-conversations must be >= 0")
+        count = default_counter(args.model)
+
+        def build(conversations: int, seed: int, salt: str) -> Workload:
+            return agent_workload(
+                count, conversations=conversations, turns=args.max_turns,
+                system_tokens=args.system_tokens, user_tokens=args.user_tokens,
+                answer_tokens=args.answer_tokens, pacing=pacing, abandon_p=args.abandon_p,
+                tool_p=args.tool_p, tool_time=tool_time, seed=seed, salt=salt)
+
+        workload = build(args.conversations, args.seed, salt)
+        prelude = build(args.prelude_conversations, args.seed + 1_000_003, f"{salt}-prelude") \
+            if args.prelude_conversations else None
         options = RetentionBenchOptions(
             time_scale=scale, ttl_s=args.ttl_s, decode_kv_blocks=args.decode_kv_blocks,
             retention_headroom=args.retention_headroom, latency=args.fake_latency,
@@ -203,7 +221,7 @@ def _run_retention(args: argparse.Namespace) -> int:
     print(f"retention: {len(workload.conversations)} conversations, {workload.num_turns} "
           f"turns, modes {','.join(modes)}; results in {out}", file=sys.stderr, flush=True)
     try:
-        runs = run_retention_bench(workload, modes, out / "runs", options)
+        runs = run_retention_bench(workload, modes, out / "runs", options, prelude=prelude)
     except ServiceStartError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
@@ -214,7 +232,8 @@ def _run_retention(args: argparse.Namespace) -> int:
              f"{len(workload.conversations)} conversations, {workload.num_turns} turns "
              f"({sum(t.tool_call for c in workload.conversations for t in c.turns)} tool "
              f"calls, over {args.api}); time scale {scale:g}; D {args.decode_kv_blocks} "
-             f"blocks; TTL {args.ttl_s:g} s",
+             f"blocks; TTL {args.ttl_s:g} s; prelude {args.prelude_conversations} "
+             f"conversations; modes side by side",
              "", *markdown_table(summaries, goals)]
     out.mkdir(parents=True, exist_ok=True)
     (out / "retention.md").write_text("\n".join(lines) + "\n")

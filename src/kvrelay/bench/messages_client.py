@@ -3,10 +3,12 @@
 Same measurement contract as ``ChatClient`` (``bench.client``), Messages events instead of
 chat chunks (``t0`` read just before the request is sent):
 
-* ``ttft_s``: arrival of the first ``content_block_delta`` of any kind (``text_delta`` or
-  a tool call's ``input_json_delta``), minus ``t0``. A forced call's head (``<tool_call>``,
-  its name) is written before its first argument delta, so a tool-call turn's TTFT includes
-  those tokens' decode, as a Claude Code user sees it;
+* ``ttft_s``: arrival of the first ``content_block_start`` (or, without one, the first
+  ``content_block_delta``), minus ``t0``: the first sign that D is generating the answer.
+  A forced call's head (``<tool_call>``, its name) is decoded before its first argument
+  delta; timing the block's start keeps the TTFTs of tool-call and text turns comparable
+  (the fake engine opens a forced call's block as soon as D admitted the request), so a
+  wait for D's blocks shows undiluted by that decode;
 * ``tpot_s``: ``(last delta - first delta) / (n - 1)``, ``n`` the answer's output tokens
   (``message_delta``'s usage, else the number of deltas) for a text answer, the number of
   argument deltas for a tool call (its head is before the first);
@@ -115,6 +117,7 @@ class MessagesStreamMeter:
     and the clock reading at its arrival (see the module's measurement contract)."""
 
     started_s: float
+    first_block_s: float | None = None
     first_delta_s: float | None = None
     last_delta_s: float | None = None
     deltas: int = 0
@@ -141,6 +144,8 @@ class MessagesStreamMeter:
             if isinstance(message, dict):
                 self.prompt_tokens = _prompt_tokens(message.get("usage")) or self.prompt_tokens
         elif kind == "content_block_start":
+            if self.first_block_s is None:
+                self.first_block_s = now
             block = event.get("content_block")
             if isinstance(block, dict):
                 self.blocks[_index(event)] = _Block(str(block.get("type") or ""),
@@ -193,9 +198,10 @@ class MessagesStreamMeter:
         error = error or self.error
         if error is None and self.first_delta_s is None:
             error = "stream ended without content"
+        first = self.first_block_s if self.first_block_s is not None else self.first_delta_s
         return TurnResult(
             status=status, text=text,
-            ttft_s=None if self.first_delta_s is None else self.first_delta_s - self.started_s,
+            ttft_s=None if first is None else first - self.started_s,
             tpot_s=tpot, e2e_s=ended_s - self.started_s, prompt_tokens=self.prompt_tokens,
             completion_tokens=self.output_tokens or self.deltas, decision=decision,
             error=error, tool_call=call,

@@ -1,19 +1,23 @@
 """``kvrelay bench retention``: managed vs stock vs no retention on fake engines, one run.
 
-Issue #21's benchmark. One agent workload runs through three modes, one after another, each
-on fresh fake engines (1 P, 1 D, ``--engines fake``'s latency preset) with a fresh router.
+Issue #21's benchmark. One agent workload runs through three modes, **side by side**: each
+on fresh fake engines (1 P, 1 D, ``--engines fake``'s latency preset) with a router of its
+own, the same turns sent to every mode at the same moments from one event loop, so the
+machine's noise (other work on a shared host) falls on every mode alike and the ratios
+between modes compare like with like.
 
 **The workload** models an agent (``workloads.agent_workload``): most turns end in a **tool
 call** (``tool_p``; the harness runs the tool and comes back with its result after the tool's
 execution time, heavy-tailed and cut at the tool timeout), the others in a **reply** to the
-user, who comes back after a heavy-tailed think time, or never (``abandon_p``, after replies
-only). The turns go over the Anthropic Messages API (``api="messages"``, Claude Code's:
+user, who comes back after a heavy-tailed think time. After every turn the conversation
+may be abandoned (``abandon_p``: the user never comes back, or stopped the agent's
+loop). The turns go over the Anthropic Messages API (``api="messages"``, Claude Code's:
 ``messages_client``), where the fake engine forces tool calls (``tool_choice``) as vLLM does;
 ``api="chat"`` sends chat completions and takes no tool calls (``tool_p = 0``, the benchmark
-as it was before tool calls). A tool-call turn's TTFT is its first argument delta: the call's
-head (``<tool_call>{"name": "run", "arguments": {"input": "``, ~50 tokens on the fake, one
-per character) is decoded first, so TTFTs of tool-call turns, turn 1 included, carry that
-decode (~0.25 s at the ``cpu`` preset's 5 ms/token) in every mode. The modes:
+as it was before tool calls). A turn's TTFT is the start of its answer's first content
+block (``messages_client``): the fake opens a forced call's block as soon as D admitted the
+request, before decoding the call's head, so tool-call and text turns time alike and a
+wait for D's blocks shows undiluted. The modes:
 
 * ``managed``: bidirectional transfer, D runs kvrelay's retention (per-turn
   ``kvrelay_retain_s`` learned by the router, releases under pressure, over headroom, at the
@@ -28,14 +32,21 @@ is left large (P only prefills and leases), so the pressure is D's.
 
 **Time.** The fake's and the router's clocks are real time, so durations are scaled as in
 ``bench replay --trace`` (``trace_replay.ScaledSettings``): think times, arrivals, D's TTL
-(``ttl_s / time_scale`` + the reader's unscalable 5 s margin) and the router's margins are
-divided by ``time_scale``; latencies (prefill, transfer, decode) are not. Block-seconds are
+(``ttl_s / time_scale`` + the reader's unscalable 5 s margin) and the router's margins
+(``retain_min_window_s`` too) are divided by ``time_scale``; latencies (prefill, transfer,
+decode) are not. Block-seconds are
 reported in workload seconds (x ``time_scale``).
 
 **Warm-up.** Before a mode is timed, one short turn of its own conversation goes through
 the router (``warm_up``, with the same client, so over the same API): a fresh engine's first
-request is slower and would otherwise be one of the ~24 new-conversation TTFT samples, near
-their p99.
+request is slower and would otherwise be one of the new-conversation TTFT samples, near
+their p99. Then, when given, the **prelude**: a workload of the same kind (another seed and
+salt: no KV in common) runs unmeasured through each mode, so that the managed router has
+seen the gaps between turns a router serving this traffic would have seen (its learned
+retention is the steady state's, not a cold start's: ``core.retention_time`` needs 100 gaps
+of a kind before it trusts a 0.99 quantile); then every mode waits D's TTL, so D holds
+nothing of the prelude when the measured run starts. D's preemptions and releases are
+counted from there.
 
 **D's trace.** While a mode runs, D's ``/fake/info`` is sampled every
 ``sample_interval_s``: held blocks (every retained turn's blocks) and waiting requests.
@@ -70,6 +81,7 @@ from kvrelay.bench.trace_replay import (
 from kvrelay.bench.workloads import Workload
 from kvrelay.cluster.config import ClusterConfig
 from kvrelay.cluster.fake_engines import FakeLatency
+from kvrelay.core.retention_time import RetentionTimeConfig
 from kvrelay.fakevllm.versions import VllmVersion
 
 RetentionModeName = Literal["managed", "stock", "none"]
@@ -123,16 +135,38 @@ class RetentionRun:
 
 def run_retention_bench(
     workload: Workload, modes: Sequence[RetentionModeName], run_dir: Path,
-    options: RetentionBenchOptions,
+    options: RetentionBenchOptions, *, prelude: Workload | None = None,
 ) -> list[RetentionRun]:
-    """Each mode on fresh fake engines and router, one after another."""
-    return [run_mode(workload, mode, run_dir / mode, options) for mode in modes]
+    """Every mode on fresh fake engines and a router of its own, side by side: the modes'
+    processes start one after another, then one event loop runs the same workload through
+    each at once (module docstring), ``prelude`` first when given."""
+    with contextlib.ExitStack() as stack:
+        started = [_start_mode(stack, mode, run_dir / mode, options) for mode in modes]
+
+        async def all_modes() -> list[RetentionRun]:
+            return list(await asyncio.gather(*(
+                _bench(workload, mode, options, prelude=prelude) for mode in started)))
+
+        return asyncio.run(all_modes())
 
 
-def run_mode(
-    workload: Workload, mode: RetentionModeName, run_dir: Path, options: RetentionBenchOptions,
-) -> RetentionRun:
-    """Fresh fake engines and router for ``mode``, the workload through them."""
+@dataclass(frozen=True)
+class _Mode:
+    """One mode's running router and engines."""
+
+    name: RetentionModeName
+    router_url: str
+    decode_url: str
+    model: str
+    info: dict[str, Any]
+    drain_s: float
+
+
+def _start_mode(
+    stack: contextlib.ExitStack, mode: RetentionModeName, run_dir: Path,
+    options: RetentionBenchOptions,
+) -> _Mode:
+    """Fresh fake engines and router for ``mode`` (stopped when ``stack`` closes)."""
     from kvrelay.cluster.config import router_command
     from kvrelay.cluster.fake_engines import fake_engine_options, fake_engine_process
     from kvrelay.cluster.launcher import ServiceProcess, free_port, free_port_block
@@ -150,7 +184,9 @@ def run_mode(
     urls = engines.urls
     run_dir.mkdir(parents=True, exist_ok=True)
     router_toml = run_dir / "router.toml"
-    router_toml.write_text(f"ttl_safety_margin_s = {settings.ttl_safety_margin_s!r}\n")
+    router_toml.write_text(
+        f"ttl_safety_margin_s = {settings.ttl_safety_margin_s!r}\n"
+        f"retain_min_window_s = {RetentionTimeConfig().min_window_s / options.time_scale!r}\n")
     port = free_port(config.host)
     router_url = f"http://{config.host}:{port}"
     router_cmd = router_command(
@@ -169,20 +205,23 @@ def run_mode(
     print(f"{mode}: D {options.decode_kv_blocks} blocks, TTL {settings.engine_ttl_s:.2f} s "
           f"real ({settings.ttl_s:g} s at time scale {settings.time_scale:g})",
           file=options.progress or sys.stderr, flush=True)
-    with fake_engine_process(engines, run_dir / "fake-engine.log", config.python), \
-         ServiceProcess("router", router_cmd, [f"{router_url}/stats"],
-                        run_dir / "router.log", 60.0):
-        run, trace = asyncio.run(_bench(workload, mode, router_url, urls[1],
-                                        engines.served_model_name, options, info,
-                                        drain_s=settings.engine_ttl_s + DRAIN_MARGIN_S))
-    return RetentionRun(mode, run, trace)
+    stack.enter_context(fake_engine_process(engines, run_dir / "fake-engine.log",
+                                            config.python))
+    stack.enter_context(ServiceProcess("router", router_cmd, [f"{router_url}/stats"],
+                                       run_dir / "router.log", 60.0))
+    return _Mode(mode, router_url, urls[1], engines.served_model_name, info,
+                 drain_s=settings.engine_ttl_s + DRAIN_MARGIN_S)
 
 
 async def _bench(
-    workload: Workload, mode: RetentionModeName, router_url: str, decode_url: str, model: str,
-    options: RetentionBenchOptions, info: dict[str, Any], *, drain_s: float,
-) -> tuple[ModeRun, DecodeTrace]:
+    workload: Workload, started_mode: _Mode, options: RetentionBenchOptions, *,
+    prelude: Workload | None,
+) -> RetentionRun:
     import httpx
+
+    mode, router_url, decode_url = started_mode.name, started_mode.router_url, \
+        started_mode.decode_url
+    model, info, drain_s = started_mode.model, started_mode.info, started_mode.drain_s
 
     samples: list[tuple[float, int, int]] = []
     traffic_done = asyncio.Event()
@@ -219,7 +258,16 @@ async def _bench(
                          stats=StatsDecisions(options.tenant),
                          extra_body=options.extra_body) as client:
         await warm_up(client, f"{options.id_prefix}{mode}-warmup")
+        if prelude is not None:
+            await run_workload(prelude, client, mode=mode,
+                               id_prefix=f"{options.id_prefix}{mode}-prelude-")
+            await asyncio.sleep(drain_s)  # D's TTL: nothing of the prelude is held any more
         started = time.perf_counter()
+        before = await sample(http) or {}
+        preempted_before = int(before.get("num_preemptions", 0))
+        released_before = {str(k): int(v) for k, v in (
+            (before.get("retention") or {}).get("releases_total") or {}).items()}
+        samples.clear()
         task = asyncio.create_task(sampler(http))
         try:
             records = await run_workload(workload, client, mode=mode,
@@ -232,9 +280,14 @@ async def _bench(
         end_s = time.perf_counter() - started
         final = await sample(http) or {}
     releases = (final.get("retention") or {}).get("releases_total") or {}
-    trace = DecodeTrace(tuple(samples), end_s, int(final.get("num_preemptions", 0)),
-                        {str(k): int(v) for k, v in releases.items()})
-    return ModeRun(mode, records, {**info, "router_url": router_url, "model": model}), trace
+    preemptions = int(final.get("num_preemptions", 0)) - preempted_before
+    trace = DecodeTrace(tuple(samples), end_s, preemptions,
+                        {str(k): int(v) - released_before.get(str(k), 0)
+                         for k, v in releases.items()})
+    run = ModeRun(mode, records, {**info, "router_url": router_url, "model": model,
+                                  "prelude_conversations": len(prelude.conversations)
+                                  if prelude is not None else 0})
+    return RetentionRun(mode, run, trace)
 
 
 WARM_UP_MESSAGES: tuple[ChatMessage, ...] = ({"role": "user", "content": "warm up"},)

@@ -347,11 +347,11 @@ def agent_workload(
     is exactly the one this function built before it modelled tools: no tool calls, every
     later turn a user message, turns 2, 4, ... reading as tool results, the others as tasks.
 
-    ``abandon_p``: after each turn that ends in a reply, but the last, the user never comes
-    back (the later turns are never sent) with this probability, drawn from a seeded stream
-    of its own (one draw per turn, tool-call turns included, so the draws do not depend on
-    ``tool_p``); after a tool call the harness always comes back. Without tool calls,
-    conversations have ``min(turns, Geometric(abandon_p))`` turns. The turns kept are the
+    ``abandon_p``: after each turn but the last, the conversation is abandoned (its later
+    turns are never sent) with this probability, drawn from a seeded stream of its own:
+    after a reply the user never comes back; after a tool call the harness was stopped (the
+    user interrupted the loop, the agent's process ended). Conversations have
+    ``min(turns, Geometric(abandon_p))`` turns, whatever ``tool_p``; the turns kept are the
     same as with ``abandon_p = 0`` (abandoned sessions: their last turn's KV is never read
     again, what retention has to find out).
     """
@@ -408,10 +408,7 @@ def agent_workload(
             ))
         kept = 1
         abandon = random.Random(f"agent-abandon/{seed}/{index}")
-        while kept < turns:
-            gone = abandon_p > 0 and abandon.random() < abandon_p
-            if gone and not specs[kept - 1].tool_call:
-                break
+        while kept < turns and not (abandon_p > 0 and abandon.random() < abandon_p):
             kept += 1
         convs.append(ConversationSpec(f"agent-{index}", tuple(specs[:kept]),
                                       start_s=next(starts)))
