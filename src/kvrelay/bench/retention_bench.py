@@ -49,7 +49,9 @@ nothing of the prelude when the measured run starts. D's preemptions and release
 counted from there.
 
 **D's trace.** While a mode runs, D's ``/fake/info`` is sampled every
-``sample_interval_s``: held blocks (every retained turn's blocks) and waiting requests.
+``sample_interval_s``: held blocks (the distinct blocks of every retained turn: turns that
+share a prefix on D, a conversation's turn and the one before it that nobody pulled, share
+its blocks, which D holds once) and waiting requests.
 After the last turn sampling goes on until D holds nothing (at most D's TTL and a margin),
 so a mode is charged for what it keeps after the traffic, too. Then D's preemptions and
 releases by cause are read. ``retention_report`` does the arithmetic.
@@ -232,7 +234,7 @@ async def _bench(
             resp = await http.get(f"{decode_url}/fake/info")
             if resp.status_code == 200:
                 body: dict[str, Any] = resp.json()
-                held = sum(len(h["block_ids"]) for h in body.get("held", []))
+                held = len({b for h in body.get("held", []) for b in h["block_ids"]})
                 samples.append((time.perf_counter() - started, held, len(body["waiting"])))
                 return body
         return None
