@@ -155,7 +155,8 @@ class RouterStandIn:
             self.syncs.append(body)
             answer = self.orders.pop(0) if self.orders else RetentionOrders()
             if self.confirm and body.releasing:
-                answer = RetentionOrders(release=answer.release, dropped=body.releasing)
+                answer = RetentionOrders(release=answer.release, dropped=body.releasing,
+                                         windows=answer.windows)  # as the router answers
             return Response(encode(answer), media_type="application/json")
 
         self._server = HttpServer(Starlette(routes=[Route(RETENTION_PATH, sync,

@@ -14,10 +14,12 @@ from typing import Any
 import pytest
 
 from kvrelay.core.retention_sync import (
+    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
     SYNC_INTERVAL_S,
+    PullWindow,
     Released,
     RetentionOrders,
     RetentionSync,
@@ -143,6 +145,33 @@ async def test_pressure_asks_the_turns_router_first_and_frees_what_it_drops(
         assert told.released == (Released(request_id=rid(old), cause="pressure"),)
         assert told.releasing == () and told.releases_total["pressure"] == 1
         assert told.retained_requests == 2
+
+
+async def test_a_window_the_router_sends_makes_its_turn_the_first_asked_for(
+        model: FakeModel) -> None:
+    """Both turns were told a long pull window; the router then sends a short one for the
+    newer turn (its answer was a tool call): once that has passed, pressure asks for the
+    newer turn, not the older one."""
+    clock = ManualClock()
+    async with RouterStandIn() as router, cluster(model, clock) as c:
+        p, d = c.prefill[0], c.decode[0]
+        window = {RETENTION_URL_KEY: router.url, PULL_WINDOW_S_KEY: 60.0}
+        await turn(p, d, conversation(0), **window)
+        clock.advance(1)
+        tool = await turn(p, d, conversation(1), **window)
+        router.orders.append(RetentionOrders(windows=(PullWindow(rid(tool), 0.5),)))
+        clock.advance(SYNC_INTERVAL_S)  # the next sync gets the window
+        await router.wait_for(lambda s: s.retained_requests == 2 and len(router.orders) == 0,
+                              "the window is delivered")
+        retention = d.state.retention
+        assert retention is not None
+        await until(lambda: any(t.request_id == rid(tool) and t.pull_until_s is not None
+                                and t.pull_until_s <= t.retained_at_s + 0.5
+                                for t in retention.turns()), "D shortened the window")
+        clock.advance(1)
+        await turn(p, d, conversation(2), **window)
+        asked = await router.wait_for(lambda s: bool(s.releasing), "D asks to free a turn")
+        assert asked.releasing == (rid(tool),)
 
 
 async def test_an_ask_the_router_leaves_unanswered_keeps_the_turn(model: FakeModel) -> None:

@@ -411,9 +411,10 @@ async def test_a_tool_call_turn_is_kept_for_the_tool_gaps_then_released_on_d() -
     """Tool results come back ~20 s after a tool call, users ~200 s after a reply. Before D
     answers, nobody knows which its answer will be: D is told to keep the turn for the
     replies' time. A turn that ended in a tool call keeps its entry only for the tools'
-    time and, once that expires on the router's clock, D's next sync is answered with its
-    release (once), long before D's own deadline; a reply's entry keeps D's time and is not
-    ordered released. The gap of each follow-up is learned under the kind it followed."""
+    time; D's next sync is answered with the tools' (shorter) pull window for it and, once
+    the entry expires on the router's clock, with its release (once), long before D's own
+    deadline; a reply's entry keeps D's time and is not ordered released. The gap of each
+    follow-up is learned under the kind it followed."""
     async with routed(engine_config=SILENT_D) as r:
         async with r.client() as c:
             await chat(c, conversation(0))  # D's capabilities are known after its first answer
@@ -428,6 +429,13 @@ async def test_a_tool_call_turn_is_kept_for_the_tool_gaps_then_released_on_d() -
         assert (tool.waits_for, tool.release_at_expiry) == ("tool", True)
         kept = tool.expires_at_s - tool.created_at_s + safety
         assert margin + 20.0 <= kept < margin + 20.0 * 1.25 < told
+        told_window = await pull_window_sent(r)
+        assert isinstance(told_window, float) and told_window >= 200.0
+        answer = await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
+        [[request_id, window_s]] = answer.json()["windows"]  # the tools', sent once
+        assert request_id == tool.request_id and 20.0 <= window_s < 20.0 * 1.25
+        assert "windows" not in (await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
+                                 ).json()  # none to send: the answer an older D reads
         reply_follow_up, reply = await agent_turn(r, "Explain the bug.", tool_call=False)
         assert (reply.waits_for, reply.release_at_expiry) == ("user", False)
         assert reply.expires_at_s - reply.created_at_s + safety == pytest.approx(

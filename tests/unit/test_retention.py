@@ -18,6 +18,7 @@ from kvrelay.core.retention_sync import (
     MAX_ORDERS,
     MAX_RELEASED_PER_SYNC,
     RELEASE_CAUSES,
+    PullWindow,
     Released,
     RetentionOrders,
     RetentionSync,
@@ -26,6 +27,7 @@ from kvrelay.core.retention_sync import (
     decode_orders,
     decode_sync,
     encode,
+    shortened_until_s,
 )
 
 
@@ -129,12 +131,36 @@ def test_releasing_and_dropped_round_trip_and_default_to_empty():
     assert "headroom" in RELEASE_CAUSES
 
 
+def test_pull_windows_round_trip_are_checked_and_only_ever_shorten() -> None:
+    """The router's ``windows`` (a tool call's turn: likely pulled within the tools' run
+    time) arrive as ``[request id, seconds]`` pairs; a window past the turn's own (or its
+    deadline, without one) changes nothing."""
+    orders = RetentionOrders(windows=(PullWindow("r1", 2.5),))
+    assert decode_orders(encode(orders)) == orders
+    assert decode_orders(encode(orders)).pull_windows == (PullWindow("r1", 2.5),)
+    assert encode(RetentionOrders()) == b'{"release":[],"dropped":[]}'  # as before windows
+    assert decode_orders(b'{"release":[],"later":1}').pull_windows == ()  # D reads on
+    assert decode_orders(b'{"windows":[["r2",1.0]]}').windows == (PullWindow("r2", 1.0),)
+    for bad in (b'{"windows":[["r2",0]]}', b'{"windows":[["r2",-1.0]]}',
+                b'{"windows":[["r2",1e999]]}', b'{"windows":[["r2"]]}'):
+        with pytest.raises(RetentionSyncError):
+            decode_orders(bad)
+    window = PullWindow("r1", 3.0)
+    assert shortened_until_s(None, 10.0, 40.0, window) == 13.0
+    assert shortened_until_s(20.0, 10.0, 40.0, window) == 13.0
+    assert shortened_until_s(12.0, 10.0, 40.0, window) == 12.0
+    assert shortened_until_s(None, 10.0, 11.0, window) == 11.0
+
+
 def test_releasing_and_dropped_are_bounded():
     too_many = tuple(f"r{i}" for i in range(max(MAX_RELEASED_PER_SYNC, MAX_ORDERS) + 1))
     with pytest.raises(RetentionSyncError):
         decode_sync(encode(sync(releasing=too_many)))
     with pytest.raises(RetentionSyncError):
         decode_orders(encode(RetentionOrders(dropped=too_many)))
+    with pytest.raises(RetentionSyncError):
+        decode_orders(encode(RetentionOrders(windows=tuple(PullWindow(r, 1.0)
+                                                           for r in too_many))))
 
 
 def test_the_router_counts_d_s_retained_blocks_as_available_to_live_work():

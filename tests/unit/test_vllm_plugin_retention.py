@@ -3,7 +3,7 @@
 
 import pytest
 
-from kvrelay.core.retention_sync import RetentionOrders
+from kvrelay.core.retention_sync import PullWindow, RetentionOrders
 from kvrelay.vllm_plugin.retention import RetentionLedger, TurnState, blocks_needed
 from kvrelay.vllm_plugin.retention_client import Engine, RetentionSyncClient
 from tests.retention_router import StandInRouter
@@ -62,6 +62,22 @@ def test_pressure_and_headroom_ask_for_turns_past_their_pull_window_first():
     assert release.request_ids == ("idle",) and ledger.state("old") is TurnState.HELD
     over = ledger.ask_over_headroom(num_blocks_total=24, now_s=8.0)
     assert over.request_ids == ("capped",), "past its window (7 s) before the older turn"
+
+
+def test_a_router_window_makes_a_tool_calls_turn_the_first_asked_for():
+    """Both turns were told the replies' window (D cannot tell how its answer ends); the
+    router then read that "tool" ended in a tool call and sends its tools' window: past it,
+    "tool" is asked for before the older reply. A window never lengthens one."""
+    ledger = RetentionLedger()
+    ledger.retain("reply", num_blocks=12, num_tokens=192, now_s=0.0, retain_s=100.0, url=URL,
+                  pull_window_s=60.0)
+    ledger.retain("tool", num_blocks=12, num_tokens=192, now_s=1.0, retain_s=100.0, url=URL,
+                  pull_window_s=60.0)
+    ledger.shorten_windows([PullWindow("tool", 2.0), PullWindow("reply", 90.0),
+                            PullWindow("unknown", 1.0)])
+    assert [t.pull_until_s for t in ledger.turns()] == [60.0, 3.0]
+    release = ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12, now_s=5.0)
+    assert release.request_ids == ("tool",) and ledger.state("reply") is TurnState.HELD
 
 
 def test_blocks_on_their_way_count_as_free_for_the_next_ask():
@@ -143,6 +159,10 @@ def test_client_syncs_what_the_ledger_holds_and_hands_back_the_answer(router):
     assert answer.url == router.url and answer.orders.dropped == ("a",)
     ledger.confirmed(answer.url, answer.orders.dropped)
     assert ledger.take_to_free() == ["a"]
+    router.answer = RetentionOrders(windows=(PullWindow("b", 1.0),))
+    assert client.sync_once() == 1
+    [windows_only] = client.take_orders()
+    assert windows_only.orders.windows == (PullWindow("b", 1.0),)
 
 
 def test_client_keeps_releases_for_a_router_until_it_hears_them(router):

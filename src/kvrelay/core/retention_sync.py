@@ -23,7 +23,11 @@ keys through untouched):
 
 **The sync** (D -> router, ``RetentionSync`` as JSON), sent every ``SYNC_INTERVAL_S`` while
 D holds retained turns or has releases to tell, and at once after a release. The router
-answers ``RetentionOrders``: D's request ids to release now. D never releases a request P is
+answers ``RetentionOrders``: D's request ids to release now, and shorter pull windows for
+turns whose answer the router has read since (``windows``: a turn that ended in a tool call
+is likely pulled within the tools' run time, not the users' think time D was told; past its
+window it is among the first D releases under pressure). A window only orders releases; it
+never frees anything itself. D never releases a request P is
 reading; an order for an unknown or busy request is ignored (its next sync says what
 happened). A released request's blocks are gone: the router drops the entry and the next
 turn recomputes (reason ``released``).
@@ -49,6 +53,7 @@ Everything here is pure: bodies are decoded and checked, never sent.
 
 from __future__ import annotations
 
+import math
 from typing import Literal
 
 import msgspec
@@ -109,13 +114,34 @@ class RetentionSync(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.retained_blocks * self.bytes_per_block
 
 
-class RetentionOrders(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+class PullWindow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A retained turn's pull window, learned once the router read its answer: it ends
+    ``pull_window_s`` after D retained the turn (as ``kvrelay_pull_window_s`` would have).
+    D only ever shortens a window with it."""
+
+    request_id: str
+    pull_window_s: float
+
+
+class RetentionOrders(msgspec.Struct, frozen=True):
     """The router's answer to a sync: D's request ids to release now (``release``: entries
-    the router dropped), and of the sync's ``releasing`` ids those D may free now
-    (``dropped``: no entry left and no P leg reading them)."""
+    the router dropped), of the sync's ``releasing`` ids those D may free now (``dropped``:
+    no entry left and no P leg reading them), and shorter pull windows (``windows``,
+    ``pull_windows``).
+
+    Versions: ``windows`` is left out of the JSON when there are none, so such an answer is
+    what a connector that predates it reads; D ignores fields it does not know (a router
+    newer than D's connector may send more). A connector older than ``windows`` refuses an
+    answer carrying them (its sync fails; D keeps its turns, as stock vLLM would): upgrade
+    D's connector before the router."""
 
     release: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
+    windows: tuple[PullWindow, ...] | msgspec.UnsetType = msgspec.UNSET
+
+    @property
+    def pull_windows(self) -> tuple[PullWindow, ...]:
+        return () if isinstance(self.windows, msgspec.UnsetType) else self.windows
 
 
 class RetentionSyncError(ValueError):
@@ -160,8 +186,11 @@ def decode_orders(body: bytes) -> RetentionOrders:
         orders = _decode_orders.decode(body)
     except msgspec.DecodeError as exc:
         raise RetentionSyncError(f"not retention orders: {exc}") from None
-    if len(orders.release) > MAX_ORDERS or len(orders.dropped) > MAX_ORDERS:
+    windows = orders.pull_windows
+    if max(len(orders.release), len(orders.dropped), len(windows)) > MAX_ORDERS:
         raise RetentionSyncError(f"more than {MAX_ORDERS} release orders")
+    if not all(math.isfinite(w.pull_window_s) and w.pull_window_s > 0 for w in windows):
+        raise RetentionSyncError("a pull window must be a positive number of seconds")
     return orders
 
 
@@ -188,3 +217,12 @@ def clamp_pull_window_s(requested_s: object, retain_s: float) -> float:
     if not requested_s > 0:
         return retain_s
     return min(float(requested_s), retain_s)
+
+
+def shortened_until_s(pull_until_s: float | None, retained_at_s: float, deadline_s: float,
+                      window: PullWindow) -> float:
+    """When a retained turn's pull window ends after ``window`` (``RetentionOrders.windows``)
+    arrived: the earlier of its window so far (``None``: its deadline) and ``window``'s,
+    counted from when D retained it."""
+    current = deadline_s if pull_until_s is None else pull_until_s
+    return min(current, retained_at_s + window.pull_window_s)

@@ -25,7 +25,9 @@ handshake (``kvrelay.core.retention_sync``) as the real connector
 * **headroom**: ``trim`` asks the same way for what retention holds above ``1 - headroom``
   of the cache, after each new turn (cause ``headroom``);
 * **router orders** (``RetentionOrders.release``): the router dropped the entry already, so
-  the turn is freed at once (cause ``router``).
+  the turn is freed at once (cause ``router``); ``RetentionOrders.windows`` shorten turns'
+  pull windows (the router read their answers: a tool call's follow-up comes within the
+  tools' run time), never lengthen them.
 
 A turn a P is reading is never freed (the fake can tell; vLLM cannot, which is why the
 handshake exists). A freed turn's hold is gone and remembered, so a later read is declined
@@ -57,6 +59,7 @@ from kvrelay.core.retention_sync import (
     Released,
     RetentionOrders,
     RetentionSync,
+    shortened_until_s,
 )
 from kvrelay.fakevllm.kv import BlockPool, HoldTable
 from kvrelay.fakevllm.latency import Clock
@@ -163,9 +166,15 @@ class Retention:
 
     def obey(self, url: str, orders: RetentionOrders) -> Release:
         """``url``'s answer: free what it orders released (entries it dropped), and what D
-        asked it for that it answers ``dropped``. Unknown, busy or unasked ids are ignored
-        (the next sync says what D holds)."""
+        asked it for that it answers ``dropped``; shorten the pull windows it sends. Unknown,
+        busy or unasked ids are ignored (the next sync says what D holds)."""
         live = self._live()
+        for window in orders.pull_windows:
+            held = live.get(window.request_id)
+            if held is not None:
+                turn = held.turn
+                held.turn = replace(turn, pull_until_s=shortened_until_s(
+                    turn.pull_until_s, turn.retained_at_s, turn.deadline_s, window))
         ordered = self._free([rid for rid in dict.fromkeys(orders.release) if rid in live],
                              lambda rid: "router")
         confirmed = [rid for rid in dict.fromkeys(orders.dropped)

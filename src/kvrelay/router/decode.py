@@ -96,6 +96,8 @@ class Decoder:
             plan=retention.plan,
         )
         turn.pending = pending
+        if retention.plan is not None:
+            pending.on_settle.append(ctx.retention.settled)
         if turn.found is not None and not turn.decision.consumes_entry:
             pending.supersedes = turn.found
         family = req.adapter.stream_family

@@ -21,7 +21,11 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 5. answers ``RetentionOrders``: the release orders the index queued for that D and engine
    (``take_releases``): entries the router dropped while D still held them. With Redis the
    queue and the reads in progress are shared, so whichever replica D syncs with answers
-   for all of them.
+   for all of them. Beside them, the shorter pull windows of turns this replica committed
+   since (``settled``: a turn that ended in a tool call is likely pulled within the tools'
+   run time; D told the replies' window releases it first under pressure once that has
+   passed). Those are this replica's own (D syncs with every replica that sent it turns),
+   at most ``MAX_ORDERS`` per D, the oldest dropped first.
 
 ``decode_params`` gives a decode request to a D that runs kvrelay's connector
 (``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
@@ -39,16 +43,21 @@ the entry's expiry when that is shorter (``commit``, ``ConversationEntry.release
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 
+import msgspec
+
 from kvrelay.core.conversation import GapKind
 from kvrelay.core.retention_sync import (
+    MAX_ORDERS,
     PULL_WINDOW_S_KEY,
     RELEASE_CAUSES,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
+    PullWindow,
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
@@ -60,6 +69,7 @@ from kvrelay.core.retention_time import (
     available_fraction,
     plan_retention,
 )
+from kvrelay.router.commit import PendingTurn
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
 from kvrelay.router.index import ConversationIndex
@@ -125,6 +135,7 @@ class RetentionDesk:
         self._learned = learned
         self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
+        self._windows: dict[str, OrderedDict[tuple[str, str], float]] = {}
 
     def observe_gap(self, req: TurnRequest, gap_s: float, kind: GapKind = "user") -> None:
         """A turn arrived ``gap_s`` after the turn it continues ended (``kind``: how that
@@ -153,6 +164,27 @@ class RetentionDesk:
         if decided.pull_window_s is not None:
             keys[PULL_WINDOW_S_KEY] = decided.pull_window_s
         return DecodeRetention(keys, decided.retain_s, plan)
+
+    def settled(self, p: PendingTurn) -> None:
+        """A decode request's turn settled: when its entry keeps less than D was told (the
+        answer ended in a tool call), queue the kind's pull window for D's next sync."""
+        blocks, plan = p.blocks, p.plan
+        if p.outcome != "committed" or blocks is None or plan is None \
+                or not plan.shortened(p.waits_for):
+            return
+        kept = plan.after(p.waits_for)
+        window_s = kept.pull_window_s if kept.pull_window_s is not None else kept.retain_s
+        queue = self._windows.setdefault(p.decode_node_id, OrderedDict())
+        queue[(blocks.engine_id, blocks.request_id)] = window_s
+        while len(queue) > MAX_ORDERS:
+            queue.popitem(last=False)
+
+    def _take_windows(self, node_id: str, engine_id: str) -> tuple[PullWindow, ...]:
+        queue = self._windows.pop(node_id, None)
+        if not queue:
+            return ()
+        return tuple(PullWindow(request_id, window_s)
+                     for (engine, request_id), window_s in queue.items() if engine == engine_id)
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, or once D went down or restarted)."""
@@ -195,7 +227,9 @@ class RetentionDesk:
         orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
-        return RetentionOrders(release=orders, dropped=dropped)
+        windows = self._take_windows(node_id, sync.engine_id)
+        return RetentionOrders(release=orders, dropped=dropped,
+                               windows=windows or msgspec.UNSET)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """``/stats``' ``retention``: per D, its latest numbers (D's own counts)."""

@@ -416,6 +416,7 @@ class _Retention:
 
     def _apply_orders(self) -> None:
         for answer in self.client.take_orders():
+            self.ledger.shorten_windows(answer.orders.pull_windows)
             self.ledger.confirmed(answer.url, answer.orders.dropped)
             self.ledger.ordered(answer.orders.release)
 

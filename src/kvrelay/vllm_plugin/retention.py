@@ -20,7 +20,9 @@ is made safe is ``kvrelay.core.retention_sync``'s handshake:
   answer within ``confirm_timeout_s`` gets the turns back (held again) and is not asked
   again for ``ask_backoff_s``: D then waits or preempts as stock vLLM would, never frees a
   turn a router may still send a P to read. Turns without a retention URL are never asked.
-* **router orders**: the router dropped the entry already, so the turn is freeing at once.
+* **router orders**: the router dropped the entry already, so the turn is freeing at once;
+  a router's ``windows`` shorten turns' pull windows (it read their answers), never
+  lengthen them.
 * **deadline**: ``kvrelay_retain_s`` becomes the turn's own vLLM TTL (set by the connector);
   when vLLM's sweep frees it at or after its deadline the ledger records ``expired``.
 
@@ -36,6 +38,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 
 import msgspec
+from msgspec.structs import replace
 
 from kvrelay.core.retention import (
     NOTHING,
@@ -44,7 +47,13 @@ from kvrelay.core.retention import (
     release_over_headroom,
     release_under_pressure,
 )
-from kvrelay.core.retention_sync import RELEASE_CAUSES, ReleaseCause, Released
+from kvrelay.core.retention_sync import (
+    RELEASE_CAUSES,
+    PullWindow,
+    ReleaseCause,
+    Released,
+    shortened_until_s,
+)
 
 CONFIRM_TIMEOUT_S = 2.0
 """How long D waits for a router to answer a ``releasing`` id before it keeps the turn."""
@@ -235,6 +244,17 @@ class RetentionLedger:
             tracked = self._turns.get(request_id)
             if tracked is not None and tracked.state is not TurnState.FREEING:
                 self._free(request_id, tracked, "router")
+
+    def shorten_windows(self, windows: Iterable[PullWindow]) -> None:
+        """The router read these turns' answers: their pull windows end earlier (a tool
+        call's follow-up comes within the tools' run time); past them they are asked for
+        first under pressure or headroom."""
+        for window in windows:
+            tracked = self._turns.get(window.request_id)
+            if tracked is not None:
+                turn = tracked.turn
+                tracked.turn = replace(turn, pull_until_s=shortened_until_s(
+                    turn.pull_until_s, turn.retained_at_s, turn.deadline_s, window))
 
     def _free(self, request_id: str, tracked: _Tracked, cause: ReleaseCause) -> None:
         tracked.state, tracked.cause = TurnState.FREEING, cause
