@@ -18,7 +18,9 @@ from kvrelay.core.retention_time import (
     plan_retention,
 )
 
-CONFIG = RetentionTimeConfig(quantile=0.9, min_samples=20, router_margin_s=25.0)
+CONFIG = RetentionTimeConfig(quantile=0.9, min_samples=20, router_margin_s=25.0,
+                             fit_tail=False)
+"""The histogram's own quantile (the tail's fit has tests of its own below)."""
 TTL = 480.0
 
 
@@ -120,7 +122,7 @@ def test_bad_input_is_refused_or_ignored() -> None:
 
 def test_the_pull_window_is_the_lower_gap_quantile_never_above_the_retention() -> None:
     config = RetentionTimeConfig(quantile=0.9, pull_quantile=0.5, min_samples=20,
-                                 router_margin_s=25.0)
+                                 router_margin_s=25.0, fit_tail=False)
     gaps = [2.0] * 50 + [200.0] * 50
     got = decide_retain_s([histogram(gaps)], ttl_s=TTL, free_fraction=None, config=config)
     assert got.pull_window_s is not None and 2.0 <= got.pull_window_s < 10.0
@@ -174,3 +176,41 @@ def test_d_short_of_blocks_shortens_both_kinds() -> None:
     tight = plan_retention([tools], [users], ttl_s=TTL, free_fraction=0.05, config=CONFIG)
     assert tight.on_d.reason == "headroom" and tight.on_d.retain_s < roomy.on_d.retain_s
     assert tight.tool.retain_s <= roomy.tool.retain_s
+
+
+def test_the_tails_fit_reaches_where_a_few_hundred_gaps_cannot() -> None:
+    """Tool gaps: log-normal (median 2.6 s, sigma 1.5) cut at a 120 s timeout (0.5% of them).
+    150 of them show no timeout about half the time (this seed's longest is 82 s), and then
+    their 0.997 quantile (their maximum) is short of it; the log-normal fit's 0.997 quantile
+    is past it: every follow-up the timeout allows is caught, the retention errs long."""
+    rng = random.Random(1)
+    gaps = [min(120.0, rng.lognormvariate(0.954, 1.5)) for _ in range(150)]
+    h = histogram(gaps)
+    assert h.quantile_s(0.997) < 120.0 < h.fit_quantile_s(0.997)
+    config = RetentionTimeConfig(router_margin_s=25.0)  # defaults: 0.997, fit_tail
+    got = decide_retain_s([h], ttl_s=TTL, free_fraction=None, config=config)
+    assert got.gap_quantile_s == pytest.approx(h.fit_quantile_s(0.997))
+    assert 120.0 + 25.0 < got.retain_s < TTL
+    no_fit = RetentionTimeConfig(router_margin_s=25.0, fit_tail=False)
+    assert decide_retain_s([h], ttl_s=TTL, free_fraction=None, config=no_fit).reason == \
+        "prior"  # 150 gaps are too few for a 0.997 quantile of their own (334 needed)
+    assert no_fit.samples_needed == 334 and config.samples_needed == config.min_samples
+
+
+def test_the_fit_never_shortens_what_the_histogram_shows() -> None:
+    """Two clusters (a fit's worst case): the retention is the larger of the two."""
+    h = histogram([1.0] * 500 + [300.0] * 10)
+    config = RetentionTimeConfig(quantile=0.99, router_margin_s=25.0)
+    got = decide_retain_s([h], ttl_s=TTL, free_fraction=None, config=config)
+    assert got.gap_quantile_s == max(h.quantile_s(0.99), h.fit_quantile_s(0.99))
+    assert got.gap_quantile_s >= 300.0
+
+
+def test_the_fit_follows_the_gaps_and_refuses_bad_shares() -> None:
+    assert GapHistogram().fit_quantile_s(0.5) == GAP_MAX_S
+    same = histogram([8.0] * 50)
+    assert same.fit_quantile_s(0.999) == pytest.approx(8.0)
+    h = histogram([0.0, 2.0, 2.0])  # a follow-up sent at once counts as LOG_FLOOR_S
+    assert 0.0 < h.fit_quantile_s(0.5) < 2.0
+    with pytest.raises(ValueError):
+        h.fit_quantile_s(1.0)

@@ -14,9 +14,14 @@ retention from what the router has seen:
 * **Learned online, per scope.** ``GapHistogram`` counts observed gaps in log-spaced bins
   (bounded memory, heavy tails kept; older samples decay so a changed workload is followed).
   ``decide_retain_s`` uses the narrowest of the histograms it is given (say a conversation
-  id's, then its tenant's, then all traffic's) that holds enough gaps
-  (``RetentionTimeConfig.samples_needed``: ``min_samples``, and ``1 / (1 - quantile)`` for
-  a high quantile); with none, the prior: D's TTL (what stock vLLM does).
+  id's, then its tenant's, then all traffic's) that holds ``min_samples`` gaps; with none,
+  the prior: D's TTL (what stock vLLM does).
+* **The tail.** The quantile that decides is high (0.997: a lost follow-up costs a whole
+  recompute, a longer retention only blocks that D releases on demand). A few hundred gaps
+  cannot show it (their 0.997 quantile is their maximum, short on a heavy tail), so the time
+  is the larger of the histogram's quantile and a log-normal fit's
+  (``GapHistogram.fit_quantile_s``): heavy tails are extrapolated, and gaps bounded by a
+  timeout (a tool's), where the fit runs long, are kept to the fit's time, never cut short.
 * **Per kind of gap.** What follows a turn depends on how it ended (``GapKind``): after a
   tool call the client runs the tool and comes back within the tool's run time (seconds,
   bounded by the harness's tool timeout), after a reply the user thinks for minutes, or
@@ -24,7 +29,8 @@ retention from what the router has seen:
   answers (``RetainPlan``): D is told the longer, as it cannot tell how its answer ends; the
   router, once it has read the answer, keeps the entry ``after(kind)`` and releases D's
   blocks when that is shorter (``RetainPlan.shortened``). A kind without enough gaps of its
-  own uses the gaps of every kind (a chat deployment without tools learns as one kind).
+  own keeps the prior; a kind never seen (tool calls in a chat deployment without tools)
+  does not lengthen what D is told.
 * **D's headroom.** When D's last sync shows less than ``low_free_fraction`` of its KV cache
   available to live work (``available_fraction``: free blocks and retained ones, which D
   releases on demand under pressure), the time shrinks in proportion (to ``min_scale`` of it
@@ -45,6 +51,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from statistics import NormalDist
 from dataclasses import dataclass
 from typing import Literal
 
@@ -58,6 +65,7 @@ GAP_MAX_S = 7200.0
 NUM_BINS = 48
 _LOG_MIN = math.log(GAP_MIN_S)
 _LOG_SPAN = math.log(GAP_MAX_S) - _LOG_MIN
+_STANDARD_NORMAL = NormalDist()
 
 RetainReason = Literal["prior", "learned", "headroom"]
 """Where a retention time came from: D's TTL (too few gaps seen), the gaps' quantile, or
@@ -77,13 +85,20 @@ def bin_of(gap_s: float) -> int:
     return min(NUM_BINS - 1, max(0, math.ceil(at) - 1))
 
 
+LOG_FLOOR_S = 1e-3
+"""Gaps shorter than this count as this in the log-normal fit (a follow-up sent at once)."""
+
+
 class GapHistogram(msgspec.Struct, frozen=True):
     """Observed gaps between turns, weighted (each sample 1, times ``decay`` per later
-    sample: an effective window of ``1 / (1 - decay)`` samples)."""
+    sample: an effective window of ``1 / (1 - decay)`` samples), in log-spaced bins and as
+    the weighted sums of their logarithms and squared logarithms (``fit_quantile_s``)."""
 
     counts: tuple[float, ...] = (0.0,) * NUM_BINS
     total: float = 0.0
     samples: int = 0
+    log_sum: float = 0.0
+    log_sq_sum: float = 0.0
 
     def observe(self, gap_s: float, *, decay: float = 0.998) -> GapHistogram:
         """The histogram after one more gap (a negative or non-finite one is ignored)."""
@@ -92,7 +107,23 @@ class GapHistogram(msgspec.Struct, frozen=True):
         hit = bin_of(gap_s)
         counts = tuple(c * decay + (1.0 if i == hit else 0.0)
                        for i, c in enumerate(self.counts))
-        return GapHistogram(counts, self.total * decay + 1.0, self.samples + 1)
+        log_gap = math.log(max(gap_s, LOG_FLOOR_S))
+        return GapHistogram(counts, self.total * decay + 1.0, self.samples + 1,
+                            self.log_sum * decay + log_gap,
+                            self.log_sq_sum * decay + log_gap * log_gap)
+
+    def fit_quantile_s(self, q: float) -> float:
+        """The ``q`` quantile of the log-normal distribution with the gaps' weighted mean and
+        variance of ``log(gap)``. A heavy tail's high quantile, which a few hundred gaps
+        cannot show (a 0.999 quantile of 100 gaps is only their maximum), comes from the
+        fit; for gaps bounded by a timeout (a tool's) the fit errs long, never short."""
+        if not 0.0 < q < 1.0:
+            raise ValueError(f"q is a share in (0, 1), got {q}")
+        if self.total <= 0:
+            return GAP_MAX_S
+        mean = self.log_sum / self.total
+        sigma = math.sqrt(max(0.0, self.log_sq_sum / self.total - mean * mean))
+        return min(GAP_MAX_S, math.exp(mean + _STANDARD_NORMAL.inv_cdf(q) * sigma))
 
     def quantile_s(self, q: float) -> float:
         """The smallest bin edge at or below which a share ``q`` of the weight lies (an
@@ -116,7 +147,8 @@ class RetentionTimeConfig:
     ``ttl_safety_margin_s + near_expiry_s`` (the defaults: ``tune.model``'s
     ``DEFAULT_ROUTER_MARGIN_S``)."""
 
-    quantile: float = 0.99
+    quantile: float = 0.997
+    fit_tail: bool = True
     pull_quantile: float = 0.8
     min_samples: int = 32
     router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + PolicyConfig().near_expiry_s
@@ -138,10 +170,10 @@ class RetentionTimeConfig:
 
     @property
     def samples_needed(self) -> int:
-        """Gaps a histogram needs before its quantile is used: ``min_samples``, and at
-        least ``1 / (1 - quantile)`` (a high quantile of fewer gaps is only their maximum,
-        which errs short on a heavy tail)."""
-        if self.quantile >= 1.0:
+        """Gaps a histogram needs before its quantile is used: ``min_samples``; without the
+        tail's fit (``fit_tail``) at least ``1 / (1 - quantile)`` too (a high quantile of
+        fewer gaps is only their maximum, which errs short on a heavy tail)."""
+        if self.fit_tail or self.quantile >= 1.0:
             return self.min_samples
         return max(self.min_samples, math.ceil(1.0 / (1.0 - self.quantile) - 1e-9))
 
@@ -190,6 +222,8 @@ def decide_retain_s(
     retain_s, quantile_s, window_s = ttl_s, None, None
     if chosen is not None:
         quantile_s = chosen.quantile_s(config.quantile)
+        if config.fit_tail and config.quantile < 1.0:
+            quantile_s = max(quantile_s, chosen.fit_quantile_s(config.quantile))
         window_s = chosen.quantile_s(config.pull_quantile)
         retain_s, reason = quantile_s + config.router_margin_s, "learned"
     low = config.low_free_fraction

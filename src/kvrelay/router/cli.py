@@ -88,7 +88,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "turns, docs/router.md \"Retention\")")
     parser.add_argument("--retain-quantile", type=float, default=None,
                         help="share of returning follow-ups the learned retention time "
-                             "waits for, per kind of turn end (default 0.99)")
+                             "waits for, per kind of turn end, with a log-normal fit of "
+                             "the tail (default 0.997)")
     parser.add_argument("--report-wait-s", type=float, default=None)
     parser.add_argument("--health-interval-s", type=float, default=None)
     parser.add_argument("--max-entries", type=int, default=None,

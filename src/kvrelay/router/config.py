@@ -193,7 +193,7 @@ class RouterConfig:
     expired_retention_s: float = 300.0
     recent_decisions: int = 100
     learned_retention: bool = True
-    retain_quantile: float = 0.99
+    retain_quantile: float = 0.997
     retain_min_window_s: float = 5.0
     log_level: str = "info"
     state: str | None = None
