@@ -51,8 +51,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from statistics import NormalDist
 from dataclasses import dataclass
+from statistics import NormalDist
 from typing import Literal
 
 import msgspec
