@@ -100,7 +100,7 @@ def _retention_parser(kinds: Any) -> None:
     r.add_argument("--modes", default="managed,stock,none",
                    help="comma-separated, run in order: managed, stock, none")
     r.add_argument("--conversations", type=int, default=48)
-    r.add_argument("--prelude-conversations", type=int, default=64,
+    r.add_argument("--prelude-conversations", type=int, default=128,
                    help="conversations of the same workload (another seed) run unmeasured "
                         "first, so the router's learned retention is a steady state's "
                         "(0: start cold)")
