@@ -41,12 +41,13 @@ reported in workload seconds (x ``time_scale``).
 **Warm-up.** Before a mode is timed, one short turn of its own conversation goes through
 the router (``warm_up``, with the same client, so over the same API): a fresh engine's first
 request is slower and would otherwise be one of the new-conversation TTFT samples, near
-their p99. Then, when given, the **prelude** (`--prelude-conversations`, 128 by default): a workload of the same kind (another seed and
-salt: no KV in common) runs unmeasured through each mode, so that the managed router has
-seen the gaps between turns a router serving this traffic would have seen (its learned
-retention is the steady state's, not a cold start's: ``core.retention_time`` needs 100 gaps
-of a kind before it trusts a 0.99 quantile); then every mode waits D's TTL, so D holds
-nothing of the prelude when the measured run starts. D's preemptions and releases are
+their p99. Then, when given, the **prelude** (``--prelude-conversations``, 128 by
+default): a workload of the same kind (another seed and salt: no KV in common) runs
+unmeasured through each mode, so that the managed router has seen the gaps between turns a
+router serving this traffic would have seen (its learned retention is the steady state's,
+not a cold start's: ``core.retention_time`` learns a kind from 32 of its gaps, and 128
+conversations give ~40 after replies); then every mode waits D's TTL, so D holds nothing of
+the prelude when the measured run starts. D's preemptions and releases are
 counted from there.
 
 **D's trace.** While a mode runs, D's ``/fake/info`` is sampled every
