@@ -384,6 +384,8 @@ class ReportDesk:
             return
         done = p.response_done_s if p.response_done_s is not None else self._clock()
         shortened = p.plan is not None and p.plan.shortened(p.waits_for)
+        kept_s = p.plan.after(p.waits_for).retain_s if p.plan is not None and shortened \
+            else p.ttl_s
         entry = new_entry(
             decode_node_id=p.decode_node_id,
             blocks=blocks,
@@ -391,8 +393,7 @@ class ReportDesk:
             turn=p.number,
             conversation=p.conversation,
             num_bytes=p.num_bytes,
-            ttl_s=p.plan.after(p.waits_for).retain_s if p.plan is not None and shortened
-            else p.ttl_s,
+            ttl_s=kept_s,
             safety_margin_s=self._margin,
             block_size=block_size,
             waits_for=p.waits_for,
