@@ -156,7 +156,7 @@ class RouterStandIn:
             answer = self.orders.pop(0) if self.orders else RetentionOrders()
             if self.confirm and body.releasing:
                 answer = RetentionOrders(release=answer.release, dropped=body.releasing,
-                                         windows=answer.windows)  # as the router answers
+                                         curves=answer.curves)  # as the router answers
             return Response(encode(answer), media_type="application/json")
 
         self._server = HttpServer(Starlette(routes=[Route(RETENTION_PATH, sync,

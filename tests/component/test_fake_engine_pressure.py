@@ -17,10 +17,10 @@ import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.core.retention_sync import (
-    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETAIN_VALUE_KEY,
     RETENTION_URL_KEY,
+    RETURN_CURVE_KEY,
 )
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.generation import GenerationInput, admit
@@ -248,19 +248,22 @@ async def test_managed_retention_releases_the_least_valuable_turn_first(
         assert cheap["kv_transfer_params"]["remote_request_id"] not in held
 
 
-async def test_managed_retention_releases_a_turn_past_its_pull_window_first(
+async def test_managed_retention_releases_the_turn_least_likely_to_be_pulled_first(
         clock: ManualClock, model: FakeModel, turn_blocks: int) -> None:
+    """The older turn ended in a reply (users come back after about a minute), the younger
+    in a tool call (results come back within about a second): 5 s on, the tool call's turn
+    is the less likely to be pulled and is released first."""
     async with RouterStandIn() as router, \
             cluster_with(MANAGED, clock, model, turn_blocks) as cluster:
         p, d = cluster.prefill[0], cluster.decode[0]
-        in_window = await turn(p, d, conversation(0), router, **{PULL_WINDOW_S_KEY: 100.0})
+        reply = await turn(p, d, conversation(0), router, **{RETURN_CURVE_KEY: [0.5, 4.0, 1.0]})
         clock.advance(1)
-        idle = await turn(p, d, conversation(1), router, **{PULL_WINDOW_S_KEY: 2.0})
-        clock.advance(5)  # the younger turn's window is over, the older's is not
+        tool = await turn(p, d, conversation(1), router, **{RETURN_CURVE_KEY: [0.9, 0.0, 1.0]})
+        clock.advance(5)
         await turn(p, d, conversation(2), router)
         held = {h.request_id for h in d.held()}
-        assert in_window["kv_transfer_params"]["remote_request_id"] in held
-        assert idle["kv_transfer_params"]["remote_request_id"] not in held
+        assert reply["kv_transfer_params"]["remote_request_id"] in held
+        assert tool["kv_transfer_params"]["remote_request_id"] not in held
 
 
 async def test_managed_turn_is_released_at_its_own_deadline_and_its_read_declined(

@@ -14,16 +14,17 @@ from typing import Any
 import pytest
 
 from kvrelay.core.retention_sync import (
-    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
+    RETURN_CURVE_KEY,
     SYNC_INTERVAL_S,
-    PullWindow,
     Released,
     RetentionOrders,
     RetentionSync,
+    TurnCurve,
 )
+from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.model import FakeModel
 from kvrelay.fakevllm.retention import CONFIRM_TIMEOUT_S
@@ -147,29 +148,29 @@ async def test_pressure_asks_the_turns_router_first_and_frees_what_it_drops(
         assert told.retained_requests == 2
 
 
-async def test_a_window_the_router_sends_makes_its_turn_the_first_asked_for(
+async def test_a_curve_the_router_sends_makes_its_turn_the_first_asked_for(
         model: FakeModel) -> None:
-    """Both turns were told a long pull window; the router then sends a short one for the
-    newer turn (its answer was a tool call): once that has passed, pressure asks for the
-    newer turn, not the older one."""
+    """Both turns were told the replies' curve (users come back after about a minute); the
+    router then sends the tools' curve for the newer turn (its answer was a tool call):
+    seconds later, pressure asks for the newer turn, not the older one."""
     clock = ManualClock()
     async with RouterStandIn() as router, cluster(model, clock) as c:
         p, d = c.prefill[0], c.decode[0]
-        window = {RETENTION_URL_KEY: router.url, PULL_WINDOW_S_KEY: 60.0}
-        await turn(p, d, conversation(0), **window)
+        replies = {RETENTION_URL_KEY: router.url, RETURN_CURVE_KEY: [0.5, 4.0, 1.0]}
+        await turn(p, d, conversation(0), **replies)
         clock.advance(1)
-        tool = await turn(p, d, conversation(1), **window)
-        router.orders.append(RetentionOrders(windows=(PullWindow(rid(tool), 0.5),)))
-        clock.advance(SYNC_INTERVAL_S)  # the next sync gets the window
+        tool = await turn(p, d, conversation(1), **replies)
+        tools = ReturnCurve(0.9, 0.0, 1.0)
+        router.orders.append(RetentionOrders(curves=(TurnCurve(rid(tool), tools),)))
+        clock.advance(SYNC_INTERVAL_S)  # the next sync gets the curve
         await router.wait_for(lambda s: s.retained_requests == 2 and len(router.orders) == 0,
-                              "the window is delivered")
+                              "the curve is delivered")
         retention = d.state.retention
         assert retention is not None
-        await until(lambda: any(t.request_id == rid(tool) and t.pull_until_s is not None
-                                and t.pull_until_s <= t.retained_at_s + 0.5
-                                for t in retention.turns()), "D shortened the window")
-        clock.advance(1)
-        await turn(p, d, conversation(2), **window)
+        await until(lambda: any(t.request_id == rid(tool) and t.curve == tools
+                                for t in retention.turns()), "D took the curve")
+        clock.advance(5)
+        await turn(p, d, conversation(2), **replies)
         asked = await router.wait_for(lambda s: bool(s.releasing), "D asks to free a turn")
         assert asked.releasing == (rid(tool),)
 

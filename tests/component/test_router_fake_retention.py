@@ -7,23 +7,26 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 from dataclasses import replace
 from typing import Any
 
 import httpx
+import msgspec
 import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.retention_sync import (
-    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
+    RETURN_CURVE_KEY,
     Released,
     RetentionSync,
     encode,
 )
+from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.request import IdRules, parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
@@ -292,10 +295,11 @@ async def retain_s_sent(r: Routed) -> object:
     return params.get(RETAIN_S_KEY)
 
 
-async def pull_window_sent(r: Routed) -> object:
+async def curve_sent(r: Routed) -> ReturnCurve | None:
     params = r.cluster.decode[0].records[-1].request_kv_transfer_params
     assert params is not None
-    return params.get(PULL_WINDOW_S_KEY)
+    raw = params.get(RETURN_CURVE_KEY)
+    return None if raw is None else msgspec.convert(raw, ReturnCurve)
 
 
 async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_follows() -> None:
@@ -309,13 +313,14 @@ async def test_d_keeps_each_turn_as_long_as_the_gaps_seen_ask_and_the_entry_foll
             await chat(c, conversation(1))
             await r.settle()
             assert await retain_s_sent(r) == ENGINE_CONFIG.decoder_kv_blocks_ttl  # the prior
-            assert await pull_window_sent(r) is None  # the prior's window: all of it
+            assert await curve_sent(r) is None  # the prior: no curve
             learn_gaps(r, 20.0)
             history, entry = await one_first_turn(r)
             retain_s = await retain_s_sent(r)
             assert isinstance(retain_s, float)
-            window_s = await pull_window_sent(r)  # follow-ups come within ~20 s
-            assert isinstance(window_s, float) and 20.0 <= window_s < 20.0 * 1.25 < retain_s
+            curve = await curve_sent(r)  # follow-ups come after ~20 s
+            assert curve is not None and math.exp(curve.log_mean) == pytest.approx(20.0)
+            assert 0.0 < curve.return_p <= 1.0
             margin = r.ctx.config.ttl_safety_margin_s + r.ctx.config.policy.near_expiry_s
             assert margin + 20.0 <= retain_s < margin + 20.0 * 1.25
             assert entry.expires_at_s - entry.created_at_s == pytest.approx(
@@ -411,7 +416,7 @@ async def test_a_tool_call_turn_is_kept_for_the_tool_gaps_then_released_on_d() -
     """Tool results come back ~20 s after a tool call, users ~200 s after a reply. Before D
     answers, nobody knows which its answer will be: D is told to keep the turn for the
     replies' time. A turn that ended in a tool call keeps its entry only for the tools'
-    time; D's next sync is answered with the tools' (shorter) pull window for it and, once
+    time; D's next sync is answered with the tools' return curve for it and, once
     the entry expires on the router's clock, with its release (once), long before D's own
     deadline; a reply's entry keeps D's time and is not ordered released. The gap of each
     follow-up is learned under the kind it followed."""
@@ -429,13 +434,14 @@ async def test_a_tool_call_turn_is_kept_for_the_tool_gaps_then_released_on_d() -
         assert (tool.waits_for, tool.release_at_expiry) == ("tool", True)
         kept = tool.expires_at_s - tool.created_at_s + safety
         assert margin + 20.0 <= kept < margin + 20.0 * 1.25 < told
-        told_window = await pull_window_sent(r)
-        assert isinstance(told_window, float) and told_window >= 200.0
+        told_curve = await curve_sent(r)  # the replies'
+        assert told_curve is not None and math.exp(told_curve.log_mean) == pytest.approx(200.0)
         answer = await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
-        [[request_id, window_s]] = answer.json()["windows"]  # the tools', sent once
-        assert request_id == tool.request_id and 20.0 <= window_s < 20.0 * 1.25
-        assert "windows" not in (await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
-                                 ).json()  # none to send: the answer an older D reads
+        [[request_id, raw]] = answer.json()["curves"]  # the tools', sent once
+        tools = msgspec.convert(raw, ReturnCurve)
+        assert request_id == tool.request_id and math.exp(tools.log_mean) == pytest.approx(20.0)
+        assert "curves" not in (await post_sync(r, sync_body(r.cluster.decode[0].engine_id))
+                                ).json()  # none to send: the answer an older D reads
         reply_follow_up, reply = await agent_turn(r, "Explain the bug.", tool_call=False)
         assert (reply.waits_for, reply.release_at_expiry) == ("user", False)
         assert reply.expires_at_s - reply.created_at_s + safety == pytest.approx(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -120,19 +121,28 @@ def test_bad_input_is_refused_or_ignored() -> None:
         RetentionTimeConfig(quantile=1.5)
 
 
-def test_the_pull_window_is_the_lower_gap_quantile_never_above_the_retention() -> None:
-    config = RetentionTimeConfig(quantile=0.9, pull_quantile=0.5, min_samples=20,
-                                 router_margin_s=25.0, fit_tail=False)
-    gaps = [2.0] * 50 + [200.0] * 50
-    got = decide_retain_s([histogram(gaps)], ttl_s=TTL, free_fraction=None, config=config)
-    assert got.pull_window_s is not None and 2.0 <= got.pull_window_s < 10.0
-    assert got.retain_s > 200.0
-    # The prior has no window (the whole retention), and a short retention caps it.
-    prior = decide_retain_s([], ttl_s=TTL, free_fraction=None, config=config)
-    assert prior.pull_window_s is None
-    tight = decide_retain_s([histogram([300.0] * 40)], ttl_s=60.0, free_fraction=None,
-                            config=config)
-    assert tight.pull_window_s == tight.retain_s == 60.0
+def test_the_return_curve_is_the_gaps_fit_and_the_share_of_ends_that_came_back() -> None:
+    """Of 100 turns that ended, 60 came back after gaps of 2 s or 8 s: the curve says 0.6 of
+    them come back, log-normally around 4 s."""
+    config = RetentionTimeConfig(min_samples=20, router_margin_s=25.0)
+    h = GapHistogram()
+    for i in range(100):
+        h = h.end(decay=1.0)
+        if i % 5 < 3:
+            h = h.observe(2.0 if i % 2 else 8.0, decay=1.0)
+    assert h.return_share() == pytest.approx(0.6)
+    got = decide_retain_s([h], ttl_s=TTL, free_fraction=None, config=config)
+    assert got.curve is not None and got.curve.return_p == pytest.approx(0.6)
+    assert math.exp(got.curve.log_mean) == pytest.approx(4.0, rel=0.05)
+    assert got.curve.log_sigma == pytest.approx(math.log(2.0), rel=0.05)
+    # Before any end is counted every turn may come back; the prior has no curve.
+    assert GapHistogram().return_share() == 1.0
+    assert decide_retain_s([], ttl_s=TTL, free_fraction=None, config=config).curve is None
+    # Ends and returns are weighted alike: an old share decays towards the recent one.
+    recent = h
+    for _ in range(2000):
+        recent = recent.end(decay=0.99).observe(3.0, decay=0.99)
+    assert recent.return_share() > 0.99
 
 
 def test_tool_calls_and_replies_are_learned_apart_and_d_is_told_the_longer() -> None:

@@ -8,7 +8,6 @@ from kvrelay.core.retention import (
     RetainedTurn,
     release_expired,
     release_for,
-    release_idle,
     release_order,
     release_over_headroom,
     release_under_pressure,
@@ -18,87 +17,107 @@ from kvrelay.core.retention_sync import (
     MAX_ORDERS,
     MAX_RELEASED_PER_SYNC,
     RELEASE_CAUSES,
-    PullWindow,
     Released,
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
-    clamp_pull_window_s,
+    TurnCurve,
     decode_orders,
     decode_sync,
     encode,
-    shortened_until_s,
 )
+from kvrelay.core.return_curve import ReturnCurve
+
+TOOL = ReturnCurve(return_p=0.9, log_mean=0.0, log_sigma=1.0)
+"""Tool calls' turns: most come back, within about a second (median 1 s)."""
+REPLY = ReturnCurve(return_p=0.5, log_mean=4.0, log_sigma=1.0)
+"""Replies' turns: half come back, after about a minute (median 55 s)."""
 
 
 def turn(request_id: str, blocks: int, at_s: float, *, value: float = 0.0,
          deadline_s: float = 1e9, reading: bool = False,
-         pull_until_s: float | None = None) -> RetainedTurn:
+         curve: ReturnCurve | None = None) -> RetainedTurn:
     return RetainedTurn(request_id=request_id, num_blocks=blocks, num_tokens=blocks * 16,
                         retained_at_s=at_s, deadline_s=deadline_s, value=value, reading=reading,
-                        pull_until_s=pull_until_s)
+                        curve=curve)
 
 
-def test_turns_past_their_pull_window_go_first_oldest_first_then_the_others():
-    turns = [turn("young-idle", 2, 40.0, pull_until_s=45.0, value=9.0),
-             turn("old-idle", 2, 30.0, pull_until_s=50.0),
-             turn("oldest-in-window", 2, 0.0, pull_until_s=100.0),
-             turn("no-window", 2, 5.0),
-             turn("idle-read", 2, 1.0, pull_until_s=2.0, reading=True)]
-    order = [t.request_id for t in release_idle(turns, now_s=60.0)]
-    assert order == ["old-idle", "young-idle", "oldest-in-window", "no-window"]
-    # Before any window ends the order is release_order's: value, then oldest.
-    before = [t.request_id for t in release_idle(turns, now_s=10.0)]
-    assert before == [t.request_id for t in release_order(turns)]
-    assert turns[1].idle(50.0) and not turns[1].idle(49.9) and not turns[3].idle(1e12)
+def test_turns_least_likely_still_to_be_pulled_go_first_then_by_value_and_age():
+    turns = [turn("tool-old", 2, 40.0, curve=TOOL, value=9.0),  # 20 s: its tools are done
+             turn("reply-older", 2, 30.0, curve=REPLY),  # 30 s: the user may still come
+             turn("tool-young", 2, 59.5, curve=TOOL),  # 0.5 s: likely pulled any moment
+             turn("no-curve", 2, 5.0),  # unknown: as stock, kept over any curve
+             turn("tool-read", 2, 1.0, curve=TOOL, reading=True)]
+    order = [t.request_id for t in release_order(turns, now_s=60.0)]
+    assert order == ["tool-old", "reply-older", "tool-young", "no-curve"]
+    chances = [t.pull_chance(60.0) for t in turns]
+    assert chances[0] < 0.05 < chances[1] < chances[2] < chances[3] == 1.0
+    # Turns without curves keep stock's order: lowest value, then oldest.
+    plain = [turn("b", 2, 2.0), turn("a", 2, 1.0), turn("dear", 2, 0.0, value=1.0)]
+    assert [t.request_id for t in release_order(plain, now_s=9.0)] == ["a", "b", "dear"]
 
 
-def test_pressure_and_headroom_release_idle_turns_before_older_ones_in_their_window():
-    turns = [turn("old", 4, 0.0, pull_until_s=500.0), turn("idle", 4, 50.0, pull_until_s=60.0)]
+def test_pressure_and_headroom_release_the_least_likely_pull_before_an_older_turn():
+    turns = [turn("old-reply", 4, 0.0, curve=REPLY), turn("done-tool", 4, 50.0, curve=TOOL)]
     assert release_under_pressure(turns, num_blocks_free=0, num_blocks_needed=4,
-                                  now_s=70.0).request_ids == ("idle",)
+                                  now_s=70.0).request_ids == ("done-tool",)
     assert release_over_headroom(turns, num_blocks_total=8, headroom=0.5,
-                                 now_s=70.0).request_ids == ("idle",)
-    # Without a time the windows are not known: oldest first.
-    assert release_under_pressure(turns, num_blocks_free=0,
-                                  num_blocks_needed=4).request_ids == ("old",)
+                                 now_s=70.0).request_ids == ("done-tool",)
+    # Just after its turn the tool's follow-up is the likelier: the old reply goes.
+    assert release_under_pressure(turns, num_blocks_free=0, num_blocks_needed=4,
+                                  now_s=50.2).request_ids == ("old-reply",)
 
 
-def test_d_clamps_the_pull_window_to_the_turn_s_retention():
-    assert clamp_pull_window_s(30.0, 120.0) == 30.0
-    assert clamp_pull_window_s(300, 120.0) == 120.0
-    for bad in (None, "30", True, 0, -1.0, float("nan")):
-        assert clamp_pull_window_s(bad, 120.0) == 120.0
+def test_the_pull_chance_falls_with_age_and_ends_at_the_deadline():
+    assert TOOL.pull_chance(0.0, 1e9) == pytest.approx(0.9)
+    assert REPLY.pull_chance(0.0, 1e9) == pytest.approx(0.5)
+    ages = [0.5, 2.0, 10.0, 60.0]
+    falling = [TOOL.pull_chance(a, 1e9) for a in ages]
+    assert falling == sorted(falling, reverse=True) and falling[-1] < 1e-3
+    # A deadline cuts what can still be pulled; past it nothing can.
+    assert REPLY.pull_chance(10.0, 30.0) < REPLY.pull_chance(10.0, 1e9)
+    assert REPLY.pull_chance(30.0, 30.0) == 0.0
+    assert turn("t", 1, 0.0, deadline_s=30.0, curve=REPLY).pull_chance(31.0) == 0.0
+    # Every turn comes back (p = 1): only the deadline can make a pull unlikely.
+    always = ReturnCurve(1.0, 0.0, 1.0)
+    assert always.pull_chance(100.0, 1e9) == pytest.approx(1.0)
+    assert always.pull_chance(100.0, 101.0) < 0.5
+    # A fit of identical gaps (sigma 0) is a step.
+    step = ReturnCurve(1.0, 0.0, 0.0)
+    assert step.survival(0.9) == 1.0 and step.survival(1.1) == 0.0
 
 
 def test_least_valuable_go_first_then_oldest_and_a_read_turn_never():
     turns = [turn("new-cheap", 2, 30.0), turn("old-dear", 2, 10.0, value=5.0),
              turn("old-cheap", 2, 20.0), turn("oldest-read", 9, 0.0, reading=True)]
-    assert [t.request_id for t in release_order(turns)] == ["old-cheap", "new-cheap", "old-dear"]
+    assert [t.request_id for t in release_order(turns, now_s=40.0)] == \
+        ["old-cheap", "new-cheap", "old-dear"]
 
 
 def test_pressure_releases_the_fewest_turns_that_cover_the_shortfall():
     turns = [turn("a", 4, 1.0), turn("b", 4, 2.0), turn("c", 4, 3.0)]
-    release = release_under_pressure(turns, num_blocks_free=3, num_blocks_needed=10)
+    release = release_under_pressure(turns, num_blocks_free=3, num_blocks_needed=10, now_s=5.0)
     assert release.request_ids == ("a", "b") and release.num_blocks == 8
     assert release.reason == "pressure" and release.short_blocks == 0
-    assert release_under_pressure(turns, num_blocks_free=10, num_blocks_needed=10) is NOTHING
+    assert release_under_pressure(turns, num_blocks_free=10, num_blocks_needed=10,
+                                  now_s=5.0) is NOTHING
 
 
 def test_pressure_beyond_what_retention_holds_says_what_is_still_missing():
     release = release_under_pressure([turn("a", 4, 1.0), turn("r", 8, 0.0, reading=True)],
-                                     num_blocks_free=0, num_blocks_needed=10)
+                                     num_blocks_free=0, num_blocks_needed=10, now_s=5.0)
     assert release.request_ids == ("a",) and release.short_blocks == 6
-    nothing = release_for([turn("r", 8, 0.0, reading=True)], 3, "pressure")
+    nothing = release_for([turn("r", 8, 0.0, reading=True)], 3, "pressure", now_s=5.0)
     assert nothing.request_ids == () and nothing.short_blocks == 3 and nothing.reason == "none"
 
 
 def test_headroom_caps_what_retention_may_hold():
     assert retention_cap_blocks(24, 0.25) == 18
     turns = [turn("a", 8, 1.0), turn("b", 8, 2.0), turn("c", 8, 3.0)]
-    release = release_over_headroom(turns, num_blocks_total=24, headroom=0.25)
+    release = release_over_headroom(turns, num_blocks_total=24, headroom=0.25, now_s=5.0)
     assert release.request_ids == ("a",) and release.reason == "headroom"
-    assert release_over_headroom(turns, num_blocks_total=32, headroom=0.25) is NOTHING
+    assert release_over_headroom(turns, num_blocks_total=32, headroom=0.25,
+                                 now_s=5.0) is NOTHING
     with pytest.raises(ValueError):
         retention_cap_blocks(24, 1.5)
 
@@ -131,25 +150,31 @@ def test_releasing_and_dropped_round_trip_and_default_to_empty():
     assert "headroom" in RELEASE_CAUSES
 
 
-def test_pull_windows_round_trip_are_checked_and_only_ever_shorten() -> None:
-    """The router's ``windows`` (a tool call's turn: likely pulled within the tools' run
-    time) arrive as ``[request id, seconds]`` pairs; a window past the turn's own (or its
-    deadline, without one) changes nothing."""
-    orders = RetentionOrders(windows=(PullWindow("r1", 2.5),))
+def test_return_curves_round_trip_and_are_checked() -> None:
+    """The router's ``curves`` (a tool call's turn: how tool calls come back) arrive as
+    ``[request id, [return_p, log_mean, log_sigma]]``; absent, the JSON is what connectors
+    before them read, and D reads on past fields it does not know."""
+    orders = RetentionOrders(curves=(TurnCurve("r1", TOOL),))
     assert decode_orders(encode(orders)) == orders
-    assert decode_orders(encode(orders)).pull_windows == (PullWindow("r1", 2.5),)
-    assert encode(RetentionOrders()) == b'{"release":[],"dropped":[]}'  # as before windows
-    assert decode_orders(b'{"release":[],"later":1}').pull_windows == ()  # D reads on
-    assert decode_orders(b'{"windows":[["r2",1.0]]}').windows == (PullWindow("r2", 1.0),)
-    for bad in (b'{"windows":[["r2",0]]}', b'{"windows":[["r2",-1.0]]}',
-                b'{"windows":[["r2",1e999]]}', b'{"windows":[["r2"]]}'):
+    assert decode_orders(encode(orders)).turn_curves == (TurnCurve("r1", TOOL),)
+    assert encode(RetentionOrders()) == b'{"release":[],"dropped":[]}'
+    assert decode_orders(b'{"release":[],"later":1}').turn_curves == ()
+    assert decode_orders(b'{"curves":[["r2",[0.5,1,2]]]}').turn_curves == \
+        (TurnCurve("r2", ReturnCurve(0.5, 1.0, 2.0)),)
+    for bad in (b'{"curves":[["r2",[1.5,1,2]]]}', b'{"curves":[["r2",[0.5,1,-2]]]}',
+                b'{"curves":[["r2",[0.5,1e999,2]]]}', b'{"curves":[["r2",[0.5,1]]]}',
+                b'{"curves":[["r2"]]}'):
         with pytest.raises(RetentionSyncError):
             decode_orders(bad)
-    window = PullWindow("r1", 3.0)
-    assert shortened_until_s(None, 10.0, 40.0, window) == 13.0
-    assert shortened_until_s(20.0, 10.0, 40.0, window) == 13.0
-    assert shortened_until_s(12.0, 10.0, 40.0, window) == 12.0
-    assert shortened_until_s(None, 10.0, 11.0, window) == 11.0
+
+
+def test_d_reads_a_curve_from_the_params_or_ranks_the_turn_without_one() -> None:
+    from kvrelay.core.return_curve import decode_curve
+
+    assert decode_curve([0.9, 0, 1.0]) == ReturnCurve(0.9, 0.0, 1.0)
+    for bad in (None, [0.9, 0], "0.9,0,1", [2.0, 0, 1], [0.5, 0, -1], [0.5, float("nan"), 1],
+                [True, 0, 1], {"return_p": 0.9}):
+        assert decode_curve(bad) is None
 
 
 def test_releasing_and_dropped_are_bounded():
@@ -159,8 +184,8 @@ def test_releasing_and_dropped_are_bounded():
     with pytest.raises(RetentionSyncError):
         decode_orders(encode(RetentionOrders(dropped=too_many)))
     with pytest.raises(RetentionSyncError):
-        decode_orders(encode(RetentionOrders(windows=tuple(PullWindow(r, 1.0)
-                                                           for r in too_many))))
+        decode_orders(encode(RetentionOrders(curves=tuple(TurnCurve(r, TOOL)
+                                                          for r in too_many))))
 
 
 def test_the_router_counts_d_s_retained_blocks_as_available_to_live_work():

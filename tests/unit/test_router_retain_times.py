@@ -50,3 +50,21 @@ def test_the_least_recently_used_conversation_scopes_are_forgotten() -> None:
         times.observe(request(conversation_id=name), 1.0, "user")
     assert times.histograms(request(conversation_id="a"), "user")[0] is None
     assert samples(times.histograms(request(conversation_id="c"), "user"))[0] == 1
+
+
+def test_ends_are_counted_per_kind_so_each_knows_the_share_that_came_back() -> None:
+    """Four tool calls ended and all came back; four replies ended and one came back (the
+    others abandoned): tool calls' share is 1, replies' a quarter, at every level."""
+    times = RetainTimes(decay=1.0)
+    mine = request("alice", conversation_id="c1")
+    for kind, returns in (("tool", 4), ("user", 1)):
+        for i in range(4):
+            times.ended(mine.identity, mine.tenant, kind)
+            if i < returns:
+                times.observe(mine, 3.0, kind)
+    for kind, share in (("tool", 1.0), ("user", 0.25)):
+        assert [h.return_share() for h in times.histograms(mine, kind) if h is not None] == \
+            [share, share, share]
+    other = request("bob")
+    assert [h.return_share() for h in times.histograms(other, "user") if h is not None] == \
+        [0.25]  # only all traffic's: bob's tenant saw nothing

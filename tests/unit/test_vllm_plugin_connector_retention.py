@@ -19,6 +19,7 @@ from vllm.v1.outputs import KVConnectorOutput
 from vllm.v1.request import RequestStatus
 
 from kvrelay.core.retention_sync import RetentionOrders
+from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.vllm_plugin.connector import NixlConnector
 from kvrelay.vllm_plugin.retention import TurnState
 from tests.retention_router import StandInRouter
@@ -127,20 +128,17 @@ def test_retain_s_becomes_the_turns_own_vllm_deadline_clamped_to_the_ttl(router)
     assert ledger.retained_blocks == 24 and ledger.retained_tokens == 3000
 
 
-def test_the_pull_window_reaches_the_ledger_clamped_to_the_turns_retention(router):
+def test_the_return_curve_reaches_the_ledger_and_a_bad_one_is_ignored(router):
     conn = d_connector()
     conn.bind_kv_cache_manager(ns(block_pool=Pool(12), watermark_blocks=0))
-    before = time.perf_counter()
-    retain(conn, "window", retained_params(router.url, kvrelay_retain_s=30,
-                                           kvrelay_pull_window_s=5))
-    retain(conn, "too-long", retained_params(router.url, kvrelay_retain_s=30,
-                                             kvrelay_pull_window_s=500))
+    retain(conn, "curve", retained_params(router.url, kvrelay_retain_s=30,
+                                          kvrelay_return_curve=[0.7, 1.5, 0.5]))
+    retain(conn, "bad", retained_params(router.url, kvrelay_retain_s=30,
+                                        kvrelay_return_curve=[7, 1.5, 0.5]))
     retain(conn, "none", retained_params(router.url, kvrelay_retain_s=30))
     turns = {t.request_id: t for t in conn._retention.ledger.turns()}
-    window = turns["window"].pull_until_s
-    assert window is not None and before + 5 <= window < before + 6
-    for request_id in ("too-long", "none"):  # the whole retention
-        assert turns[request_id].pull_until_s == turns[request_id].deadline_s
+    assert turns["curve"].curve == ReturnCurve(0.7, 1.5, 0.5)
+    assert turns["bad"].curve is None and turns["none"].curve is None
 
 
 def test_pressure_waits_for_the_routers_answer_then_vllms_sweep_frees_the_turn(router):

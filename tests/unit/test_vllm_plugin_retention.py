@@ -3,7 +3,8 @@
 
 import pytest
 
-from kvrelay.core.retention_sync import PullWindow, RetentionOrders
+from kvrelay.core.retention_sync import RetentionOrders, TurnCurve
+from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.vllm_plugin.retention import RetentionLedger, TurnState, blocks_needed
 from kvrelay.vllm_plugin.retention_client import Engine, RetentionSyncClient
 from tests.retention_router import StandInRouter
@@ -11,6 +12,8 @@ from tests.retention_router import StandInRouter
 URL = "http://127.0.0.1:9/internal/kv-retention"
 OTHER = "http://127.0.0.1:10/internal/kv-retention"
 ENGINE = Engine(engine_id="d0", block_size=16, bytes_per_block=1024, num_blocks_total=24)
+TOOL = ReturnCurve(return_p=0.9, log_mean=0.0, log_sigma=1.0)
+REPLY = ReturnCurve(return_p=0.5, log_mean=4.0, log_sigma=1.0)
 
 
 def ledger_with(*turns: tuple[str, int, float], managed: bool = True,
@@ -49,34 +52,38 @@ def test_pressure_asks_the_router_and_frees_only_what_it_answers():
     assert ledger.freed("new", now_s=2.6) is None, "P read it: not a release"
 
 
-def test_pressure_and_headroom_ask_for_turns_past_their_pull_window_first():
+def test_pressure_and_headroom_ask_for_the_turns_least_likely_to_be_pulled_first():
     ledger = RetentionLedger(headroom=0.5)
-    ledger.retain("old", num_blocks=12, num_tokens=192, now_s=0.0, retain_s=100.0, url=URL,
-                  pull_window_s=90.0)
-    ledger.retain("idle", num_blocks=12, num_tokens=192, now_s=1.0, retain_s=100.0, url=URL,
-                  pull_window_s=2.0)
-    ledger.retain("capped", num_blocks=1, num_tokens=16, now_s=2.0, retain_s=5.0, url=URL,
-                  pull_window_s=50.0)  # a window is never longer than the retention
-    assert [t.pull_until_s for t in ledger.turns()] == [90.0, 3.0, 7.0]
-    release = ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12, now_s=5.0)
-    assert release.request_ids == ("idle",) and ledger.state("old") is TurnState.HELD
-    over = ledger.ask_over_headroom(num_blocks_total=24, now_s=8.0)
-    assert over.request_ids == ("capped",), "past its window (7 s) before the older turn"
-
-
-def test_a_router_window_makes_a_tool_calls_turn_the_first_asked_for():
-    """Both turns were told the replies' window (D cannot tell how its answer ends); the
-    router then read that "tool" ended in a tool call and sends its tools' window: past it,
-    "tool" is asked for before the older reply. A window never lengthens one."""
-    ledger = RetentionLedger()
-    ledger.retain("reply", num_blocks=12, num_tokens=192, now_s=0.0, retain_s=100.0, url=URL,
-                  pull_window_s=60.0)
+    ledger.retain("old-reply", num_blocks=12, num_tokens=192, now_s=0.0, retain_s=100.0,
+                  url=URL, curve=REPLY)
     ledger.retain("tool", num_blocks=12, num_tokens=192, now_s=1.0, retain_s=100.0, url=URL,
-                  pull_window_s=60.0)
-    ledger.shorten_windows([PullWindow("tool", 2.0), PullWindow("reply", 90.0),
-                            PullWindow("unknown", 1.0)])
-    assert [t.pull_until_s for t in ledger.turns()] == [60.0, 3.0]
-    release = ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12, now_s=5.0)
+                  curve=TOOL)
+    ledger.retain("unknown", num_blocks=1, num_tokens=16, now_s=2.0, retain_s=50.0, url=URL)
+    assert [t.curve for t in ledger.turns()] == [REPLY, TOOL, None]
+    release = ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12, now_s=30.0)
+    assert release.request_ids == ("tool",) and ledger.state("old-reply") is TurnState.HELD
+    over = ledger.ask_over_headroom(num_blocks_total=24, now_s=31.0)
+    assert over.request_ids == ("old-reply",), "a curve's turn before one without"
+
+
+def test_a_router_curve_makes_a_tool_calls_turn_the_first_asked_for():
+    """Both turns were told the replies' curve (D cannot tell how its answer ends); the
+    router then read that "tool" ended in a tool call and sends the tools' curve: 20 s on,
+    "tool" is asked for before the older reply."""
+    def told_replies() -> RetentionLedger:
+        ledger = RetentionLedger()
+        for request_id, at_s in (("reply", 0.0), ("tool", 1.0)):
+            ledger.retain(request_id, num_blocks=12, num_tokens=192, now_s=at_s,
+                          retain_s=100.0, url=URL, curve=REPLY)
+        return ledger
+
+    untold = told_replies()  # the same curve: the older goes first
+    assert untold.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12,
+                                     now_s=20.0).request_ids == ("reply",)
+    ledger = told_replies()
+    ledger.take_curves([TurnCurve("tool", TOOL), TurnCurve("unknown", TOOL)])
+    assert [t.curve for t in ledger.turns()] == [REPLY, TOOL]
+    release = ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=12, now_s=20.0)
     assert release.request_ids == ("tool",) and ledger.state("reply") is TurnState.HELD
 
 
@@ -159,10 +166,10 @@ def test_client_syncs_what_the_ledger_holds_and_hands_back_the_answer(router):
     assert answer.url == router.url and answer.orders.dropped == ("a",)
     ledger.confirmed(answer.url, answer.orders.dropped)
     assert ledger.take_to_free() == ["a"]
-    router.answer = RetentionOrders(windows=(PullWindow("b", 1.0),))
+    router.answer = RetentionOrders(curves=(TurnCurve("b", TOOL),))
     assert client.sync_once() == 1
-    [windows_only] = client.take_orders()
-    assert windows_only.orders.windows == (PullWindow("b", 1.0),)
+    [curves_only] = client.take_orders()
+    assert curves_only.orders.turn_curves == (TurnCurve("b", TOOL),)
 
 
 def test_client_keeps_releases_for_a_router_until_it_hears_them(router):

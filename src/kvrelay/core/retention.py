@@ -13,11 +13,12 @@ conversation's next turn. Three things end one early:
   retention; retained blocks above ``(1 - headroom) * num_blocks_total`` are released.
 * **deadline**: the turn's own retention time (``kvrelay_retain_s`` clamped to D's TTL).
 
-Under pressure and headroom the least valuable go first (``release_idle``): turns past their
-*pull window* (``pull_until_s``: the router's ``kvrelay_pull_window_s`` after the turn was
-retained, the time within which its follow-up is likely; ``None``: the whole retention)
-first, oldest first; then the others, lowest ``value`` (the router's
-``kvrelay_retain_value``, 0 when unset), then oldest. A turn P is reading is never released.
+Under pressure and headroom the least valuable go first (``release_order``): the lowest
+chance of still being pulled at that moment (``RetainedTurn.pull_chance``: the router's
+``kvrelay_return_curve`` for how turns that end this way come back, evaluated at the turn's
+age, ``core.return_curve``; 1 without one), then the lowest ``value`` (the router's
+``kvrelay_retain_value``, 0 when unset), then oldest. Without curves that is stock-like:
+oldest first. A turn P is reading is never released.
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ import math
 from collections.abc import Iterable
 
 import msgspec
+
+from kvrelay.core.return_curve import ReturnCurve
 
 
 class RetainedTurn(msgspec.Struct, frozen=True):
@@ -39,13 +42,17 @@ class RetainedTurn(msgspec.Struct, frozen=True):
     value: float = 0.0
     reading: bool = False
     """True while a P is reading the blocks: such a turn is never released."""
-    pull_until_s: float | None = None
-    """When the turn's pull window ends (its follow-up is unlikely after it); ``None``: at
-    its deadline."""
+    curve: ReturnCurve | None = None
+    """How turns that end as this one did come back (the router's, ``kvrelay_return_curve``,
+    or its later ``RetentionOrders.curves``); ``None``: unknown."""
 
-    def idle(self, now_s: float) -> bool:
-        """Past its pull window at ``now_s``: the first to go under pressure or headroom."""
-        return self.pull_until_s is not None and now_s >= self.pull_until_s
+    def pull_chance(self, now_s: float) -> float:
+        """The chance, at ``now_s``, that the turn is still pulled before its deadline
+        (``ReturnCurve.pull_chance`` at its age); 1 without a curve."""
+        if self.curve is None:
+            return 1.0
+        return self.curve.pull_chance(now_s - self.retained_at_s,
+                                      self.deadline_s - self.retained_at_s)
 
 
 class Release(msgspec.Struct, frozen=True):
@@ -62,33 +69,23 @@ class Release(msgspec.Struct, frozen=True):
 NOTHING = Release(request_ids=(), num_blocks=0, reason="none")
 
 
-def release_order(turns: Iterable[RetainedTurn]) -> list[RetainedTurn]:
-    """Releasable turns, least valuable first: lowest value, then oldest."""
+def release_order(turns: Iterable[RetainedTurn], now_s: float) -> list[RetainedTurn]:
+    """Releasable turns in the order D releases them at ``now_s``, least valuable first:
+    lowest ``pull_chance``, then lowest value, then oldest."""
     return sorted((turn for turn in turns if not turn.reading),
-                  key=lambda turn: (turn.value, turn.retained_at_s, turn.request_id))
-
-
-def release_idle(turns: Iterable[RetainedTurn], now_s: float) -> list[RetainedTurn]:
-    """Releasable turns in the order D releases them at ``now_s``: those past their pull
-    window (``RetainedTurn.idle``) first, oldest first; then the others in
-    ``release_order``."""
-    turns = list(turns)
-    idle = sorted((t for t in turns if not t.reading and t.idle(now_s)),
-                  key=lambda turn: (turn.retained_at_s, turn.request_id))
-    return idle + release_order(t for t in turns if not t.idle(now_s))
+                  key=lambda turn: (turn.pull_chance(now_s), turn.value, turn.retained_at_s,
+                                    turn.request_id))
 
 
 def release_for(turns: Iterable[RetainedTurn], num_blocks: int, reason: str, *,
-                now_s: float | None = None) -> Release:
+                now_s: float) -> Release:
     """The fewest least-valuable turns that free at least ``num_blocks`` blocks (all
-    releasable ones when they are not enough), in ``release_idle`` order at ``now_s``
-    (``None``: ``release_order``, pull windows ignored)."""
+    releasable ones when they are not enough), in ``release_order`` at ``now_s``."""
     if num_blocks <= 0:
         return NOTHING
     chosen: list[str] = []
     freed = 0
-    ordered = release_order(turns) if now_s is None else release_idle(turns, now_s)
-    for turn in ordered:
+    for turn in release_order(turns, now_s):
         if freed >= num_blocks:
             break
         chosen.append(turn.request_id)
@@ -107,9 +104,9 @@ def retention_cap_blocks(num_blocks_total: int, headroom: float) -> int:
 
 
 def release_over_headroom(turns: Iterable[RetainedTurn], *, num_blocks_total: int,
-                          headroom: float, now_s: float | None = None) -> Release:
-    """Release what retention holds above its cap (``retention_cap_blocks``), turns past
-    their pull window at ``now_s`` first."""
+                          headroom: float, now_s: float) -> Release:
+    """Release what retention holds above its cap (``retention_cap_blocks``), in
+    ``release_order`` at ``now_s``."""
     turns = list(turns)
     held = sum(turn.num_blocks for turn in turns)
     over = held - retention_cap_blocks(num_blocks_total, headroom)
@@ -117,9 +114,9 @@ def release_over_headroom(turns: Iterable[RetainedTurn], *, num_blocks_total: in
 
 
 def release_under_pressure(turns: Iterable[RetainedTurn], *, num_blocks_free: int,
-                           num_blocks_needed: int, now_s: float | None = None) -> Release:
+                           num_blocks_needed: int, now_s: float) -> Release:
     """Release enough for ``num_blocks_needed`` blocks when ``num_blocks_free`` is short,
-    turns past their pull window at ``now_s`` first."""
+    in ``release_order`` at ``now_s``."""
     short = num_blocks_needed - num_blocks_free
     return release_for(turns, short, "pressure", now_s=now_s) if short > 0 else NOTHING
 

@@ -16,18 +16,19 @@ keys through untouched):
   configured TTL (``decoder_kv_blocks_ttl``), never above.
 * ``kvrelay_retain_value`` (float): release order under pressure, lowest first; turns
   without one count as 0 and go oldest first.
-* ``kvrelay_pull_window_s`` (float > 0): how long after it finished the turn's follow-up is
-  likely (the router's learned gap quantile); D clamps it to the turn's retention
-  (``clamp_pull_window_s``). Past it the turn is the first released under pressure or
-  headroom (``core.retention.release_idle``); absent, the window is the whole retention.
+* ``kvrelay_return_curve`` (``[return_p, log_mean, log_sigma]``,
+  ``core.return_curve.ReturnCurve``): how the router saw turns like this one come back (the
+  share that did, and a log-normal fit of their gaps). Under pressure or headroom D releases
+  the turns least likely still to be pulled first (``core.retention.release_order``); absent
+  or invalid, the turn ranks by value and age as without it.
 
 **The sync** (D -> router, ``RetentionSync`` as JSON), sent every ``SYNC_INTERVAL_S`` while
 D holds retained turns or has releases to tell, and at once after a release. The router
-answers ``RetentionOrders``: D's request ids to release now, and shorter pull windows for
-turns whose answer the router has read since (``windows``: a turn that ended in a tool call
-is likely pulled within the tools' run time, not the users' think time D was told; past its
-window it is among the first D releases under pressure). A window only orders releases; it
-never frees anything itself. D never releases a request P is
+answers ``RetentionOrders``: D's request ids to release now, and the curves of turns whose
+answer the router has read since, when they end another way than D was told (``curves``: a
+turn that ended in a tool call comes back within the tools' run time or not at all, not
+after a user's think time). A curve only orders releases; it never frees anything itself.
+D never releases a request P is
 reading; an order for an unknown or busy request is ignored (its next sync says what
 happened). A released request's blocks are gone: the router drops the entry and the next
 turn recomputes (reason ``released``).
@@ -53,16 +54,17 @@ Everything here is pure: bodies are decoded and checked, never sent.
 
 from __future__ import annotations
 
-import math
 from typing import Literal
 
 import msgspec
+
+from kvrelay.core.return_curve import ReturnCurve, valid
 
 RETENTION_PATH = "/internal/kv-retention"
 RETENTION_URL_KEY = "kvrelay_retention_url"
 RETAIN_S_KEY = "kvrelay_retain_s"
 RETAIN_VALUE_KEY = "kvrelay_retain_value"
-PULL_WINDOW_S_KEY = "kvrelay_pull_window_s"
+RETURN_CURVE_KEY = "kvrelay_return_curve"
 
 SYNC_INTERVAL_S = 0.25
 """How often D syncs while it holds retained turns (a router's order lands within ~0.5 s)."""
@@ -114,34 +116,31 @@ class RetentionSync(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         return self.retained_blocks * self.bytes_per_block
 
 
-class PullWindow(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
-    """A retained turn's pull window, learned once the router read its answer: it ends
-    ``pull_window_s`` after D retained the turn (as ``kvrelay_pull_window_s`` would have).
-    D only ever shortens a window with it."""
+class TurnCurve(msgspec.Struct, frozen=True, forbid_unknown_fields=True, array_like=True):
+    """A retained turn's return curve, learned once the router read how its answer ended;
+    it replaces the one D had (``kvrelay_return_curve``)."""
 
     request_id: str
-    pull_window_s: float
+    curve: ReturnCurve
 
 
 class RetentionOrders(msgspec.Struct, frozen=True):
     """The router's answer to a sync: D's request ids to release now (``release``: entries
     the router dropped), of the sync's ``releasing`` ids those D may free now (``dropped``:
-    no entry left and no P leg reading them), and shorter pull windows (``windows``,
-    ``pull_windows``).
+    no entry left and no P leg reading them), and turns' return curves (``curves``,
+    ``turn_curves``).
 
-    Versions: ``windows`` is left out of the JSON when there are none, so such an answer is
+    Versions: ``curves`` is left out of the JSON when there are none, so such an answer is
     what a connector that predates it reads; D ignores fields it does not know (a router
-    newer than D's connector may send more). A connector older than ``windows`` refuses an
-    answer carrying them (its sync fails; D keeps its turns, as stock vLLM would): upgrade
-    D's connector before the router."""
+    newer than D's connector may send more)."""
 
     release: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
-    windows: tuple[PullWindow, ...] | msgspec.UnsetType = msgspec.UNSET
+    curves: tuple[TurnCurve, ...] | msgspec.UnsetType = msgspec.UNSET
 
     @property
-    def pull_windows(self) -> tuple[PullWindow, ...]:
-        return () if isinstance(self.windows, msgspec.UnsetType) else self.windows
+    def turn_curves(self) -> tuple[TurnCurve, ...]:
+        return () if isinstance(self.curves, msgspec.UnsetType) else self.curves
 
 
 class RetentionSyncError(ValueError):
@@ -186,11 +185,12 @@ def decode_orders(body: bytes) -> RetentionOrders:
         orders = _decode_orders.decode(body)
     except msgspec.DecodeError as exc:
         raise RetentionSyncError(f"not retention orders: {exc}") from None
-    windows = orders.pull_windows
-    if max(len(orders.release), len(orders.dropped), len(windows)) > MAX_ORDERS:
+    curves = orders.turn_curves
+    if max(len(orders.release), len(orders.dropped), len(curves)) > MAX_ORDERS:
         raise RetentionSyncError(f"more than {MAX_ORDERS} release orders")
-    if not all(math.isfinite(w.pull_window_s) and w.pull_window_s > 0 for w in windows):
-        raise RetentionSyncError("a pull window must be a positive number of seconds")
+    if not all(valid(c.curve) for c in curves):
+        raise RetentionSyncError("a return curve needs finite numbers, a share in [0, 1] "
+                                 "and a sigma >= 0")
     return orders
 
 
@@ -206,23 +206,3 @@ def clamp_retain_s(requested_s: object, ttl_s: float) -> float:
     if not requested_s > 0:
         return ttl_s
     return min(float(requested_s), ttl_s)
-
-
-def clamp_pull_window_s(requested_s: object, retain_s: float) -> float:
-    """A turn's pull window on D: the router's ``kvrelay_pull_window_s`` within
-    (0, retain_s], never above the turn's retention; the whole retention when absent or not
-    a positive number."""
-    if isinstance(requested_s, bool) or not isinstance(requested_s, int | float):
-        return retain_s
-    if not requested_s > 0:
-        return retain_s
-    return min(float(requested_s), retain_s)
-
-
-def shortened_until_s(pull_until_s: float | None, retained_at_s: float, deadline_s: float,
-                      window: PullWindow) -> float:
-    """When a retained turn's pull window ends after ``window`` (``RetentionOrders.windows``)
-    arrived: the earlier of its window so far (``None``: its deadline) and ``window``'s,
-    counted from when D retained it."""
-    current = deadline_s if pull_until_s is None else pull_until_s
-    return min(current, retained_at_s + window.pull_window_s)

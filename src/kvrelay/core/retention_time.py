@@ -36,10 +36,12 @@ retention from what the router has seen:
   releases on demand under pressure), the time shrinks in proportion (to ``min_scale`` of it
   at worst): retention yields before live work has to wait. Retained blocks count as
   available so that retention does not shorten itself because of its own blocks.
-* **Pull window.** Beside the retention, the time within which the turn's follow-up is
-  likely: the gaps' ``pull_quantile`` (meant lower than ``quantile``), never above the retention
-  (the whole retention for the prior). D releases turns past their window first under
-  pressure or headroom (``core.retention.release_idle``).
+* **Return curve.** Beside the retention, how turns like this one come back
+  (``core.return_curve.ReturnCurve``): the share of turns that ended this way whose
+  conversation came back (``GapHistogram.return_share``: returns over ends, both counted by
+  the router) and the log-normal fit of their gaps. Under pressure or headroom D releases the
+  turns least likely still to be pulled first (``core.retention.release_order``); the prior
+  has no curve (D ranks by age, as stock would).
 * **Bounds.** Never above D's TTL (D clamps too: ``core.retention_sync.clamp_retain_s``),
   never below ``router_margin_s + min_window_s`` (a shorter one could never be pulled).
 
@@ -59,6 +61,7 @@ import msgspec
 
 from kvrelay.core.conversation import DEFAULT_EXPIRY_SAFETY_MARGIN_S, GapKind
 from kvrelay.core.policy import PolicyConfig
+from kvrelay.core.return_curve import ReturnCurve
 
 GAP_MIN_S = 0.25
 GAP_MAX_S = 7200.0
@@ -92,13 +95,17 @@ LOG_FLOOR_S = 1e-3
 class GapHistogram(msgspec.Struct, frozen=True):
     """Observed gaps between turns, weighted (each sample 1, times ``decay`` per later
     sample: an effective window of ``1 / (1 - decay)`` samples), in log-spaced bins and as
-    the weighted sums of their logarithms and squared logarithms (``fit_quantile_s``)."""
+    the weighted sums of their logarithms and squared logarithms (``fit_quantile_s``).
+    Beside them, turns that ended (``end``) and of those the ones that came back (each
+    ``observe``), weighted per end (``return_share``)."""
 
     counts: tuple[float, ...] = (0.0,) * NUM_BINS
     total: float = 0.0
     samples: int = 0
     log_sum: float = 0.0
     log_sq_sum: float = 0.0
+    ended: float = 0.0
+    returned: float = 0.0
 
     def observe(self, gap_s: float, *, decay: float = 0.998) -> GapHistogram:
         """The histogram after one more gap (a negative or non-finite one is ignored)."""
@@ -110,7 +117,33 @@ class GapHistogram(msgspec.Struct, frozen=True):
         log_gap = math.log(max(gap_s, LOG_FLOOR_S))
         return GapHistogram(counts, self.total * decay + 1.0, self.samples + 1,
                             self.log_sum * decay + log_gap,
-                            self.log_sq_sum * decay + log_gap * log_gap)
+                            self.log_sq_sum * decay + log_gap * log_gap,
+                            self.ended, self.returned + 1.0)
+
+    def end(self, *, decay: float = 0.998) -> GapHistogram:
+        """The histogram after one more turn ended this way (its follow-up, if any, is
+        an ``observe`` later)."""
+        return msgspec.structs.replace(self, ended=self.ended * decay + 1.0,
+                                       returned=self.returned * decay)
+
+    def return_share(self) -> float:
+        """The share of turns that ended this way whose conversation came back, in [0, 1];
+        1 before any end was counted (unknown: every turn may come back)."""
+        if self.ended <= 0:
+            return 1.0
+        return min(1.0, self.returned / self.ended)
+
+    def log_fit(self) -> tuple[float, float]:
+        """The weighted mean and standard deviation of ``log(gap)`` (0, 0 when empty)."""
+        if self.total <= 0:
+            return 0.0, 0.0
+        mean = self.log_sum / self.total
+        return mean, math.sqrt(max(0.0, self.log_sq_sum / self.total - mean * mean))
+
+    def curve(self) -> ReturnCurve:
+        """How turns that ended this way come back: ``return_share`` and ``log_fit``."""
+        mean, sigma = self.log_fit()
+        return ReturnCurve(self.return_share(), mean, sigma)
 
     def fit_quantile_s(self, q: float) -> float:
         """The ``q`` quantile of the log-normal distribution with the gaps' weighted mean and
@@ -121,8 +154,7 @@ class GapHistogram(msgspec.Struct, frozen=True):
             raise ValueError(f"q is a share in (0, 1), got {q}")
         if self.total <= 0:
             return GAP_MAX_S
-        mean = self.log_sum / self.total
-        sigma = math.sqrt(max(0.0, self.log_sq_sum / self.total - mean * mean))
+        mean, sigma = self.log_fit()
         return min(GAP_MAX_S, math.exp(mean + _STANDARD_NORMAL.inv_cdf(q) * sigma))
 
     def quantile_s(self, q: float) -> float:
@@ -149,7 +181,6 @@ class RetentionTimeConfig:
 
     quantile: float = 0.997
     fit_tail: bool = True
-    pull_quantile: float = 0.8
     min_samples: int = 32
     router_margin_s: float = DEFAULT_EXPIRY_SAFETY_MARGIN_S + PolicyConfig().near_expiry_s
     min_window_s: float = 5.0
@@ -159,8 +190,6 @@ class RetentionTimeConfig:
     def __post_init__(self) -> None:
         if not 0.0 < self.quantile <= 1.0:
             raise ValueError("quantile must be in (0, 1]")
-        if not 0.0 < self.pull_quantile <= 1.0:
-            raise ValueError("pull_quantile must be in (0, 1]")
         if self.min_samples < 1:
             raise ValueError("min_samples must be >= 1")
         if self.router_margin_s < 0 or self.min_window_s <= 0:
@@ -194,13 +223,13 @@ def available_fraction(*, num_blocks_free: int, retained_blocks: int,
 
 class RetainTime(msgspec.Struct, frozen=True):
     """How long D keeps one turn, and why; ``gap_quantile_s`` is the learned quantile used
-    (``None`` for the prior); ``pull_window_s`` (at most ``retain_s``) how long its
-    follow-up is likely to take (``kvrelay_pull_window_s``; ``None``: the whole retention)."""
+    (``None`` for the prior); ``curve`` how such turns come back (``kvrelay_return_curve``;
+    ``None`` for the prior)."""
 
     retain_s: float
     reason: RetainReason
     gap_quantile_s: float | None = None
-    pull_window_s: float | None = None
+    curve: ReturnCurve | None = None
 
 
 def decide_retain_s(
@@ -219,26 +248,25 @@ def decide_retain_s(
     need = config.samples_needed
     chosen = next((h for h in histograms if h is not None and h.samples >= need), None)
     reason: RetainReason = "prior"
-    retain_s, quantile_s, window_s = ttl_s, None, None
+    retain_s, quantile_s, curve = ttl_s, None, None
     if chosen is not None:
         quantile_s = chosen.quantile_s(config.quantile)
         if config.fit_tail and config.quantile < 1.0:
             quantile_s = max(quantile_s, chosen.fit_quantile_s(config.quantile))
-        window_s = chosen.quantile_s(config.pull_quantile)
+        curve = chosen.curve()
         retain_s, reason = quantile_s + config.router_margin_s, "learned"
     low = config.low_free_fraction
     if free_fraction is not None and low > 0 and free_fraction < low:
         scale = max(config.min_scale, max(0.0, free_fraction) / low)
         retain_s, reason = retain_s * scale, "headroom"
     retain_s = min(ttl_s, max(floor_s, retain_s))
-    return RetainTime(retain_s, reason, quantile_s,
-                      None if window_s is None else min(window_s, retain_s))
+    return RetainTime(retain_s, reason, quantile_s, curve)
 
 
 class RetainPlan(msgspec.Struct, frozen=True):
     """A turn's retention for each way it can end (module docstring): ``user`` after a
     reply, ``tool`` after a tool call; ``on_d`` what D is told (``kvrelay_retain_s``,
-    ``kvrelay_pull_window_s``): the longer of the kinds seen, since D cannot tell how its
+    ``kvrelay_return_curve``): the longer of the kinds seen, since D cannot tell how its
     answer ends."""
 
     user: RetainTime

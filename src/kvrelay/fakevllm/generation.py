@@ -26,13 +26,13 @@ from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RemoteBlocks
 from kvrelay.core.report import report_body, report_target
 from kvrelay.core.retention import RetainedTurn
 from kvrelay.core.retention_sync import (
-    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETAIN_VALUE_KEY,
     RETENTION_URL_KEY,
-    clamp_pull_window_s,
+    RETURN_CURVE_KEY,
     clamp_retain_s,
 )
+from kvrelay.core.return_curve import decode_curve
 from kvrelay.fakevllm.config import RequestRecord
 from kvrelay.fakevllm.connector import KVPlan, kv_role, plan_kv
 from kvrelay.fakevllm.engine import EngineState, FakeEngine
@@ -164,13 +164,13 @@ class Generation:
                 params_in = self.request_params or {}
                 retain_s = clamp_retain_s(params_in.get(RETAIN_S_KEY), ttl)
                 deadline = now + retain_s
-                window_s = clamp_pull_window_s(params_in.get(PULL_WINDOW_S_KEY), retain_s)
                 value = params_in.get(RETAIN_VALUE_KEY)
                 url = params_in.get(RETENTION_URL_KEY)
                 managed.retain(RetainedTurn(
                     request_id=rec.internal_request_id, num_blocks=len(self.blocks),
                     num_tokens=num_computed, retained_at_s=now, deadline_s=deadline,
-                    value=_number(value), pull_until_s=now + window_s),
+                    value=_number(value),
+                    curve=decode_curve(params_in.get(RETURN_CURVE_KEY))),
                     url if isinstance(url, str) and url else None)
             st.holds.add(
                 Hold(

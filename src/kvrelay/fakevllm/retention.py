@@ -10,9 +10,9 @@ handshake (``kvrelay.core.retention_sync``) as the real connector
 * **deadline**: the decode request's ``kvrelay_retain_s``, clamped to the TTL
   (``clamp_retain_s``), is the turn's own expiry, stamped in the params D returns (so P
   declines reads near it); ``expire`` frees turns past it (cause ``expired``);
-* **pull window**: ``kvrelay_pull_window_s`` (``clamp_pull_window_s``, never above the
-  retention) ends the turn's pull window (``RetainedTurn.pull_until_s``); past it the turn
-  is the first picked under pressure and headroom (``core.retention.release_idle``);
+* **return curve**: ``kvrelay_return_curve`` (``core.return_curve.decode_curve``) says how
+  such turns come back (``RetainedTurn.curve``); under pressure and headroom the turns
+  least likely still to be pulled are picked first (``core.retention.release_order``);
 * **pressure**: when a waiting or running request cannot get blocks, ``relieve`` picks the
   least valuable turns, enough for the allocation, and *asks* the router each turn came
   from (``releasing`` in its next sync, sent at once); the turn stays held until that router
@@ -25,9 +25,9 @@ handshake (``kvrelay.core.retention_sync``) as the real connector
 * **headroom**: ``trim`` asks the same way for what retention holds above ``1 - headroom``
   of the cache, after each new turn (cause ``headroom``);
 * **router orders** (``RetentionOrders.release``): the router dropped the entry already, so
-  the turn is freed at once (cause ``router``); ``RetentionOrders.windows`` shorten turns'
-  pull windows (the router read their answers: a tool call's follow-up comes within the
-  tools' run time), never lengthen them.
+  the turn is freed at once (cause ``router``); ``RetentionOrders.curves`` replace turns'
+  curves (the router read their answers: a tool call's follow-up comes within the tools'
+  run time or not at all).
 
 A turn a P is reading is never freed (the fake can tell; vLLM cannot, which is why the
 handshake exists). A freed turn's hold is gone and remembered, so a later read is declined
@@ -59,7 +59,6 @@ from kvrelay.core.retention_sync import (
     Released,
     RetentionOrders,
     RetentionSync,
-    shortened_until_s,
 )
 from kvrelay.fakevllm.kv import BlockPool, HoldTable
 from kvrelay.fakevllm.latency import Clock
@@ -166,15 +165,13 @@ class Retention:
 
     def obey(self, url: str, orders: RetentionOrders) -> Release:
         """``url``'s answer: free what it orders released (entries it dropped), and what D
-        asked it for that it answers ``dropped``; shorten the pull windows it sends. Unknown,
+        asked it for that it answers ``dropped``; take the return curves it sends. Unknown,
         busy or unasked ids are ignored (the next sync says what D holds)."""
         live = self._live()
-        for window in orders.pull_windows:
-            held = live.get(window.request_id)
+        for told in orders.turn_curves:
+            held = live.get(told.request_id)
             if held is not None:
-                turn = held.turn
-                held.turn = replace(turn, pull_until_s=shortened_until_s(
-                    turn.pull_until_s, turn.retained_at_s, turn.deadline_s, window))
+                held.turn = replace(held.turn, curve=told.curve)
         ordered = self._free([rid for rid in dict.fromkeys(orders.release) if rid in live],
                              lambda rid: "router")
         confirmed = [rid for rid in dict.fromkeys(orders.dropped)

@@ -96,7 +96,7 @@ class Decoder:
             plan=retention.plan,
         )
         turn.pending = pending
-        if retention.plan is not None:
+        if ctx.retention.learns:
             pending.on_settle.append(ctx.retention.settled)
         if turn.found is not None and not turn.decision.consumes_entry:
             pending.supersedes = turn.found

@@ -4,6 +4,8 @@ Each gap (a turn's arrival minus the creation of the entry it continues, as ``pl
 measures it, expired and released entries included) is counted under the kind of gap it was
 (``GapKind``: after a tool call or after a reply, the continued entry's ``waits_for``), three
 times: under the request's explicit conversation scope (an id), its tenant, and all traffic.
+Each turn whose entry was committed counts as ended under its own kind the same three times
+(``ended``), so that each histogram also knows the share of turns that came back.
 ``histograms(req, kind)`` returns that kind's, narrowest first, for ``plan_retention`` to
 take the first with enough samples. At most ``max_scopes`` conversation scopes are kept, the
 least recently used forgotten first (tenants are few; their count is bounded by the
@@ -13,10 +15,12 @@ configured keys).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 import msgspec
 
 from kvrelay.core.conversation import GapKind
+from kvrelay.core.identity import RequestIdentity
 from kvrelay.core.retention_time import GapHistogram
 from kvrelay.router.request import TurnRequest
 
@@ -29,10 +33,10 @@ class _ByKind(msgspec.Struct, frozen=True):
     tool: GapHistogram = GapHistogram()
     user: GapHistogram = GapHistogram()
 
-    def observe(self, kind: GapKind, gap_s: float, decay: float) -> _ByKind:
+    def with_(self, kind: GapKind, change: Callable[[GapHistogram], GapHistogram]) -> _ByKind:
         if kind == "tool":
-            return _ByKind(self.tool.observe(gap_s, decay=decay), self.user)
-        return _ByKind(self.tool, self.user.observe(gap_s, decay=decay))
+            return _ByKind(change(self.tool), self.user)
+        return _ByKind(self.tool, change(self.user))
 
     def of(self, kind: GapKind) -> GapHistogram:
         return self.tool if kind == "tool" else self.user
@@ -52,14 +56,25 @@ class RetainTimes:
         self._all = _ByKind()
 
     def observe(self, req: TurnRequest, gap_s: float, kind: GapKind = "user") -> None:
+        """A turn came back ``gap_s`` after the turn it continues ended ``kind``'s way."""
         decay = self._decay
-        self._all = self._all.observe(kind, gap_s, decay)
-        tenant = self._tenants.get(req.tenant, _ByKind())
-        self._tenants[req.tenant] = tenant.observe(kind, gap_s, decay)
-        if req.identity.explicit:
-            scope = req.identity.scope
+        self._update(req.identity, req.tenant, kind,
+                     lambda h: h.observe(gap_s, decay=decay))
+
+    def ended(self, identity: RequestIdentity, tenant: str, kind: GapKind) -> None:
+        """A turn ended ``kind``'s way (its entry was committed): one more that may come
+        back (``GapHistogram.return_share``)."""
+        decay = self._decay
+        self._update(identity, tenant, kind, lambda h: h.end(decay=decay))
+
+    def _update(self, identity: RequestIdentity, tenant: str, kind: GapKind,
+                change: Callable[[GapHistogram], GapHistogram]) -> None:
+        self._all = self._all.with_(kind, change)
+        self._tenants[tenant] = self._tenants.get(tenant, _ByKind()).with_(kind, change)
+        if identity.explicit:
+            scope = identity.scope
             mine = self._scopes.pop(scope, _ByKind())
-            self._scopes[scope] = mine.observe(kind, gap_s, decay)
+            self._scopes[scope] = mine.with_(kind, change)
             while len(self._scopes) > self._max:
                 self._scopes.popitem(last=False)
 

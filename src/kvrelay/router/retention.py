@@ -21,11 +21,11 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
 5. answers ``RetentionOrders``: the release orders the index queued for that D and engine
    (``take_releases``): entries the router dropped while D still held them. With Redis the
    queue and the reads in progress are shared, so whichever replica D syncs with answers
-   for all of them. Beside them, the shorter pull windows of turns this replica committed
-   since (``settled``: a turn that ended in a tool call is likely pulled within the tools'
-   run time; D told the replies' window releases it first under pressure once that has
-   passed). Those are this replica's own (D syncs with every replica that sent it turns),
-   at most ``MAX_ORDERS`` per D, the oldest dropped first.
+   for all of them. Beside them, the return curves of turns this replica committed since
+   that ended another way than the curve D was told (``settled``: a turn that ended in a
+   tool call comes back within the tools' run time or not at all; told the replies' curve,
+   D would keep it over younger replies). Those are this replica's own (D syncs with every
+   replica that sent it turns), at most ``MAX_ORDERS`` per D, the oldest dropped first.
 
 ``decode_params`` gives a decode request to a D that runs kvrelay's connector
 (``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
@@ -33,11 +33,13 @@ learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``
 D keeps the turn, ``core.retention_time.plan_retention`` from the gaps between turns seen
 (``router.retain_times``, fed by ``observe_gap``, per kind: after a tool call, after a
 reply) and D's share available to live work at its last sync (free blocks and retained ones,
-which D releases on demand); and once gaps are learned, ``kvrelay_pull_window_s``: within how
-long the follow-up is likely (D releases turns past it first). D is told the longer of the
-two kinds' times (``RetainPlan.on_d``); the plan goes with the turn (``DecodeRetention``), and
-once the answer is read the entry keeps its kind's time, ordering D to release the blocks at
-the entry's expiry when that is shorter (``commit``, ``ConversationEntry.release_at_expiry``).
+which D releases on demand); and once gaps are learned, ``kvrelay_return_curve``: how such
+turns come back (D releases those least likely still to be pulled first). D is told the
+longer of the two kinds' times and that kind's curve (``RetainPlan.on_d``); the plan goes
+with the turn (``DecodeRetention``), and once the answer is read the entry keeps its kind's
+time, ordering D to release the blocks at the entry's expiry when that is shorter
+(``commit``, ``ConversationEntry.release_at_expiry``). Every committed turn counts as one
+that ended its kind's way (``RetainTimes.ended``: the share that came back).
 """
 
 from __future__ import annotations
@@ -52,15 +54,15 @@ import msgspec
 from kvrelay.core.conversation import GapKind
 from kvrelay.core.retention_sync import (
     MAX_ORDERS,
-    PULL_WINDOW_S_KEY,
     RELEASE_CAUSES,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
-    PullWindow,
+    RETURN_CURVE_KEY,
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
+    TurnCurve,
     decode_sync,
 )
 from kvrelay.core.retention_time import (
@@ -69,6 +71,7 @@ from kvrelay.core.retention_time import (
     available_fraction,
     plan_retention,
 )
+from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.commit import PendingTurn
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
@@ -135,7 +138,7 @@ class RetentionDesk:
         self._learned = learned
         self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
-        self._windows: dict[str, OrderedDict[tuple[str, str], float]] = {}
+        self._curves: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
 
     def observe_gap(self, req: TurnRequest, gap_s: float, kind: GapKind = "user") -> None:
         """A turn arrived ``gap_s`` after the turn it continues ended (``kind``: how that
@@ -161,30 +164,39 @@ class RetentionDesk:
         self._metrics.retain_seconds.observe(decided.retain_s)
         turn.retain_s = decided.retain_s
         keys: dict[str, object] = {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}
-        if decided.pull_window_s is not None:
-            keys[PULL_WINDOW_S_KEY] = decided.pull_window_s
+        if decided.curve is not None:
+            keys[RETURN_CURVE_KEY] = list(msgspec.structs.astuple(decided.curve))
         return DecodeRetention(keys, decided.retain_s, plan)
 
+    @property
+    def learns(self) -> bool:
+        """Whether per-turn retention is learned (``settled`` then wants every turn)."""
+        return self._learned is not None
+
     def settled(self, p: PendingTurn) -> None:
-        """A decode request's turn settled: when its entry keeps less than D was told (the
-        answer ended in a tool call), queue the kind's pull window for D's next sync."""
-        blocks, plan = p.blocks, p.plan
-        if p.outcome != "committed" or blocks is None or plan is None \
-                or not plan.shortened(p.waits_for):
+        """A decode request's turn settled. A committed one ended its kind's way
+        (``RetainTimes.ended``); when D was told another kind's curve (the answer ended in a
+        tool call, D was told the replies'), queue the kind's for D's next sync."""
+        if p.outcome != "committed":
             return
-        kept = plan.after(p.waits_for)
-        window_s = kept.pull_window_s if kept.pull_window_s is not None else kept.retain_s
-        queue = self._windows.setdefault(p.decode_node_id, OrderedDict())
-        queue[(blocks.engine_id, blocks.request_id)] = window_s
+        self._gaps.ended(p.identity, p.tenant, p.waits_for)
+        blocks, plan = p.blocks, p.plan
+        if blocks is None or plan is None:
+            return
+        curve = plan.after(p.waits_for).curve
+        if curve is None or curve == plan.on_d.curve:
+            return
+        queue = self._curves.setdefault(p.decode_node_id, OrderedDict())
+        queue[(blocks.engine_id, blocks.request_id)] = curve
         while len(queue) > MAX_ORDERS:
             queue.popitem(last=False)
 
-    def _take_windows(self, node_id: str, engine_id: str) -> tuple[PullWindow, ...]:
-        queue = self._windows.pop(node_id, None)
+    def _take_curves(self, node_id: str, engine_id: str) -> tuple[TurnCurve, ...]:
+        queue = self._curves.pop(node_id, None)
         if not queue:
             return ()
-        return tuple(PullWindow(request_id, window_s)
-                     for (engine, request_id), window_s in queue.items() if engine == engine_id)
+        return tuple(TurnCurve(request_id, curve)
+                     for (engine, request_id), curve in queue.items() if engine == engine_id)
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, or once D went down or restarted)."""
@@ -227,9 +239,8 @@ class RetentionDesk:
         orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
-        windows = self._take_windows(node_id, sync.engine_id)
-        return RetentionOrders(release=orders, dropped=dropped,
-                               windows=windows or msgspec.UNSET)
+        curves = self._take_curves(node_id, sync.engine_id)
+        return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET)
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """``/stats``' ``retention``: per D, its latest numbers (D's own counts)."""

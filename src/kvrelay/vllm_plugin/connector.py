@@ -125,13 +125,13 @@ from kvrelay.core.report import (
     report_target,
 )
 from kvrelay.core.retention_sync import (
-    PULL_WINDOW_S_KEY,
     RETAIN_S_KEY,
     RETAIN_VALUE_KEY,
     RETENTION_URL_KEY,
-    clamp_pull_window_s,
+    RETURN_CURVE_KEY,
     clamp_retain_s,
 )
+from kvrelay.core.return_curve import ReturnCurve, decode_curve
 from kvrelay.vllm_plugin.contract import fix_facts, installed_context
 from kvrelay.vllm_plugin.fixes import FixFacts, FixPlan, FixSettings, plan_fixes
 from kvrelay.vllm_plugin.retention import RetentionLedger, blocks_needed
@@ -275,7 +275,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             request.request_id, num_blocks=sum(len(group) for group in block_ids),
             num_tokens=int(params.get("remote_num_tokens") or 0), now_s=now_s,
             retain_s=retain_s, value=sent.get(RETAIN_VALUE_KEY), url=sent.get(RETENTION_URL_KEY),
-            pull_window_s=clamp_pull_window_s(sent.get(PULL_WINDOW_S_KEY), retain_s))
+            curve=decode_curve(sent.get(RETURN_CURVE_KEY)))
 
     def _guard(self, request: Any, params: dict[str, Any]) -> None:
         """Cut a pull of D's blocks to the prefix proven equal to this engine's prompt."""
@@ -337,13 +337,13 @@ class _Retention:
 
     def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
                retain_s: float, value: object, url: object,
-               pull_window_s: float | None = None) -> None:
+               curve: ReturnCurve | None = None) -> None:
         known_url = url if isinstance(url, str) and self.client.add_url(url) else None
         worth = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
             and math.isfinite(value) else 0.0
         self.ledger.retain(request_id, num_blocks=num_blocks, num_tokens=num_tokens,
                            now_s=now_s, retain_s=retain_s, value=worth, url=known_url,
-                           pull_window_s=pull_window_s)
+                           curve=curve)
         self._publish(urgent=False)
 
     def waits_for_release(self, request: Any) -> bool:
@@ -416,7 +416,7 @@ class _Retention:
 
     def _apply_orders(self) -> None:
         for answer in self.client.take_orders():
-            self.ledger.shorten_windows(answer.orders.pull_windows)
+            self.ledger.take_curves(answer.orders.turn_curves)
             self.ledger.confirmed(answer.url, answer.orders.dropped)
             self.ledger.ordered(answer.orders.release)
 

@@ -11,9 +11,9 @@ until vLLM frees them: P read them, vLLM's TTL sweep ran, or kvrelay released th
 that same sweep. Which turns to release is ``kvrelay.core.retention``'s policy; how a release
 is made safe is ``kvrelay.core.retention_sync``'s handshake:
 
-* **pressure / headroom**: D picks turns (those past their pull window first,
-  ``kvrelay_pull_window_s``; then least valuable, oldest first:
-  ``core.retention.release_idle``) and *asks* the router that
+* **pressure / headroom**: D picks turns (those least likely still to be pulled first, by
+  their ``kvrelay_return_curve``; then least valuable, oldest first:
+  ``core.retention.release_order``) and *asks* the router that
   gave the turn (its ``kvrelay_retention_url``) in its next sync (``releasing``); the turn
   stays held until the router answers it in ``dropped``; then it is *freeing*: the connector
   hands it to vLLM's expiry path and vLLM frees it within a step. A router that does not
@@ -21,8 +21,7 @@ is made safe is ``kvrelay.core.retention_sync``'s handshake:
   again for ``ask_backoff_s``: D then waits or preempts as stock vLLM would, never frees a
   turn a router may still send a P to read. Turns without a retention URL are never asked.
 * **router orders**: the router dropped the entry already, so the turn is freeing at once;
-  a router's ``windows`` shorten turns' pull windows (it read their answers), never
-  lengthen them.
+  a router's ``curves`` replace turns' return curves (it read how their answers ended).
 * **deadline**: ``kvrelay_retain_s`` becomes the turn's own vLLM TTL (set by the connector);
   when vLLM's sweep frees it at or after its deadline the ledger records ``expired``.
 
@@ -49,11 +48,11 @@ from kvrelay.core.retention import (
 )
 from kvrelay.core.retention_sync import (
     RELEASE_CAUSES,
-    PullWindow,
     ReleaseCause,
     Released,
-    shortened_until_s,
+    TurnCurve,
 )
+from kvrelay.core.return_curve import ReturnCurve
 
 CONFIRM_TIMEOUT_S = 2.0
 """How long D waits for a router to answer a ``releasing`` id before it keeps the turn."""
@@ -122,15 +121,13 @@ class RetentionLedger:
 
     def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
                retain_s: float, value: float = 0.0, url: str | None = None,
-               pull_window_s: float | None = None) -> RetainedTurn:
-        """A finished request whose blocks vLLM now holds for a P to read; its pull window
-        (``kvrelay_pull_window_s``, at most ``retain_s``; ``None``: all of it) ends
-        ``pull_window_s`` from now: past it the turn is asked for first."""
+               curve: ReturnCurve | None = None) -> RetainedTurn:
+        """A finished request whose blocks vLLM now holds for a P to read, and how such
+        turns come back (``kvrelay_return_curve``; ``None``: unknown)."""
         self._pop(request_id)
-        window_s = retain_s if pull_window_s is None else min(pull_window_s, retain_s)
         turn = RetainedTurn(request_id=request_id, num_blocks=num_blocks, num_tokens=num_tokens,
                             retained_at_s=now_s, deadline_s=now_s + retain_s, value=value,
-                            pull_until_s=now_s + window_s)
+                            curve=curve)
         self._turns[request_id] = _Tracked(turn, url)
         self._blocks += num_blocks
         self._tokens += num_tokens
@@ -245,16 +242,13 @@ class RetentionLedger:
             if tracked is not None and tracked.state is not TurnState.FREEING:
                 self._free(request_id, tracked, "router")
 
-    def shorten_windows(self, windows: Iterable[PullWindow]) -> None:
-        """The router read these turns' answers: their pull windows end earlier (a tool
-        call's follow-up comes within the tools' run time); past them they are asked for
-        first under pressure or headroom."""
-        for window in windows:
-            tracked = self._turns.get(window.request_id)
+    def take_curves(self, curves: Iterable[TurnCurve]) -> None:
+        """The router read how these turns' answers ended: their return curves are the
+        kind's (a tool call's follow-up comes within the tools' run time or not at all)."""
+        for told in curves:
+            tracked = self._turns.get(told.request_id)
             if tracked is not None:
-                turn = tracked.turn
-                tracked.turn = replace(turn, pull_until_s=shortened_until_s(
-                    turn.pull_until_s, turn.retained_at_s, turn.deadline_s, window))
+                tracked.turn = replace(tracked.turn, curve=told.curve)
 
     def _free(self, request_id: str, tracked: _Tracked, cause: ReleaseCause) -> None:
         tracked.state, tracked.cause = TurnState.FREEING, cause

@@ -186,7 +186,7 @@ class RetentionSyncClient:
                 for _ in range(min(len(released), len(pending or ()))):
                     assert pending is not None
                     pending.popleft()
-            if orders.release or orders.dropped or orders.pull_windows:
+            if orders.release or orders.dropped or orders.turn_curves:
                 self._orders.put(Orders(url=url, orders=orders))
         return answered
 
