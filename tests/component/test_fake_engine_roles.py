@@ -20,6 +20,7 @@ from kvrelay.core.params import (
     FINGERPRINT_KEY,
     GUARD_KEY,
     GUARD_VERSION,
+    RETENTION_MODE_KEY,
     parse_remote_blocks,
 )
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
@@ -79,11 +80,12 @@ async def test_turn1_prefill_then_decode_pulls_all_prompt_blocks(connector: bool
 
         dp = dr["kv_transfer_params"]
         real_d = captured("chat_turn1.json")["d1"]["kv_transfer_params"]
-        kvrelay_keys = {GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY} if connector else set()
+        kvrelay_keys = {GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY, RETENTION_MODE_KEY} \
+            if connector else set()
         assert set(dp) == set(real_d) | kvrelay_keys
         if connector:
             assert pp[GUARD_KEY] == dp[GUARD_KEY] == GUARD_VERSION
-            assert dp[BLOCK_SIZE_KEY] == BLOCK
+            assert dp[BLOCK_SIZE_KEY] == BLOCK and dp[RETENTION_MODE_KEY] == "managed"
             held = parse_remote_blocks(dp).fingerprint
             assert held is not None and held.num_tokens == n + GEN - 1
             assert held == held_fingerprint(

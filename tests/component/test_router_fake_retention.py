@@ -30,9 +30,11 @@ from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.request import IdRules, parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
-SILENT_D = replace(ENGINE_CONFIG, kvrelay_retention=False)
+SILENT_D = replace(ENGINE_CONFIG, retention_sync=False)
 """Engines that do not sync their retention themselves: the tests below are D, posting the
 syncs by hand (test_router_fake_retention_sync.py runs the fake's own)."""
+STOCK_D = replace(ENGINE_CONFIG, kvrelay_retention=False)
+"""kvrelay's connector in stock mode (``kvrelay up --retention stock``): one global TTL."""
 SYSTEM = "You are a careful agent that fixes failing tests. " * 8
 FIRST = "The test test_parse fails on main. Find out why and fix it."
 
@@ -462,3 +464,23 @@ async def test_a_tool_call_turn_is_kept_for_the_tool_gaps_then_released_on_d() -
         tool_seen, user_seen = gaps(req, "tool")[-1], gaps(req, "user")[-1]
         assert tool_seen is not None and user_seen is not None
         assert (tool_seen.samples, user_seen.samples) == (121, 121)
+
+
+async def test_a_stock_d_keeps_every_turn_its_ttl_so_the_entry_does_too() -> None:
+    """D runs kvrelay's connector in stock mode and says so in its params
+    (``kvrelay_retention: stock``) while the router learns retention: D keeps every turn
+    its TTL whatever it is told, so a tool call's entry keeps D's TTL too (not the tools'
+    time: the router would give up a turn D still holds) and nothing is ordered released."""
+    async with routed(engine_config=STOCK_D) as r:
+        async with r.client() as c:
+            await chat(c, conversation(0))
+            await r.settle()
+        learn_gaps(r, 200.0, kind="user")
+        learn_gaps(r, 20.0, kind="tool")
+        _, tool = await agent_turn(r, "Fix the failing test.", tool_call=True)
+        assert (tool.waits_for, tool.release_at_expiry) == ("tool", False)
+        safety = r.ctx.config.ttl_safety_margin_s
+        assert tool.expires_at_s - tool.created_at_s + safety == pytest.approx(
+            ENGINE_CONFIG.decoder_kv_blocks_ttl)
+        r.clock.advance(60.0)  # past the tools' time: the entry is still there
+        assert await orders_for(r) == []

@@ -202,7 +202,7 @@ async def test_a_release_order_queued_on_one_replica_is_delivered_by_the_other(
     replica 1, which hands it the order: the queue lives in Redis. A release D tells
     replica 1 of makes replica 0's next turn of that conversation recompute (``released``).
     The test is D (its syncs written by hand): the fake D does not sync itself."""
-    async with replicas(redis_server, engine_config=replace(ENGINE_CONFIG, kvrelay_retention=False),
+    async with replicas(redis_server, engine_config=replace(ENGINE_CONFIG, retention_sync=False),
                         max_entries=1) as r:
         d = r.cluster.decode[0]
         a = [{"role": "user", "content": "conversation A " + FIRST}]

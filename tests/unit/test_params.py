@@ -111,3 +111,14 @@ def test_kvrelay_keys_added_to_vllm_params_parse_back_as_remote_blocks():
     assert kvrelay_keys() == {}
     assert kvrelay_keys(guard_version=1, verified_tokens=0) == {
         "kvrelay_guard": 1, "kvrelay_verified_tokens": 0}
+
+
+def test_d_says_how_it_keeps_a_turn_and_an_unknown_mode_reads_as_absent():
+    raw = load("chat_turn1.json")["d1"]["kv_transfer_params"]
+    for mode in ("managed", "stock"):
+        blocks = parse_remote_blocks({**raw, **kvrelay_keys(guard_version=1, retention=mode)})
+        assert blocks.retention == mode
+        assert blocks.to_json()["kvrelay_retention"] == mode  # travels back to P unchanged
+        assert "kvrelay_retention" not in blocks.to_vllm_json()
+    assert parse_remote_blocks(raw).retention is None  # stock vLLM says nothing
+    assert parse_remote_blocks({**raw, "kvrelay_retention": "later"}).retention is None

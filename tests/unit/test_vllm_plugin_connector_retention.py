@@ -209,6 +209,11 @@ def test_turns_without_a_router_and_stock_mode_leave_pressure_to_vllm(router):
     kept = retain(stock, "kept", retained_params(router.url, kvrelay_retain_s=5))
     assert kept["remote_blocks_expiry_time"] >= time.perf_counter() + TTL_S - 5, \
         "stock keeps vLLM's global TTL"
+    assert kept["kvrelay_retention"] == "stock", "and says so, so the router's entry does too"
+    managed = d_connector()
+    managed.bind_kv_cache_manager(ns(block_pool=Pool(12), watermark_blocks=0))
+    told = retain(managed, "told", retained_params(router.url, kvrelay_retain_s=5))
+    assert told["kvrelay_retention"] == "managed"
     with pytest.raises(ValueError):
         d_connector(kvrelay_retention="sometimes")
     with pytest.raises(ValueError):

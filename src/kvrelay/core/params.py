@@ -25,6 +25,11 @@ unknown keys through untouched):
   list of a partial pull.
 * ``kvrelay_verified_tokens`` (P's answer to a pull): how many prompt tokens P's connector
   proved equal to D's held tokens before loading.
+* ``kvrelay_retention`` (D's retained params): how D's connector keeps the turn:
+  ``managed`` (it reads ``kvrelay_retain_s`` and releases on the router's orders) or
+  ``stock`` (``kvrelay up --retention stock``: one global TTL, orders ignored), so the
+  router never expires an entry early that D keeps (``RetentionMode``). Another value reads
+  as absent.
 * ``kvrelay_report_url`` / ``kvrelay_turn_id`` (a D request): where kvrelay's connector posts
   D's report when the request finishes (see ``core.report``).
 
@@ -47,12 +52,14 @@ GUARD_KEY = "kvrelay_guard"
 FINGERPRINT_KEY = "kvrelay_fingerprint"
 BLOCK_SIZE_KEY = "kvrelay_block_size"
 VERIFIED_TOKENS_KEY = "kvrelay_verified_tokens"
+RETENTION_MODE_KEY = "kvrelay_retention"
 REPORT_URL_KEY = "kvrelay_report_url"
 REPORT_TURN_KEY = "kvrelay_turn_id"
 GUARD_VERSION = 1
 """Version of kvrelay's connector protocol (``kvrelay_guard``)."""
 
-_KVRELAY_ANSWER_KEYS = (GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY, VERIFIED_TOKENS_KEY)
+_KVRELAY_ANSWER_KEYS = (GUARD_KEY, FINGERPRINT_KEY, BLOCK_SIZE_KEY, VERIFIED_TOKENS_KEY,
+                        RETENTION_MODE_KEY)
 
 _VLLM_KEYS = frozenset({
     "do_remote_prefill", "do_remote_decode", "remote_block_ids", "remote_engine_id",
@@ -62,6 +69,8 @@ _VLLM_KEYS = frozenset({
 })
 
 Direction = Literal["prefill_to_decode", "decode_to_prefill"]
+RetentionMode = Literal["managed", "stock"]
+"""How D's connector keeps a retained turn (``kvrelay_retention``)."""
 
 
 class KVParamsError(ValueError):
@@ -92,6 +101,7 @@ class RemoteBlocks(msgspec.Struct, frozen=True):
     block_size: int | None = None
     guard_version: int | None = None
     verified_tokens: int | None = None
+    retention: RetentionMode | None = None
     vllm_extra: tuple[tuple[str, str], ...] = ()
 
     @property
@@ -122,6 +132,7 @@ class RemoteBlocks(msgspec.Struct, frozen=True):
         out.update(kvrelay_keys(
             guard_version=self.guard_version, fingerprint=self.fingerprint,
             block_size=self.block_size, verified_tokens=self.verified_tokens,
+            retention=self.retention,
         ))
         return out
 
@@ -170,6 +181,7 @@ def kvrelay_keys(
     fingerprint: TokenFingerprint | None = None,
     block_size: int | None = None,
     verified_tokens: int | None = None,
+    retention: RetentionMode | None = None,
 ) -> dict[str, object]:
     """kvrelay's keys of a node's answer params as they travel (``None``: key absent), in
     the order ``to_json`` writes them. kvrelay's connector adds them to the params vLLM
@@ -183,6 +195,8 @@ def kvrelay_keys(
         out[BLOCK_SIZE_KEY] = block_size
     if verified_tokens is not None:
         out[VERIFIED_TOKENS_KEY] = verified_tokens
+    if retention is not None:
+        out[RETENTION_MODE_KEY] = retention
     return out
 
 
@@ -220,6 +234,7 @@ def parse_remote_blocks(raw: object) -> RemoteBlocks:
         block_size=_opt_positive(raw, BLOCK_SIZE_KEY),
         guard_version=_opt_positive(raw, GUARD_KEY),
         verified_tokens=_opt_int(raw, VERIFIED_TOKENS_KEY),
+        retention=_retention_mode(raw.get(RETENTION_MODE_KEY)),
         vllm_extra=_extra(raw),
     )
 
@@ -299,6 +314,14 @@ def _int(raw: Mapping[str, object], key: str, default: int | None = None) -> int
 def _opt_int(raw: Mapping[str, object], key: str) -> int | None:
     value = raw.get(key)
     return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def _retention_mode(value: object) -> RetentionMode | None:
+    if value == "managed":
+        return "managed"
+    if value == "stock":
+        return "stock"
+    return None
 
 
 def _opt_float(raw: Mapping[str, object], key: str) -> float | None:

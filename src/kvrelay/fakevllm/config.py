@@ -39,7 +39,10 @@ class FakeEngineConfig:
     its retained turns as kvrelay's connector does (``retention``: per-turn
     ``kvrelay_retain_s``, releases under pressure, over ``retention_headroom`` (a fraction
     of the cache kept free of retention), at the deadline and on the router's orders, and
-    the sync with the router, ``sync``); False keeps stock vLLM's one global TTL.
+    the sync with the router, ``sync``); False keeps stock vLLM's one global TTL (as
+    ``kvrelay up --retention stock``: the retained params say ``kvrelay_retention: stock``).
+    ``retention_sync``: whether a managed D syncs with the router itself; False: it never
+    does (a test posts D's syncs by hand, as D).
     ``deterministic_ids``: engine and request ids derived from ``seed``, engine name and side
     channel instead of random ones (generated text depends only on ``seed`` either way).
     ``records_limit`` bounds the request records, freed-block reads and expired ids kept (a
@@ -71,6 +74,7 @@ class FakeEngineConfig:
     report_hosts: tuple[str, ...] = DEFAULT_REPORT_HOSTS
     kvrelay_connector: bool = True
     kvrelay_retention: bool = True
+    retention_sync: bool = True
     retention_headroom: float = 0.0
 
     def __post_init__(self) -> None:

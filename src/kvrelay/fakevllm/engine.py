@@ -95,8 +95,9 @@ class EngineState:
             self.retention = Retention(
                 self.pool, self.holds, clock, headroom=config.retention_headroom,
                 bytes_per_block=config.kv_bytes_per_token * config.block_size)
-            self.syncer = Syncer(self.retention, engine_id, clock=clock, tick=self.reap,
-                                 allowed_hosts=config.report_hosts)
+            if config.retention_sync:
+                self.syncer = Syncer(self.retention, engine_id, clock=clock, tick=self.reap,
+                                     allowed_hosts=config.report_hosts)
         retention = self.retention
         self.scheduler = Scheduler(
             self.pool, tick=self.reap,

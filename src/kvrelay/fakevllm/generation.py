@@ -209,6 +209,8 @@ class Generation:
                 ),
                 block_size=bs if kvrelay and not on_p else None,
                 verified_tokens=rec.verified_tokens if kvrelay and on_p else None,
+                retention=None if on_p or not kvrelay else
+                ("managed" if managed is not None else "stock"),
             ).to_json()
             if cfg.protocol.registration_generation:
                 params = with_registration_generation(params, cfg.tp_size * cfg.pp_size)

@@ -24,7 +24,9 @@ retention (``PendingTurn.plan``) the answer shows how the turn ended
 (``DecodeAnswer.waits_for``: a tool call or a reply); when that kind's time is shorter than
 D's, the entry keeps only that and is flagged ``release_at_expiry``, so the index orders D
 to release the blocks once the entry expires (a tool call's follow-up comes within the
-tool's run time or not at all).
+tool's run time or not at all). A D whose connector says it keeps turns the stock way
+(``RemoteBlocks.retention == "stock"``: one TTL, orders ignored) holds the turn its TTL
+whatever it was told: the entry keeps that TTL and nothing is ordered.
 
 The client's response never waits for any of this. A later turn that continues this one
 waits for it (``wait_for``), bounded by ``report_wait_s``.
@@ -383,9 +385,12 @@ class ReportDesk:
             self.settle(p, "bad_block_layout")
             return
         done = p.response_done_s if p.response_done_s is not None else self._clock()
-        shortened = p.plan is not None and p.plan.shortened(p.waits_for)
-        kept_s = p.plan.after(p.waits_for).retain_s if p.plan is not None and shortened \
-            else p.ttl_s
+        if blocks.retention == "stock":  # D kept its TTL, whatever it was told
+            shortened, kept_s = False, self._nodes.config(p.decode_node_id).ttl_s
+        else:
+            shortened = p.plan is not None and p.plan.shortened(p.waits_for)
+            kept_s = p.plan.after(p.waits_for).retain_s if p.plan is not None and shortened \
+                else p.ttl_s
         entry = new_entry(
             decode_node_id=p.decode_node_id,
             blocks=blocks,

@@ -115,7 +115,13 @@ from vllm.logger import init_logger
 
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
-from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, VERIFIED_TOKENS_KEY, kvrelay_keys
+from kvrelay.core.params import (
+    FINGERPRINT_KEY,
+    GUARD_VERSION,
+    VERIFIED_TOKENS_KEY,
+    RetentionMode,
+    kvrelay_keys,
+)
 from kvrelay.core.report import (
     DEFAULT_REPORT_HOSTS,
     MAX_REPORTS_PER_POST,
@@ -300,12 +306,19 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                 request.prompt_token_ids or (), request.output_token_ids, held
             )
             params.update(kvrelay_keys(guard_version=GUARD_VERSION, fingerprint=fingerprint,
-                                       block_size=self._block_size))
+                                       block_size=self._block_size,
+                                       retention=self._retention_mode()))
             return
         sent = request.kv_transfer_params or {}
         verified = sent.get(VERIFIED_TOKENS_KEY)
         params.update(kvrelay_keys(guard_version=GUARD_VERSION,
                                    verified_tokens=verified if isinstance(verified, int) else None))
+
+    def _retention_mode(self) -> RetentionMode | None:
+        """How this D keeps retained turns (``kvrelay_retention``); ``None`` off D."""
+        if self._retention is None:
+            return None
+        return "managed" if self._retention.ledger.managed else "stock"
 
     def _report(self, request: Any, params: dict[str, Any] | None) -> None:
         target = report_target(request.kv_transfer_params)
