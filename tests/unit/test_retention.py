@@ -103,6 +103,20 @@ def test_pressure_releases_the_fewest_turns_that_cover_the_shortfall():
                                   now_s=5.0) is NOTHING
 
 
+def test_pressure_keeps_a_turn_the_others_released_cover_without_it():
+    """In order ``small`` (1 block) would go first, then ``large`` (20): the large one
+    alone covers the 2 blocks needed, so the small one stays (a pull not lost for nothing);
+    ``next`` is never reached."""
+    turns = [turn("small", 1, 1.0), turn("large", 20, 2.0), turn("next", 3, 3.0)]
+    release = release_under_pressure(turns, num_blocks_free=0, num_blocks_needed=2, now_s=5.0)
+    assert release.request_ids == ("large",) and release.num_blocks == 20
+    # Of a, b, c (3 + 3 + 4 blocks, in that order) for 7, a and c suffice: b, the more
+    # valuable of the two the order took before c, stays.
+    three = [turn("a", 3, 1.0), turn("b", 3, 2.0), turn("c", 4, 3.0)]
+    assert release_for(three, 7, "pressure", now_s=5.0).request_ids == ("a", "c")
+    assert release_for(three, 8, "pressure", now_s=5.0).request_ids == ("a", "b", "c")
+
+
 def test_pressure_beyond_what_retention_holds_says_what_is_still_missing():
     release = release_under_pressure([turn("a", 4, 1.0), turn("r", 8, 0.0, reading=True)],
                                      num_blocks_free=0, num_blocks_needed=10, now_s=5.0)

@@ -18,7 +18,8 @@ chance of still being pulled at that moment (``RetainedTurn.pull_chance``: the r
 ``kvrelay_return_curve`` for how turns that end this way come back, evaluated at the turn's
 age, ``core.return_curve``; 1 without one), then the lowest ``value`` (the router's
 ``kvrelay_retain_value``, 0 when unset), then oldest. Without curves that is stock-like:
-oldest first. A turn P is reading is never released.
+oldest first; of the turns so taken, one that the others cover without it stays
+(``release_for``). A turn P is reading is never released.
 """
 
 from __future__ import annotations
@@ -79,21 +80,29 @@ def release_order(turns: Iterable[RetainedTurn], now_s: float) -> list[RetainedT
 
 def release_for(turns: Iterable[RetainedTurn], num_blocks: int, reason: str, *,
                 now_s: float) -> Release:
-    """The fewest least-valuable turns that free at least ``num_blocks`` blocks (all
-    releasable ones when they are not enough), in ``release_order`` at ``now_s``."""
+    """Least-valuable turns that free at least ``num_blocks`` blocks (all releasable ones
+    when they are not enough): the turns in ``release_order`` at ``now_s`` until enough are
+    freed, then without any of them (the most valuable first) that the others cover: a
+    large turn taken last can make the small ones taken before it unnecessary, and a turn
+    released without need is a pull lost for nothing (the blocks it would free beyond the
+    shortfall serve no one yet; a later shortfall chooses again, with what it knows then)."""
     if num_blocks <= 0:
         return NOTHING
-    chosen: list[str] = []
+    chosen: list[RetainedTurn] = []
     freed = 0
     for turn in release_order(turns, now_s):
         if freed >= num_blocks:
             break
-        chosen.append(turn.request_id)
+        chosen.append(turn)
         freed += turn.num_blocks
     if not chosen:
         return Release(request_ids=(), num_blocks=0, reason="none", short_blocks=num_blocks)
-    return Release(request_ids=tuple(chosen), num_blocks=freed, reason=reason,
-                   short_blocks=max(0, num_blocks - freed))
+    for turn in reversed(chosen[:-1]):
+        if freed - turn.num_blocks >= num_blocks:
+            chosen.remove(turn)
+            freed -= turn.num_blocks
+    return Release(request_ids=tuple(turn.request_id for turn in chosen), num_blocks=freed,
+                   reason=reason, short_blocks=max(0, num_blocks - freed))
 
 
 def retention_cap_blocks(num_blocks_total: int, headroom: float) -> int:
