@@ -14,6 +14,7 @@ from typing import Any
 import pytest
 
 from kvrelay.core.retention_sync import (
+    RELEASE_CAUSES,
     RETAIN_S_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
@@ -146,6 +147,10 @@ async def test_pressure_asks_the_turns_router_first_and_frees_what_it_drops(
         assert told.released == (Released(request_id=rid(old), cause="pressure"),)
         assert told.releasing == () and told.releases_total["pressure"] == 1
         assert told.retained_requests == 2
+        retention = d.state.retention
+        assert retention is not None  # a turn without a curve counts as sure to be pulled
+        assert retention.released_pull_chance == {**dict.fromkeys(RELEASE_CAUSES, 0.0),
+                                                  "pressure": 1.0}
 
 
 async def test_a_curve_the_router_sends_makes_its_turn_the_first_asked_for(
@@ -170,9 +175,15 @@ async def test_a_curve_the_router_sends_makes_its_turn_the_first_asked_for(
         await until(lambda: any(t.request_id == rid(tool) and t.curve == tools
                                 for t in retention.turns()), "D took the curve")
         clock.advance(5)
+        chosen = next(t for t in retention.turns() if t.request_id == rid(tool))
         await turn(p, d, conversation(2), **replies)
         asked = await router.wait_for(lambda s: bool(s.releasing), "D asks to free a turn")
         assert asked.releasing == (rid(tool),)
+        # What D expected to lose by it: the turn's chance of a pull when D chose it.
+        await router.wait_for(lambda s: bool(s.released), "the release is told")
+        expected = chosen.pull_chance(clock())
+        assert 0.0 < expected < 0.9
+        assert retention.released_pull_chance["pressure"] == pytest.approx(expected)
 
 
 async def test_an_ask_the_router_leaves_unanswered_keeps_the_turn(model: FakeModel) -> None:

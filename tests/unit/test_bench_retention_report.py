@@ -52,7 +52,8 @@ def test_summary_counts_new_turns_follow_ups_and_hits() -> None:
         turn("c", 1, None, error="timeout"),
     ]
     trace = DecodeTrace(((0.0, 8, 0), (1.0, 16, 2), (2.0, 0, 0)), 4.0, 3,
-                        {"pressure": 2, "expired": 0})
+                        {"pressure": 2, "expired": 0},
+                        {"pressure": 0.25, "headroom": 0.5, "router": 0.0})
     s = summarize_retention("managed", records, trace, time_scale=10.0)
     assert (s.conversations, s.failed_turns) == (3, 1)
     assert s.new_ttft_p50_s == pytest.approx(0.15)
@@ -65,7 +66,11 @@ def test_summary_counts_new_turns_follow_ups_and_hits() -> None:
                                   "recompute/released": 1}
     # Each miss by why its turn was gone: D's release cause, the router's reason.
     assert s.misses == {"released/pressure": 1, "expired": 1, "pull": 1}
-    assert "released/pressure 1" in "\n".join(markdown_table({"managed": s}, []))
+    # Beside the misses D caused by choosing, the ones it expected: the chances it released.
+    assert s.expected_lost == pytest.approx(0.75)
+    table = "\n".join(markdown_table({"managed": s}, []))
+    assert "released/pressure 1" in table
+    assert "| misses D chose / expected | 1 / 0.75 |" in table
     with pytest.raises(ValueError):
         summarize_retention("managed", records, trace, time_scale=0.0)
 
@@ -94,6 +99,7 @@ def test_follow_up_hits_split_by_what_they_continued() -> None:
     assert "| tool-call turns (calls made) | 3 (2) |" in table
     none = summarize_retention("none", records[:1], DecodeTrace((), 1.0, 0), time_scale=1.0)
     assert none.hit_rate_after_tool is None and none.hit_rate_after_reply is None
+    assert none.expected_lost is None  # D chose nothing: no retention of kvrelay's
 
 
 def summary(mode: str, p99: float | None, hit: float | None, blocks: float,

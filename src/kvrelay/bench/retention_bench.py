@@ -56,7 +56,9 @@ share a prefix on D, a conversation's turn and the one before it that nobody pul
 its blocks, which D holds once) and waiting requests.
 After the last turn sampling goes on until D holds nothing (at most D's TTL and a margin),
 so a mode is charged for what it keeps after the traffic, too. Then D's preemptions and
-releases by cause are read. ``retention_report`` does the arithmetic.
+releases by cause are read, and per cause D chose the turns for (pressure, headroom) the sum
+of their chances of a pull when it chose them: the follow-ups D expected to lose.
+``retention_report`` does the arithmetic.
 """
 
 from __future__ import annotations
@@ -272,6 +274,8 @@ async def _bench(
         preempted_before = int(before.get("num_preemptions", 0))
         released_before = {str(k): int(v) for k, v in (
             (before.get("retention") or {}).get("releases_total") or {}).items()}
+        chance_before = {str(k): float(v) for k, v in (
+            (before.get("retention") or {}).get("released_pull_chance") or {}).items()}
         samples.clear()
         task = asyncio.create_task(sampler(http))
         try:
@@ -285,10 +289,13 @@ async def _bench(
         end_s = time.perf_counter() - started
         final = await sample(http) or {}
     releases = (final.get("retention") or {}).get("releases_total") or {}
+    chances = (final.get("retention") or {}).get("released_pull_chance") or {}
     preemptions = int(final.get("num_preemptions", 0)) - preempted_before
     trace = DecodeTrace(tuple(samples), end_s, preemptions,
                         {str(k): int(v) - released_before.get(str(k), 0)
-                         for k, v in releases.items()})
+                         for k, v in releases.items()},
+                        {str(k): float(v) - chance_before.get(str(k), 0.0)
+                         for k, v in chances.items()})
     run = ModeRun(mode, records, {**info, "router_url": router_url, "model": model,
                                   "prelude_conversations": len(prelude.conversations)
                                   if prelude is not None else 0})

@@ -22,6 +22,11 @@ sampled trace of D. This module turns them into figures and checks the goals:
   ``X-KVRelay-Released-Cause``, ``released/releasing`` while D's ask was not yet told), its
   retention ran out (``expired``), or the router had no entry (``no_entry``); other reasons
   as the router gave them. Beside D's releases by cause, this shows why hits are lost;
+  and beside the misses D caused by choosing (``released/pressure``, ``released/headroom``)
+  the number it expected (``expected_lost``: the sum, over the turns it chose, of their
+  chance of a pull when it chose them, ``RetainedTurn.pull_chance``; a turn without a
+  return curve counts 1): a count close to it says the turns released were as unlikely to
+  be pulled as D's curves said, a count well above it that the curves are wrong;
 * **preemptions**: D's ``num_preemptions`` over the run. D's cache is sized so that live
   work alone does not preempt; the ``none`` mode measures that, and a mode's preemptions
   *caused by retention* are its count above ``none``'s.
@@ -43,6 +48,8 @@ from typing import Any
 from kvrelay.bench.metrics import TurnRecord, percentile
 
 TTFT_RATIO_GOAL = 1.1
+CHOSEN_CAUSES = ("pressure", "headroom")
+"""The releases whose turns D chose (the others are the router's or the deadline's)."""
 BLOCK_SECONDS_RATIO_GOAL = 0.5
 
 
@@ -50,12 +57,14 @@ BLOCK_SECONDS_RATIO_GOAL = 0.5
 class DecodeTrace:
     """What the sampler saw of one mode's D: ``(seconds since the run started, held
     blocks, waiting requests)`` samples, when sampling ended, D's preemptions and releases
-    by cause (empty without kvrelay's retention)."""
+    by cause, and per cause the sum of the released turns' chances of a pull when D chose
+    them (both empty without kvrelay's retention)."""
 
     samples: tuple[tuple[float, int, int], ...]
     end_s: float
     num_preemptions: int
     releases: Mapping[str, int] = field(default_factory=dict)
+    released_pull_chance: Mapping[str, float] = field(default_factory=dict)
 
 
 def block_seconds(samples: Sequence[tuple[float, int, int]], end_s: float) -> float:
@@ -89,6 +98,7 @@ class RetentionSummary:
     releases: dict[str, int]
     followup_reasons: dict[str, int]
     misses: dict[str, int] = field(default_factory=dict)
+    expected_lost: float | None = None
     tool_call_turns: int = 0
     tool_calls_made: int = 0
     followups_after_tool: int = 0
@@ -134,6 +144,8 @@ def summarize_retention(
         releases={k: v for k, v in sorted(trace.releases.items()) if v},
         followup_reasons=dict(sorted(reasons.items())),
         misses=dict(sorted(misses.items())),
+        expected_lost=sum(trace.released_pull_chance.get(c, 0.0) for c in CHOSEN_CAUSES)
+        if trace.released_pull_chance else None,
         tool_call_turns=sum(1 for r in records if r.tool_call),
         tool_calls_made=sum(1 for r in records if r.made_tool_call),
         followups_after_tool=len(after_tool),
@@ -232,6 +244,10 @@ def markdown_table(summaries: Mapping[str, RetentionSummary],
         ("D releases by cause", [_counts(s.releases) for s in modes]),
         ("follow-ups by action/reason", [_counts(s.followup_reasons) for s in modes]),
         ("follow-up misses by cause", [_counts(s.misses) for s in modes]),
+        ("misses D chose / expected", [
+            "-" if s.expected_lost is None else
+            f"{sum(s.misses.get(f'released/{c}', 0) for c in CHOSEN_CAUSES)} / "
+            f"{s.expected_lost:.2f}" for s in modes]),
     ]
     lines = ["| | " + " | ".join(s.mode for s in modes) + " |",
              "|---|" + "---|" * len(modes)]

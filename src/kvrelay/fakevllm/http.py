@@ -188,6 +188,7 @@ def build_app(engine: FakeEngine) -> Starlette:
             out["retention"] = {
                 "turns": [msgspec.to_builtins(turn) for turn in retention.turns()],
                 "releases_total": retention.releases_total,
+                "released_pull_chance": retention.released_pull_chance,
                 "declined_reads": retention.declined_reads,
                 "syncs": {url: {"count": o.count, "status": o.status, "error": o.error}
                           for url, o in syncer.outcomes.items()},

@@ -78,6 +78,8 @@ class _Held:
     url: str | None
     asked: ReleaseCause | None = None
     asked_at_s: float = 0.0
+    asked_chance: float = 0.0
+    """The turn's chance of a pull when D asked for it (``RetainedTurn.pull_chance``)."""
 
 
 class Retention:
@@ -96,6 +98,9 @@ class Retention:
         self._pending: OrderedDict[str, list[Released]] = OrderedDict()
         self._backoff_until_s: dict[str, float] = {}
         self.releases_total: dict[str, int] = dict.fromkeys(RELEASE_CAUSES, 0)
+        self.released_pull_chance: dict[str, float] = dict.fromkeys(RELEASE_CAUSES, 0.0)
+        """Per cause D chose the turns for (``pressure``, ``headroom``), the sum of their
+        chances of a pull when D asked for them: the follow-ups D expected to lose."""
         self.declined_reads = 0
         self.urgent = False
 
@@ -205,6 +210,7 @@ class Retention:
         for rid in request_ids:
             held = self._held[rid]
             held.asked, held.asked_at_s = cause, now_s
+            held.asked_chance = held.turn.pull_chance(now_s)
             self.urgent = True
 
     def _free(self, request_ids: Iterable[str], cause_of: _CauseOf) -> Release:
@@ -220,6 +226,8 @@ class Retention:
             freed += held.turn.num_blocks if held is not None else len(hold.block_ids)
             done.append(rid)
             self.releases_total[cause] += 1
+            if held is not None and held.asked == cause:
+                self.released_pull_chance[cause] += held.asked_chance
             self._tell(Released(request_id=rid, cause=cause))
         if not done:
             return NOTHING
