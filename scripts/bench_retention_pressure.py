@@ -43,6 +43,7 @@ from pathlib import Path
 import httpx
 
 from kvrelay.bench.tokens import filler_words
+from kvrelay.bench.trace_replay import REPLAY_FIXED_COSTS
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.cluster.launcher import free_port_block
 
@@ -56,7 +57,12 @@ CLUSTER_FLAGS = ["--max-model-len", "2048", "--ttl-s", "120",
                  # turn without one is never released early: the first conversation would
                  # pin half of D until the TTL. kvrelay up runs kvrelay's connector on every
                  # node, so the router is told.
-                 "--router-arg=--guard=connector"]
+                 "--router-arg=--guard=connector",
+                 # Pull vs recompute from costs fixed so that a pull pays, not learned from
+                 # this machine's timings: on the tiny model a recompute is as fast as a pull,
+                 # and learned costs can make the follow-up recompute (``cost_model``) with
+                 # its blocks still on D, which says nothing about retention.
+                 f"--router-arg=--fixed-costs={REPLAY_FIXED_COSTS}"]
 
 
 @dataclass
