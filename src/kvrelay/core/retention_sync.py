@@ -132,7 +132,10 @@ class RetentionOrders(msgspec.Struct, frozen=True):
 
     Versions: ``curves`` is left out of the JSON when there are none, so such an answer is
     what a connector that predates it reads; D ignores fields it does not know (a router
-    newer than D's connector may send more)."""
+    newer than D's connector may send more) since the pull windows that ``curves``
+    replaced. A connector older than that refuses an answer carrying ``curves`` (its sync
+    fails; D keeps its turns, as stock vLLM would): upgrade D's connector before the
+    router."""
 
     release: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
