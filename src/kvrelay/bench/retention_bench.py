@@ -272,10 +272,8 @@ async def _bench(
         started = time.perf_counter()
         before = await sample(http) or {}
         preempted_before = int(before.get("num_preemptions", 0))
-        released_before = {str(k): int(v) for k, v in (
-            (before.get("retention") or {}).get("releases_total") or {}).items()}
-        chance_before = {str(k): float(v) for k, v in (
-            (before.get("retention") or {}).get("released_pull_chance") or {}).items()}
+        released_before = _per_cause(before, "releases_total")
+        chance_before = _per_cause(before, "released_pull_chance")
         samples.clear()
         task = asyncio.create_task(sampler(http))
         try:
@@ -288,18 +286,22 @@ async def _bench(
             await task
         end_s = time.perf_counter() - started
         final = await sample(http) or {}
-    releases = (final.get("retention") or {}).get("releases_total") or {}
-    chances = (final.get("retention") or {}).get("released_pull_chance") or {}
     preemptions = int(final.get("num_preemptions", 0)) - preempted_before
     trace = DecodeTrace(tuple(samples), end_s, preemptions,
-                        {str(k): int(v) - released_before.get(str(k), 0)
-                         for k, v in releases.items()},
-                        {str(k): float(v) - chance_before.get(str(k), 0.0)
-                         for k, v in chances.items()})
+                        {k: int(v - released_before.get(k, 0.0))
+                         for k, v in _per_cause(final, "releases_total").items()},
+                        {k: v - chance_before.get(k, 0.0)
+                         for k, v in _per_cause(final, "released_pull_chance").items()})
     run = ModeRun(mode, records, {**info, "router_url": router_url, "model": model,
                                   "prelude_conversations": len(prelude.conversations)
                                   if prelude is not None else 0})
     return RetentionRun(mode, run, trace)
+
+
+def _per_cause(info: dict[str, Any], key: str) -> dict[str, float]:
+    """D's retention counter ``key`` by release cause from its ``/fake/info`` (empty without
+    kvrelay's retention)."""
+    return {str(k): float(v) for k, v in ((info.get("retention") or {}).get(key) or {}).items()}
 
 
 WARM_UP_MESSAGES: tuple[ChatMessage, ...] = ({"role": "user", "content": "warm up"},)
