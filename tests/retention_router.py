@@ -42,4 +42,7 @@ class StandInRouter:
         return self.answer
 
     def close(self) -> None:
+        """Stop answering and close the socket (a closed router refuses connections; one
+        whose socket still listened would hold each of D's syncs to it until its timeout)."""
         self.server.shutdown()
+        self.server.server_close()

@@ -11,6 +11,7 @@ has its own tests. Its own cluster (the session cluster's D is large): one ``kvr
 
 from __future__ import annotations
 
+import random
 import re
 import time
 from collections.abc import Iterator
@@ -33,7 +34,8 @@ in the scenario's flags, for every request after the first), far above a request
 
 
 class ConfirmingRouter(StandInRouter):
-    """Answers each sync by letting D free every turn it asks for."""
+    """Answers each sync by letting D free every turn it asks for (and ordering released
+    what ``answer.release`` names)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -42,7 +44,7 @@ class ConfirmingRouter(StandInRouter):
     def answer_for(self, sync: dict[str, object]) -> RetentionOrders:
         releasing = [str(i) for i in sync.get("releasing") or ()]  # type: ignore[attr-defined]
         self.asked.extend(i for i in releasing if i not in self.asked)
-        return RetentionOrders(dropped=tuple(releasing))
+        return RetentionOrders(release=self.answer.release, dropped=tuple(releasing))
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +58,43 @@ def router() -> Iterator[ConfirmingRouter]:
     stand_in = ConfirmingRouter()
     yield stand_in
     stand_in.close()
+
+
+def test_a_prompt_shared_with_a_retained_turn_is_admitted_without_a_release(
+    small_d: Cluster, router: ConfirmingRouter
+):
+    """Agents share a system prompt and tools: a new conversation's prompt is mostly blocks
+    D already holds for another conversation's retained turn (its local prefix-cache hit).
+    D sizes the waiting request as vLLM does, beside that hit, so it is admitted at once and
+    no retained turn is asked for; counting the whole prompt would have asked for one (the
+    request's 11 blocks against ~6 free). Runs first: D holds nothing yet, and it hands
+    back what it retained (the next test counts every release)."""
+    params = {RETENTION_URL_KEY: router.url, RETAIN_S_KEY: 120}
+    words = filler_words(small_d.model)
+    shared = "".join(random.Random(7).choice(words) for _ in range(1100))
+
+    def agent(seed: int, num_tokens: int) -> list[dict[str, object]]:
+        text = "".join(random.Random(seed).choice(words) for _ in range(num_tokens))
+        return [{"role": "system", "content": shared}, {"role": "user", "content": text}]
+
+    with PDClient(small_d.prefill, small_d.decode, small_d.model,
+                  timeout_s=CLIENT_TIMEOUT_S) as client:
+        first = client.turn(agent(1, 60), max_tokens=8, decode_params=params)
+        other = client.turn(prompt(seed=3000, num_tokens=950, words=words), max_tokens=8,
+                            decode_params=params)
+        second = client.turn(agent(2, 200), max_tokens=8, decode_params=params)
+        held = [t.retained for t in (first, other, second)]
+        assert all(h is not None for h in held)
+        assert second.prefill.prompt_tokens >= 1300
+        asked = list(router.asked)
+        ids = tuple(h.request_id for h in held if h is not None)
+        router.answer = RetentionOrders(release=ids)  # hand D's cache back for the next test
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline and not any(
+                s["retained_requests"] == 0 for s in list(router.syncs)[-3:]):
+            time.sleep(0.1)
+    assert asked == [], "the shared prompt's blocks are held already: nothing to release"
+    assert router.syncs[-1]["retained_requests"] == 0
 
 
 def test_abandoned_turns_are_released_under_pressure_and_the_last_one_still_pulls(
@@ -85,7 +124,10 @@ def test_abandoned_turns_are_released_under_pressure_and_the_last_one_still_pull
                              decode_params=params)
         after = external_kv_tokens(client.metrics(small_d.prefill))
         asked_before_recompute = list(router.asked)
-        recomputed = client.turn(follow_up, max_tokens=8)  # needs the follow-up's blocks
+        recomputed = client.turn(follow_up, max_tokens=8, decode_params=params)  # again
+        asked_before_fresh = list(router.asked)
+        fresh = client.turn(prompt(seed=2100, num_tokens=1450, words=words), max_tokens=8,
+                            decode_params=params)
 
     assert after - before == last.retained.num_tokens, \
         "the last conversation's turn was not needed by anyone: its follow-up pulls it"
@@ -93,8 +135,20 @@ def test_abandoned_turns_are_released_under_pressure_and_the_last_one_still_pull
     ids = [turn.retained.request_id for _, turn in turns if turn.retained is not None]
     assert asked_before_recompute == ids[:-1], \
         "each new conversation freed the one before (oldest first), never the last one"
-    assert pulled.retained is not None
-    assert router.asked == [*ids[:-1], pulled.retained.request_id]
+    assert pulled.retained is not None and recomputed.retained is not None
+    assert asked_before_fresh == ids[:-1], \
+        "the recompute's prompt is the pulled turn's: D holds its blocks already (a local " \
+        "prefix-cache hit), so admitting it needs a block or two, and no release"
+    assert fresh.retained is not None
+    both = {pulled.retained.request_id, recomputed.retained.request_id}
+    asks = [{str(i) for i in sync["releasing"]}  # type: ignore[attr-defined]
+            for sync in list(router.syncs)]
+    first_ask = next(ask for ask in asks if ask & both)
+    assert first_ask == both, \
+        "the two turns share all but a block or two: releasing one alone frees almost " \
+        "nothing (its blocks' other holder keeps them), so D asks for both at once"
+    assert router.asked == [*ids[:-1], pulled.retained.request_id,
+                            recomputed.retained.request_id]
     deadline = time.monotonic() + 30  # D tells each release in its next sync
     while True:
         told = {r["request_id"]: r["cause"] for sync in list(router.syncs)

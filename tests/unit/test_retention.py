@@ -6,6 +6,8 @@ import pytest
 from kvrelay.core.retention import (
     NOTHING,
     RetainedTurn,
+    blocks_freed,
+    holders_after,
     release_expired,
     release_for,
     release_order,
@@ -115,6 +117,54 @@ def test_pressure_keeps_a_turn_the_others_released_cover_without_it():
     three = [turn("a", 3, 1.0), turn("b", 3, 2.0), turn("c", 4, 3.0)]
     assert release_for(three, 7, "pressure", now_s=5.0).request_ids == ("a", "c")
     assert release_for(three, 8, "pressure", now_s=5.0).request_ids == ("a", "b", "c")
+
+
+def shared(request_id: str, block_ids: range | list[int], at_s: float) -> RetainedTurn:
+    ids = tuple(block_ids)
+    return RetainedTurn(request_id=request_id, num_blocks=len(ids), num_tokens=len(ids) * 16,
+                        retained_at_s=at_s, deadline_s=1e9, block_ids=ids)
+
+
+SYSTEM = range(0, 60)
+"""An agent's system prompt and tools: 60 blocks every conversation starts with."""
+
+
+def test_a_release_counts_only_the_blocks_no_other_request_holds():
+    """Three conversations' turns share the system prompt's 60 blocks and hold 5 of their
+    own; a live request holds the prompt too (4 holders in all). Releasing the oldest turn
+    frees its 5 blocks, not 65: for 12 blocks D takes three turns (15), where counting
+    every block it would have taken one and come back short."""
+    a, b, c = (shared(name, [*SYSTEM, *range(100 + 10 * i, 105 + 10 * i)], float(i))
+               for i, name in enumerate("abc"))
+    own = {block_id: 1 for t in (a, b, c) for block_id in t.block_ids[60:]}
+    holders = {**dict.fromkeys(SYSTEM, 4), **own}
+    assert blocks_freed([a], holders) == 5 and blocks_freed([a]) == 65
+    assert blocks_freed([a, b, c], holders) == 15, "the live request keeps the prompt"
+    release = release_under_pressure([a, b, c], num_blocks_free=0, num_blocks_needed=12,
+                                     now_s=5.0, holders=holders)
+    assert release.request_ids == ("a", "b", "c") and release.num_blocks == 15
+    assert release_under_pressure([a, b, c], num_blocks_free=0, num_blocks_needed=12,
+                                  now_s=5.0).request_ids == ("a",), "unshared: 65 blocks"
+    without_live = {**holders, **dict.fromkeys(SYSTEM, 3)}
+    assert blocks_freed([a, b, c], without_live) == 75, "the last holders free the prompt"
+    assert release_under_pressure([a, b, c], num_blocks_free=0, num_blocks_needed=12,
+                                  now_s=5.0, holders=without_live).num_blocks == 75
+
+
+def test_shared_blocks_count_for_headroom_and_after_turns_already_on_their_way():
+    """A conversation's turn and the one before it share the history (blocks 0-19): what
+    retention holds is 24 blocks, not 42; with the older turn on its way, the newer one
+    frees the history too."""
+    older = shared("older", range(0, 22), 1.0)
+    newer = shared("newer", [*range(0, 20), 30, 31], 2.0)
+    holders = {**dict.fromkeys(range(0, 20), 2), 20: 1, 21: 1, 30: 1, 31: 1}
+    assert blocks_freed([older, newer], holders) == 24
+    release = release_over_headroom([older, newer], num_blocks_total=40, headroom=0.5,
+                                    now_s=5.0, holders=holders)
+    assert release.request_ids == ("older", "newer") and release.num_blocks == 24
+    after = holders_after(holders, [older])
+    assert (after.get(0, 1), after.get(20, 1), after.get(30, 1)) == (1, 0, 1)
+    assert blocks_freed([newer], after) == 22
 
 
 def test_pressure_beyond_what_retention_holds_says_what_is_still_missing():

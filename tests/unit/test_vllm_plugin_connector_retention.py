@@ -30,7 +30,7 @@ BLOCK_SIZE = 128
 NUM_BLOCKS = 24
 
 
-def d_connector(**extra: object) -> NixlConnector:
+def d_connector(*, kv_cache_groups: int = 0, **extra: object) -> NixlConnector:
     settings = {"bidirectional_kv_xfer": True, "decoder_kv_blocks_ttl": TTL_S, **extra}
     transfer = ns(get_from_extra_config=lambda key, default: settings.get(key, default),
                   kv_buffer_device="cpu", engine_id="d-engine", kv_role="kv_consumer")
@@ -41,7 +41,9 @@ def d_connector(**extra: object) -> NixlConnector:
         cache_config=ns(block_size=BLOCK_SIZE), kv_transfer_config=transfer,
         scheduler_config=ns(disable_hybrid_kv_cache_manager=True),
         num_prefill_lookahead_tokens=0)
-    kv_cache_config = ns(transfer_groups=[], has_mamba_layers=False, kv_cache_groups=[],
+    groups = [ns(kv_cache_spec=ns(block_size=BLOCK_SIZE, prefix_replay_tokens=0),
+                 layer_names=[])] * kv_cache_groups
+    kv_cache_config = ns(transfer_groups=[], has_mamba_layers=False, kv_cache_groups=groups,
                          select_transfer_block_ids=lambda block_ids: block_ids,
                          num_blocks=NUM_BLOCKS, kv_cache_tensors=[ns(size=NUM_BLOCKS * 4096)])
     return NixlConnector(config, KVConnectorRole.SCHEDULER, kv_cache_config)
@@ -63,12 +65,13 @@ def finished(request_id: str, params: dict[str, object], num_tokens: int = 1500)
               num_prompt_tokens=len(prompt), num_output_tokens=10)
 
 
-def waiting(request_id: str, num_tokens: int = 1500) -> object:
+def waiting(request_id: str, num_tokens: int = 1500) -> types.SimpleNamespace:
     params = {"do_remote_prefill": True, "remote_block_ids": [[1, 2]],
               "remote_engine_id": "p-engine", "remote_request_id": "p1",
               "remote_host": "127.0.0.1", "remote_port": 5600, "remote_num_tokens": num_tokens}
     return ns(request_id=request_id, kv_transfer_params=params, num_tokens=num_tokens,
-              num_prompt_tokens=num_tokens, prompt_token_ids=list(range(num_tokens)))
+              num_prompt_tokens=num_tokens, prompt_token_ids=list(range(num_tokens)),
+              block_hashes=[f"h{i}".encode() for i in range(num_tokens // BLOCK_SIZE)])
 
 
 class Worker:
@@ -107,9 +110,11 @@ def retained_params(url: str, **keys: object) -> dict[str, object]:
             "kvrelay_retention_url": url, **keys}
 
 
-def retain(conn: NixlConnector, request_id: str, params: dict[str, object]) -> dict:
+def retain(conn: NixlConnector, request_id: str, params: dict[str, object],
+           block_ids: list[int] | None = None) -> dict:
     conn.connector_scheduler._reqs_in_batch.add(request_id)  # admitted as vLLM does
-    delay, out = conn.request_finished(finished(request_id, params), list(range(12)))
+    ids = list(range(12)) if block_ids is None else block_ids
+    delay, out = conn.request_finished(finished(request_id, params), ids)
     assert delay
     return out
 
@@ -236,3 +241,93 @@ def test_p_declines_a_read_near_the_stamped_deadline_but_cannot_see_an_early_rel
 
     assert p_declines(near), "a short kvrelay_retain_s is declined by P like vLLM's TTL"
     assert not p_declines(far), "P would read a turn D freed early: only the router can stop it"
+
+
+class CachedPool(Pool):
+    """A block pool whose prefix cache holds blocks by hash, each with a reference count
+    (``BlockPool.get_cached_block``; ``KVCacheBlock.ref_cnt``: 0 in the free queue)."""
+
+    def __init__(self, free: int, ref_cnt: dict[bytes, int],
+                 holders: dict[int, int] | None = None) -> None:
+        super().__init__(free)
+        self.ref_cnt = ref_cnt
+        self.lookups: list[tuple[bytes, list[int]]] = []
+        counts = holders or {}
+        self.blocks = [ns(ref_cnt=counts.get(i, 0), is_null=i == 0) for i in range(NUM_BLOCKS)]
+
+    def get_cached_block(self, block_hash: bytes, group_ids: list[int]) -> list[object] | None:
+        self.lookups.append((block_hash, group_ids))
+        if block_hash not in self.ref_cnt:
+            return None
+        return [ns(ref_cnt=self.ref_cnt[block_hash])]
+
+
+def test_a_prompt_shared_with_a_held_turn_needs_only_its_own_blocks(router):
+    """A new conversation whose first 9 blocks (an agent's system prompt and tools) D holds
+    for another conversation's retained turn needs 3 more blocks for its 1,500 tokens, not
+    12: with 4 free it is admitted at once, and the retained turn that shares its prefix is
+    not asked for."""
+    conn = d_connector(kv_cache_groups=1)
+    shared = {f"h{i}".encode(): 1 for i in range(9)}  # held by "other"'s retained turn
+    pool = CachedPool(free=4, ref_cnt=shared)
+    conn.bind_kv_cache_manager(ns(block_pool=pool, watermark_blocks=0))
+    retain(conn, "other", retained_params(router.url, kvrelay_retain_s=60))
+    count, load_async = conn.get_num_new_matched_tokens(waiting("new"), 9 * BLOCK_SIZE)
+    assert (count, load_async) == (1500 - 9 * BLOCK_SIZE, True)
+    assert conn._retention.ledger.state("other") is TurnState.HELD
+    assert not conn._retention.ledger.has_pending()
+    assert [h for h, _ in pool.lookups] == list(shared) and \
+        {tuple(g) for _, g in pool.lookups} == {(0,)}
+
+
+def test_hit_blocks_in_the_free_queue_count_as_blocks_to_take(router):
+    """The same hit, its blocks free (reference count 0, as after the turn holding them
+    was read): admitting the request takes them off the free queue as vLLM counts it, so
+    with 4 free D asks for the retained turn."""
+    conn = d_connector(kv_cache_groups=1)
+    pool = CachedPool(free=4, ref_cnt={f"h{i}".encode(): 0 for i in range(9)})
+    conn.bind_kv_cache_manager(ns(block_pool=pool, watermark_blocks=0))
+    retain(conn, "other", retained_params(router.url, kvrelay_retain_s=60))
+    assert conn.get_num_new_matched_tokens(waiting("new"), 9 * BLOCK_SIZE) == (None, False)
+    assert conn._retention.ledger.state("other") is TurnState.RELEASING
+
+
+def test_with_several_kv_cache_groups_every_hit_block_counts_as_free(router):
+    """Hits are looked up in one KV cache group only; with more (hybrid models) every hit
+    block counts as one to take, as before the lookup (errs towards asking more)."""
+    conn = d_connector(kv_cache_groups=2)
+    pool = CachedPool(free=4, ref_cnt={f"h{i}".encode(): 1 for i in range(9)})
+    conn.bind_kv_cache_manager(ns(block_pool=pool, watermark_blocks=0))
+    retain(conn, "other", retained_params(router.url, kvrelay_retain_s=60))
+    assert conn.get_num_new_matched_tokens(waiting("new"), 9 * BLOCK_SIZE) == (None, False)
+    assert pool.lookups == []
+
+
+def test_a_release_under_pressure_counts_only_blocks_no_other_request_holds(router):
+    """Two retained turns of one conversation share its history (blocks 1-10, two holders
+    each); the older holds blocks 11-12 of its own, the newer 13-14. A request needing 3
+    blocks with none free: releasing the older frees 2, not 12, so D asks for both (14)."""
+    conn = d_connector(kv_cache_groups=1)
+    holders = {**dict.fromkeys(range(1, 11), 2), 11: 1, 12: 1, 13: 1, 14: 1}
+    conn.bind_kv_cache_manager(ns(block_pool=CachedPool(0, {}, holders), watermark_blocks=0))
+    retain(conn, "older", retained_params(router.url, kvrelay_retain_s=60), list(range(1, 13)))
+    retain(conn, "newer", retained_params(router.url, kvrelay_retain_s=60),
+           [*range(1, 11), 13, 14])
+    turns = {t.request_id: t for t in conn._retention.ledger.turns()}
+    assert turns["newer"].block_ids == (*range(1, 11), 13, 14)
+    assert conn.get_num_new_matched_tokens(waiting("new", num_tokens=300), 0) == (None, False)
+    ledger = conn._retention.ledger
+    assert ledger.state("older") is ledger.state("newer") is TurnState.RELEASING
+
+
+def test_a_release_needing_two_unshared_blocks_asks_only_for_the_older_turn(router):
+    conn = d_connector(kv_cache_groups=1)
+    holders = {**dict.fromkeys(range(1, 11), 2), 11: 1, 12: 1, 13: 1, 14: 1}
+    conn.bind_kv_cache_manager(ns(block_pool=CachedPool(0, {}, holders), watermark_blocks=0))
+    retain(conn, "older", retained_params(router.url, kvrelay_retain_s=60), list(range(1, 13)))
+    retain(conn, "newer", retained_params(router.url, kvrelay_retain_s=60),
+           [*range(1, 11), 13, 14])
+    assert conn.get_num_new_matched_tokens(waiting("new", num_tokens=200), 0) == (None, False)
+    ledger = conn._retention.ledger
+    assert ledger.state("older") is TurnState.RELEASING and \
+        ledger.state("newer") is TurnState.HELD

@@ -142,6 +142,16 @@ def test_blocks_needed_counts_the_first_decode_token_and_the_watermark():
         RetentionLedger(headroom=2.0)
 
 
+def test_blocks_needed_beside_a_prefix_cache_hit_counts_only_hit_blocks_in_the_free_queue():
+    assert blocks_needed(1500, 128, num_hit_blocks=9, num_free_hit_blocks=0) == 3
+    assert blocks_needed(1500, 128, num_hit_blocks=9, num_free_hit_blocks=4) == 7
+    assert blocks_needed(1500, 128, num_hit_blocks=9) == 12, "unknown: every hit block"
+    assert blocks_needed(1500, 128, watermark_blocks=1, num_hit_blocks=9,
+                         num_free_hit_blocks=0) == 4
+    assert blocks_needed(1500, 128, num_hit_blocks=40, num_free_hit_blocks=0) == 0, \
+        "a hit is never longer than the request"
+
+
 @pytest.fixture
 def router():
     stand_in = StandInRouter()
@@ -201,3 +211,5 @@ def test_client_thread_syncs_at_once_when_asked(router):
     ledger = ledger_with(("a", 4, 0.0), url=router.url)
     client.publish(ledger.view(20), [], urgent=True)
     assert router.got.wait(10), "an urgent publish syncs without waiting for the interval"
+
+

@@ -20,12 +20,21 @@ age, ``core.return_curve``; 1 without one), then the lowest ``value`` (the route
 ``kvrelay_retain_value``, 0 when unset), then oldest. Without curves that is stock-like:
 oldest first; of the turns so taken, one that the others cover without it stays
 (``release_for``). A turn P is reading is never released.
+
+**Shared blocks.** Turns share blocks on D through vLLM's prefix cache: the system prompt
+and tools every conversation of an agent starts with, a conversation's turn and the one
+before it. Releasing a turn frees only the blocks no other request holds; a block several
+retained turns share is freed once all of them go. With D's holder counts (``BlockHolders``:
+vLLM's ``KVCacheBlock.ref_cnt``) and the turns' ``block_ids``, a release counts exactly what
+it frees (``blocks_freed``); without them, every block of a turn counts, as if unshared.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from typing import Protocol
 
 import msgspec
 
@@ -46,6 +55,9 @@ class RetainedTurn(msgspec.Struct, frozen=True):
     curve: ReturnCurve | None = None
     """How turns that end as this one did come back (the router's, ``kvrelay_return_curve``,
     or its later ``RetentionOrders.curves``); ``None``: unknown."""
+    block_ids: tuple[int, ...] = ()
+    """D's blocks the turn holds, when known (one KV cache group): with ``BlockHolders`` a
+    release counts only the blocks it frees (module docstring, "Shared blocks")."""
 
     def pull_chance(self, now_s: float) -> float:
         """The chance, at ``now_s``, that the turn is still pulled before its deadline
@@ -69,6 +81,58 @@ class Release(msgspec.Struct, frozen=True):
 
 NOTHING = Release(request_ids=(), num_blocks=0, reason="none")
 
+class BlockHolders(Protocol):
+    """How many requests hold each of D's blocks now (vLLM's ``KVCacheBlock.ref_cnt``): a
+    ``dict`` of block id -> count, or a view that reads D's pool only for the blocks asked
+    about (a release looks at a few turns, not every block D holds)."""
+
+    def get(self, block_id: int, default: int, /) -> int: ...
+
+
+class _Freeing:
+    """Turns taken for release one by one, and the blocks they free together."""
+
+    def __init__(self, holders: BlockHolders | None) -> None:
+        self._holders = holders
+        self._taken: Counter[int] = Counter()
+        self.num_blocks = 0
+
+    def take(self, turn: RetainedTurn) -> None:
+        if self._holders is None or not turn.block_ids:
+            self.num_blocks += turn.num_blocks
+            return
+        for block_id in set(turn.block_ids):
+            self._taken[block_id] += 1
+            if self._taken[block_id] == max(1, self._holders.get(block_id, 1)):
+                self.num_blocks += 1
+
+
+def blocks_freed(turns: Iterable[RetainedTurn], holders: BlockHolders | None = None) -> int:
+    """Blocks D gets back when ``turns`` are released together: a block once every request
+    holding it (``holders``) is among them; each turn's every block without ``holders`` or
+    its ``block_ids``."""
+    freeing = _Freeing(holders)
+    for turn in turns:
+        freeing.take(turn)
+    return freeing.num_blocks
+
+
+class _HoldersAfter:
+    def __init__(self, holders: BlockHolders, gone: Mapping[int, int]) -> None:
+        self._holders = holders
+        self._gone = gone
+
+    def get(self, block_id: int, default: int, /) -> int:
+        return self._holders.get(block_id, default) - self._gone.get(block_id, 0)
+
+
+def holders_after(holders: BlockHolders, turns: Iterable[RetainedTurn]) -> BlockHolders:
+    """``holders`` once ``turns`` (on their way to being freed) let go of their blocks."""
+    gone: Counter[int] = Counter()
+    for turn in turns:
+        gone.update(set(turn.block_ids))
+    return _HoldersAfter(holders, gone)
+
 
 def release_order(turns: Iterable[RetainedTurn], now_s: float) -> list[RetainedTurn]:
     """Releasable turns in the order D releases them at ``now_s``, least valuable first:
@@ -79,28 +143,31 @@ def release_order(turns: Iterable[RetainedTurn], now_s: float) -> list[RetainedT
 
 
 def release_for(turns: Iterable[RetainedTurn], num_blocks: int, reason: str, *,
-                now_s: float) -> Release:
+                now_s: float, holders: BlockHolders | None = None) -> Release:
     """Least-valuable turns that free at least ``num_blocks`` blocks (all releasable ones
     when they are not enough): the turns in ``release_order`` at ``now_s`` until enough are
     freed, then without any of them (the most valuable first) that the others cover: a
     large turn taken last can make the small ones taken before it unnecessary, and a turn
     released without need is a pull lost for nothing (the blocks it would free beyond the
-    shortfall serve no one yet; a later shortfall chooses again, with what it knows then)."""
+    shortfall serve no one yet; a later shortfall chooses again, with what it knows then).
+    Blocks are counted as ``blocks_freed`` counts them (``holders``: shared blocks)."""
     if num_blocks <= 0:
         return NOTHING
     chosen: list[RetainedTurn] = []
-    freed = 0
+    freeing = _Freeing(holders)
     for turn in release_order(turns, now_s):
-        if freed >= num_blocks:
+        if freeing.num_blocks >= num_blocks:
             break
         chosen.append(turn)
-        freed += turn.num_blocks
+        freeing.take(turn)
+    freed = freeing.num_blocks
     if not chosen:
         return Release(request_ids=(), num_blocks=0, reason="none", short_blocks=num_blocks)
     for turn in reversed(chosen[:-1]):
-        if freed - turn.num_blocks >= num_blocks:
-            chosen.remove(turn)
-            freed -= turn.num_blocks
+        rest = [other for other in chosen if other is not turn]
+        without = blocks_freed(rest, holders)
+        if without >= num_blocks:
+            chosen, freed = rest, without
     return Release(request_ids=tuple(turn.request_id for turn in chosen), num_blocks=freed,
                    reason=reason, short_blocks=max(0, num_blocks - freed))
 
@@ -113,21 +180,26 @@ def retention_cap_blocks(num_blocks_total: int, headroom: float) -> int:
 
 
 def release_over_headroom(turns: Iterable[RetainedTurn], *, num_blocks_total: int,
-                          headroom: float, now_s: float) -> Release:
+                          headroom: float, now_s: float,
+                          holders: BlockHolders | None = None) -> Release:
     """Release what retention holds above its cap (``retention_cap_blocks``), in
-    ``release_order`` at ``now_s``."""
+    ``release_order`` at ``now_s``: what releasing every turn would free (``blocks_freed``;
+    a block a live request shares is not retention's)."""
     turns = list(turns)
-    held = sum(turn.num_blocks for turn in turns)
+    held = blocks_freed(turns, holders)
     over = held - retention_cap_blocks(num_blocks_total, headroom)
-    return release_for(turns, over, "headroom", now_s=now_s) if over > 0 else NOTHING
+    return release_for(turns, over, "headroom", now_s=now_s, holders=holders) \
+        if over > 0 else NOTHING
 
 
 def release_under_pressure(turns: Iterable[RetainedTurn], *, num_blocks_free: int,
-                           num_blocks_needed: int, now_s: float) -> Release:
+                           num_blocks_needed: int, now_s: float,
+                           holders: BlockHolders | None = None) -> Release:
     """Release enough for ``num_blocks_needed`` blocks when ``num_blocks_free`` is short,
-    in ``release_order`` at ``now_s``."""
+    in ``release_order`` at ``now_s`` (``holders``: shared blocks)."""
     short = num_blocks_needed - num_blocks_free
-    return release_for(turns, short, "pressure", now_s=now_s) if short > 0 else NOTHING
+    return release_for(turns, short, "pressure", now_s=now_s, holders=holders) \
+        if short > 0 else NOTHING
 
 
 def release_expired(turns: Iterable[RetainedTurn], now_s: float) -> Release:

@@ -170,7 +170,8 @@ class Generation:
                     request_id=rec.internal_request_id, num_blocks=len(self.blocks),
                     num_tokens=num_computed, retained_at_s=now, deadline_s=deadline,
                     value=_number(value),
-                    curve=decode_curve(params_in.get(RETURN_CURVE_KEY))),
+                    curve=decode_curve(params_in.get(RETURN_CURVE_KEY)),
+                    block_ids=tuple(self.blocks)),
                     url if isinstance(url, str) and url else None)
             st.holds.add(
                 Hold(

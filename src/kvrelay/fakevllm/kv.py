@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Literal, Protocol
 
 from kvrelay.fakevllm.latency import Clock
@@ -100,6 +101,12 @@ class BlockPool:
     def num_free(self) -> int:
         """Blocks ``allocate`` can hand out now (unreferenced, cached ones included)."""
         return len(self._free)
+
+    @property
+    def holders(self) -> Mapping[int, int]:
+        """How many requests (running, or held for a read) reference each block: vLLM's
+        ``KVCacheBlock.ref_cnt`` (``core.retention.BlockHolders``; read-only)."""
+        return MappingProxyType(self._ref)
 
     def num_to_allocate(self, hit_blocks: Sequence[int], num_new: int) -> int:
         """Free blocks an admission takes: ``num_new`` fresh ones plus every prefix-cache

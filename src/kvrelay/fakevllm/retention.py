@@ -14,14 +14,16 @@ handshake (``kvrelay.core.retention_sync``) as the real connector
   such turns come back (``RetainedTurn.curve``); under pressure and headroom the turns
   least likely still to be pulled are picked first (``core.retention.release_order``);
 * **pressure**: when a waiting or running request cannot get blocks, ``relieve`` picks the
-  least valuable turns, enough for the allocation, and *asks* the router each turn came
-  from (``releasing`` in its next sync, sent at once); the turn stays held until that router
-  answers it in ``dropped`` (``obey``), then it is freed (cause ``pressure``). Meanwhile the
-  scheduler waits for those blocks instead of preempting (``has_pending``: vLLM's
-  ``has_pending_block_frees``). A router that does not answer within ``CONFIRM_TIMEOUT_S``
-  gets its turns back (held again) and is not asked again for ``ASK_BACKOFF_S``; a turn
-  that came without a retention URL is never asked. Either way D then waits or preempts as
-  stock vLLM does: it never frees a turn a router may still send a P to read;
+  least valuable turns, enough for the allocation (counting only the blocks no other
+  request references: the pool's ``holders``, vLLM's ``ref_cnt``), and *asks* the router
+  each turn came from (``releasing`` in its next sync, sent at once); the turn stays held
+  until that router answers it in ``dropped`` (``obey``), then it is freed (cause
+  ``pressure``). Meanwhile the scheduler waits for those blocks instead of preempting
+  (``has_pending``: vLLM's ``has_pending_block_frees``). A router that does not answer
+  within ``CONFIRM_TIMEOUT_S`` gets its turns back (held again) and is not asked again for
+  ``ASK_BACKOFF_S``; a turn that came without a retention URL is never asked. Either way D
+  then waits or preempts as stock vLLM does: it never frees a turn a router may still send
+  a P to read;
 * **headroom**: ``trim`` asks the same way for what retention holds above ``1 - headroom``
   of the cache, after each new turn (cause ``headroom``);
 * **router orders** (``RetentionOrders.release``): the router dropped the entry already, so
@@ -47,6 +49,8 @@ from kvrelay.core.retention import (
     NOTHING,
     Release,
     RetainedTurn,
+    blocks_freed,
+    holders_after,
     release_expired,
     release_over_headroom,
     release_under_pressure,
@@ -148,10 +152,13 @@ class Retention:
         first; blocks already asked for count as on their way."""
         live = self._live()
         now = self._clock()
-        on_the_way = sum(h.turn.num_blocks for h in live.values() if h.asked is not None)
+        asked = [h.turn for h in live.values() if h.asked is not None]
+        holders = self._pool.holders
         release = release_under_pressure(
-            self._askable(now), num_blocks_free=self._pool.num_free + on_the_way,
-            num_blocks_needed=num_blocks_needed, now_s=now)
+            self._askable(now),
+            num_blocks_free=self._pool.num_free + blocks_freed(asked, holders),
+            num_blocks_needed=num_blocks_needed, now_s=now,
+            holders=holders_after(holders, asked))
         self._ask(release.request_ids, "pressure", now)
         return release
 
@@ -160,9 +167,12 @@ class Retention:
         if self.headroom <= 0.0:
             return NOTHING
         now = self._clock()
-        held = [h.turn for h in self._live().values() if h.asked is None]
+        live = self._live()
+        held = [h.turn for h in live.values() if h.asked is None]
+        asked = [h.turn for h in live.values() if h.asked is not None]
         over = release_over_headroom(held, num_blocks_total=self._pool.num_usable,
-                                     headroom=self.headroom, now_s=now)
+                                     headroom=self.headroom, now_s=now,
+                                     holders=holders_after(self._pool.holders, asked))
         askable = {turn.request_id for turn in self._askable(now)}
         chosen = tuple(rid for rid in over.request_ids if rid in askable)
         self._ask(chosen, "headroom", now)

@@ -82,9 +82,13 @@ Retention: D's retained turns accounted and released (``kvrelay.vllm_plugin.rete
     (managed mode, ``kvrelay_retention``):
 
     * under pressure, when a waiting decode request does not fit
-      (``get_num_new_matched_tokens`` answers ``None``: the scheduler skips it this step)
-      or a running one cannot grow (``has_pending_block_frees`` answers ``True``: the
-      scheduler waits instead of preempting), least valuable first;
+      (``get_num_new_matched_tokens`` answers ``None``: the scheduler skips it this step;
+      it is sized as vLLM sizes it, beside its local prefix-cache hit: hit blocks another
+      request holds, such as a system prompt every conversation shares, need no release,
+      ``blocks_needed``) or a running one cannot grow (``has_pending_block_frees``
+      answers ``True``: the scheduler waits instead of preempting), least valuable first,
+      a release counting only the blocks no other request holds (``KVCacheBlock.ref_cnt``:
+      turns share a system prompt, a conversation's history);
     * over ``kvrelay_retention_headroom``;
     * on the router's orders.
 
@@ -106,7 +110,7 @@ import queue
 import threading
 import time
 import urllib.parse
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
@@ -192,7 +196,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
                             num_blocks_total=int(getattr(kv_cache_config, "num_blocks", 0) or 0))
             self._retention = _Retention(
                 RetentionLedger(managed=mode == "managed", headroom=headroom),
-                RetentionSyncClient(hosts, engine, logger=logger), engine)
+                RetentionSyncClient(hosts, engine, logger=logger), engine,
+                num_kv_cache_groups=len(getattr(kv_cache_config, "kv_cache_groups", ()) or ()))
             logger.info("kvrelay retention: %s, headroom %.2f", mode, headroom)
 
     def get_num_new_matched_tokens(
@@ -212,7 +217,7 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             self._retention is not None
             and params
             and params.get("do_remote_prefill")
-            and self._retention.waits_for_release(request)
+            and self._retention.waits_for_release(request, num_computed_tokens)
         ):
             return None, False  # skipped this step: retained blocks are being freed for it
         result: tuple[int | None, bool] = super().get_num_new_matched_tokens(
@@ -281,7 +286,8 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
             request.request_id, num_blocks=sum(len(group) for group in block_ids),
             num_tokens=int(params.get("remote_num_tokens") or 0), now_s=now_s,
             retain_s=retain_s, value=sent.get(RETAIN_VALUE_KEY), url=sent.get(RETENTION_URL_KEY),
-            curve=decode_curve(sent.get(RETURN_CURVE_KEY)))
+            curve=decode_curve(sent.get(RETURN_CURVE_KEY)),
+            block_ids=tuple(int(b) for b in block_ids[0]) if len(block_ids) == 1 else ())
 
     def _guard(self, request: Any, params: dict[str, Any]) -> None:
         """Cut a pull of D's blocks to the prefix proven equal to this engine's prompt."""
@@ -338,10 +344,11 @@ class _Retention:
     the sync thread's client (module docstring, "Retention")."""
 
     def __init__(self, ledger: RetentionLedger, client: RetentionSyncClient,
-                 engine: Engine) -> None:
+                 engine: Engine, *, num_kv_cache_groups: int = 1) -> None:
         self.ledger = ledger
         self.client = client
         self.engine = engine
+        self.num_kv_cache_groups = num_kv_cache_groups
         self.block_pool: Any = None
         self.watermark_blocks = 0
 
@@ -350,34 +357,67 @@ class _Retention:
 
     def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
                retain_s: float, value: object, url: object,
-               curve: ReturnCurve | None = None) -> None:
+               curve: ReturnCurve | None = None, block_ids: tuple[int, ...] = ()) -> None:
         known_url = url if isinstance(url, str) and self.client.add_url(url) else None
         worth = float(value) if isinstance(value, int | float) and not isinstance(value, bool) \
             and math.isfinite(value) else 0.0
         self.ledger.retain(request_id, num_blocks=num_blocks, num_tokens=num_tokens,
                            now_s=now_s, retain_s=retain_s, value=worth, url=known_url,
-                           curve=curve)
+                           curve=curve,
+                           block_ids=block_ids if self.num_kv_cache_groups == 1 else ())
         self._publish(urgent=False)
 
-    def waits_for_release(self, request: Any) -> bool:
+    def _holders(self) -> _PoolHolders | None:
+        """D's holder counts for shared blocks (``core.retention``, "Shared blocks"); with
+        several KV cache groups, none (a turn's blocks all count)."""
+        if self.block_pool is None or self.num_kv_cache_groups != 1:
+            return None
+        return _PoolHolders(self.block_pool.blocks)
+
+    def waits_for_release(self, request: Any, num_computed_tokens: int) -> bool:
         """Whether a waiting request should wait for retained blocks being freed for it
-        (asking for them when it does not fit)."""
+        (asking for them when it does not fit). ``num_computed_tokens``: its local
+        prefix-cache hit, as vLLM's scheduler found it (``get_num_new_matched_tokens``)."""
         if self.block_pool is None or not self.ledger.managed:
             return False
         now_s = time.perf_counter()
         self._apply_orders()
-        needed = blocks_needed(int(request.num_tokens), self.engine.block_size,
-                               self.watermark_blocks)
+        num_tokens, block_size = int(request.num_tokens), self.engine.block_size
+        num_hit_blocks = max(0, int(num_computed_tokens)) // block_size
         free = self._free_blocks()
+        needed = blocks_needed(num_tokens, block_size, self.watermark_blocks,
+                               num_hit_blocks=num_hit_blocks)
+        if needed > free:  # counting every hit block as free ones: look closer
+            needed = blocks_needed(num_tokens, block_size, self.watermark_blocks,
+                                   num_hit_blocks=num_hit_blocks,
+                                   num_free_hit_blocks=self._free_hits(request, num_hit_blocks))
         if needed <= free or needed > self.engine.num_blocks_total:
             return False
         release = self.ledger.ask_under_pressure(num_blocks_free=free,
-                                                 num_blocks_needed=needed, now_s=now_s)
+                                                 num_blocks_needed=needed, now_s=now_s,
+                                                 holders=self._holders())
         if release.request_ids:
             logger.info("kvrelay: request %s needs %d blocks, %d free: asking to release %s",
                         request.request_id, needed, free, ", ".join(release.request_ids))
             self._publish(urgent=True)
         return self.ledger.has_pending()
+
+    def _free_hits(self, request: Any, num_hit_blocks: int) -> int | None:
+        """Of a waiting request's first ``num_hit_blocks`` blocks (its local prefix-cache
+        hit), how many sit in vLLM's free queue (reference count 0): admitting the request
+        takes those off it. ``None`` (count them all) with several KV cache groups, whose
+        blocks this does not look up."""
+        if num_hit_blocks <= 0:
+            return 0
+        if self.num_kv_cache_groups != 1:
+            return None
+        hashes = list(request.block_hashes[:num_hit_blocks])
+        free = num_hit_blocks - len(hashes)
+        for block_hash in hashes:
+            blocks = self.block_pool.get_cached_block(block_hash, [0])
+            if not blocks or blocks[0].ref_cnt == 0:
+                free += 1
+        return free
 
     def frees_for_running(self) -> bool:
         """``has_pending_block_frees``: a running request cannot grow; ask for the least
@@ -390,7 +430,8 @@ class _Retention:
         free = self._free_blocks()
         release = self.ledger.ask_under_pressure(num_blocks_free=free,
                                                  num_blocks_needed=free + 1,
-                                                 now_s=time.perf_counter())
+                                                 now_s=time.perf_counter(),
+                                                 holders=self._holders())
         if not release.request_ids:
             return False
         logger.info("kvrelay: a running request needs a block: asking to release %s",
@@ -422,7 +463,7 @@ class _Retention:
             logger.warning("kvrelay: no router answered the release of %s in time; kept",
                            request_id)
         asked = self.ledger.ask_over_headroom(num_blocks_total=self.engine.num_blocks_total,
-                                              now_s=now_s)
+                                              now_s=now_s, holders=self._holders())
         due = self.ledger.take_to_free()
         self._publish(urgent=bool(asked.request_ids))
         return due
@@ -524,6 +565,23 @@ def _fix_plan(transfer_config: Any) -> FixPlan:
         logger.warning("kvrelay: cannot read vLLM's sources (%s); every fix stays on", exc)
         facts = FixFacts(device_type, None, None, None)
     return plan_fixes(facts, settings)
+
+
+class _PoolHolders:
+    """``core.retention.BlockHolders`` read from vLLM's block pool, block by block as a
+    release looks at them: ``KVCacheBlock.ref_cnt`` (vLLM does not count the null block's
+    holders: it is never freed)."""
+
+    NEVER_FREED = 1 << 30
+
+    def __init__(self, blocks: Sequence[Any]) -> None:
+        self._blocks = blocks
+
+    def get(self, block_id: int, default: int, /) -> int:
+        if not 0 <= block_id < len(self._blocks):
+            return default
+        block = self._blocks[block_id]
+        return self.NEVER_FREED if block.is_null else int(block.ref_cnt)
 
 
 def _bytes_per_block(kv_cache_config: Any) -> int:

@@ -94,6 +94,8 @@ CONNECTOR_BASE = ClassRef("vllm.distributed.kv_transfer.kv_connector.v1.base",
 CORE_SCHEDULER = ClassRef("vllm.v1.core.sched.scheduler", "Scheduler")
 KV_CACHE_MANAGER = ClassRef("vllm.v1.core.kv_cache_manager", "KVCacheManager")
 BLOCK_POOL = ClassRef("vllm.v1.core.block_pool", "BlockPool")
+KV_CACHE_BLOCK = ClassRef("vllm.v1.core.kv_cache_utils", "KVCacheBlock")
+KV_CACHE_CONFIG = ClassRef("vllm.v1.kv_cache_interface", "KVCacheConfig")
 CONNECTOR_OUTPUT = ClassRef("vllm.v1.outputs", "KVConnectorOutput")
 V1_CONNECTORS = "vllm.distributed.kv_transfer.kv_connector.v1"
 NIXL_UTILS = "vllm.distributed.nixl_utils"
@@ -498,6 +500,17 @@ CONTRACT: tuple[Requirement, ...] = (
     Attribute(CONNECTOR_OUTPUT, "finished_sending", "retention forgets freed turns"),
     Attribute(REQUEST, "request_id", "retention keys turns by D's request id"),
     Attribute(REQUEST, "num_tokens", "retention sizes a waiting request's blocks"),
+    Attribute(REQUEST, "block_hashes", "a waiting request's prefix-cache hit is looked up"),
+    Hook(BLOCK_POOL, "get_cached_block", ("block_hash", "kv_cache_group_ids"),
+         "hit blocks another request holds need no release", "vllm.v1"),
+    Attribute(KV_CACHE_BLOCK, "ref_cnt",
+              "a hit block in the free queue (0) takes a free one; a release frees only "
+              "the blocks no other request holds"),
+    Attribute(KV_CACHE_BLOCK, "is_null", "the null block is never freed"),
+    Attribute(BLOCK_POOL, "blocks", "holder counts are read block by block"),
+    Attribute(KV_CACHE_CONFIG, "kv_cache_groups", "hits are looked up in a single group only"),
+    Mentions(method(CORE_SCHEDULER, "schedule"), "block_aligned_local",
+             "the connector is given the waiting request's local prefix-cache hit"),
     # Retention: a turn's own deadline, and releases through vLLM's TTL path.
     Attribute(SCHEDULER, "decoder_kv_blocks_ttl", "kvrelay_retain_s is clamped to D's TTL"),
     Attribute(SCHEDULER, "_reqs_need_send", "a turn's deadline and a release are set here"),

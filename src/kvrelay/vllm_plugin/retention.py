@@ -41,8 +41,11 @@ from msgspec.structs import replace
 
 from kvrelay.core.retention import (
     NOTHING,
+    BlockHolders,
     Release,
     RetainedTurn,
+    blocks_freed,
+    holders_after,
     release_over_headroom,
     release_under_pressure,
 )
@@ -121,13 +124,16 @@ class RetentionLedger:
 
     def retain(self, request_id: str, *, num_blocks: int, num_tokens: int, now_s: float,
                retain_s: float, value: float = 0.0, url: str | None = None,
-               curve: ReturnCurve | None = None) -> RetainedTurn:
+               curve: ReturnCurve | None = None,
+               block_ids: tuple[int, ...] = ()) -> RetainedTurn:
         """A finished request whose blocks vLLM now holds for a P to read, and how such
-        turns come back (``kvrelay_return_curve``; ``None``: unknown)."""
+        turns come back (``kvrelay_return_curve``; ``None``: unknown). ``block_ids``: its
+        blocks, when known (shared blocks are counted once they are freed,
+        ``core.retention``)."""
         self._pop(request_id)
         turn = RetainedTurn(request_id=request_id, num_blocks=num_blocks, num_tokens=num_tokens,
                             retained_at_s=now_s, deadline_s=now_s + retain_s, value=value,
-                            curve=curve)
+                            curve=curve, block_ids=block_ids)
         self._turns[request_id] = _Tracked(turn, url)
         self._blocks += num_blocks
         self._tokens += num_tokens
@@ -185,34 +191,43 @@ class RetentionLedger:
                 if t.state is TurnState.HELD and t.url is not None
                 and self._backoff_until_s.get(t.url, 0.0) <= now_s]
 
-    def pending_blocks(self) -> int:
-        """Blocks on their way to being freed (asked or confirmed)."""
-        return sum(t.turn.num_blocks for t in self._turns.values()
-                   if t.state is not TurnState.HELD)
+    def _on_the_way(self) -> list[RetainedTurn]:
+        return [t.turn for t in self._turns.values() if t.state is not TurnState.HELD]
+
+    def pending_blocks(self, holders: BlockHolders | None = None) -> int:
+        """Blocks on their way to being freed (asked or confirmed; ``holders``: D's holder
+        counts, so that blocks other requests share are not counted)."""
+        return blocks_freed(self._on_the_way(), holders)
 
     def has_pending(self) -> bool:
         """A release is under way: vLLM will get blocks back without preempting anyone."""
         return any(t.state is not TurnState.HELD for t in self._turns.values())
 
     def ask_under_pressure(self, *, num_blocks_free: int, num_blocks_needed: int,
-                           now_s: float) -> Release:
+                           now_s: float, holders: BlockHolders | None = None) -> Release:
         """Ask for enough turns to free ``num_blocks_needed`` blocks (blocks already on their
-        way count as free). ``short_blocks`` is what even that leaves missing."""
+        way count as free). ``short_blocks`` is what even that leaves missing. ``holders``:
+        D's holder counts, so that a release counts only the blocks it frees."""
         if not self.managed:
             return NOTHING
+        on_the_way = self._on_the_way()
         release = release_under_pressure(
-            self._askable(now_s), num_blocks_free=num_blocks_free + self.pending_blocks(),
-            num_blocks_needed=num_blocks_needed, now_s=now_s)
+            self._askable(now_s),
+            num_blocks_free=num_blocks_free + blocks_freed(on_the_way, holders),
+            num_blocks_needed=num_blocks_needed, now_s=now_s,
+            holders=holders_after(holders, on_the_way) if holders is not None else None)
         self._ask(release, "pressure", now_s)
         return release
 
-    def ask_over_headroom(self, *, num_blocks_total: int, now_s: float) -> Release:
+    def ask_over_headroom(self, *, num_blocks_total: int, now_s: float,
+                          holders: BlockHolders | None = None) -> Release:
         """Ask for what retention holds above ``(1 - headroom)`` of the cache."""
         if not self.managed or self.headroom <= 0.0:
             return NOTHING
         held = [t.turn for t in self._turns.values() if t.state is TurnState.HELD]
+        left = holders_after(holders, self._on_the_way()) if holders is not None else None
         over = release_over_headroom(held, num_blocks_total=num_blocks_total,
-                                     headroom=self.headroom, now_s=now_s)
+                                     headroom=self.headroom, now_s=now_s, holders=left)
         askable = {turn.request_id for turn in self._askable(now_s)}
         release = Release(request_ids=tuple(i for i in over.request_ids if i in askable),
                           num_blocks=over.num_blocks, reason=over.reason)
@@ -289,8 +304,20 @@ class RetentionLedger:
             releasing={url: tuple(ids) for url, ids in releasing.items()})
 
 
-def blocks_needed(num_tokens: int, block_size: int, watermark_blocks: int = 0) -> int:
-    """Blocks a waiting request of ``num_tokens`` tokens needs to be admitted with its first
-    decode token (vLLM's own count is finer: prefix hits shared with a running request need
-    none; this errs towards asking a little more)."""
-    return math.ceil((num_tokens + 1) / block_size) + watermark_blocks
+def blocks_needed(num_tokens: int, block_size: int, watermark_blocks: int = 0, *,
+                  num_hit_blocks: int = 0, num_free_hit_blocks: int | None = None) -> int:
+    """Blocks a waiting request of ``num_tokens`` tokens takes from D's free blocks to be
+    admitted with its first decode token, counted as vLLM counts them
+    (``get_num_blocks_to_allocate``): the blocks beyond its local prefix-cache hit
+    (``num_hit_blocks``, its first blocks), the hit blocks that sit in the free queue
+    (``num_free_hit_blocks``: reference count 0; using one takes it off the free queue;
+    ``None``: all of them), and the watermark.
+
+    A hit block another request holds costs nothing: a system prompt and tools every
+    conversation of an agent shares, held by the retained turns of other conversations, is
+    most of a new conversation's prompt, and asking for it again would release retained
+    turns that admitting the request never needed."""
+    total = math.ceil((num_tokens + 1) / block_size)
+    hit = min(max(0, num_hit_blocks), total)
+    free_hits = hit if num_free_hit_blocks is None else min(max(0, num_free_hit_blocks), hit)
+    return total - hit + free_hits + watermark_blocks
