@@ -145,13 +145,21 @@ class RouterStandIn:
     answers the queued ``orders``; with ``confirm``, every id D asks for (``releasing``) is
     answered ``dropped``, as a router that holds no entry for them would."""
 
-    def __init__(self, confirm: bool = True) -> None:
+    def __init__(self, confirm: bool = True, *, hang: bool = False) -> None:
+        """``hang``: read each sync and answer nothing until the stand-in stops (a wedged
+        router); ``entered`` counts the syncs it got."""
         self.syncs: list[RetentionSync] = []
         self.orders: list[RetentionOrders] = []
         self.confirm = confirm
+        self.entered = 0
+        self._unhang = asyncio.Event()
+        if not hang:
+            self._unhang.set()
 
         async def sync(request: Request) -> Response:
             body = decode_sync(await request.body())
+            self.entered += 1
+            await self._unhang.wait()
             self.syncs.append(body)
             answer = self.orders.pop(0) if self.orders else RetentionOrders()
             if self.confirm and body.releasing:
@@ -171,6 +179,7 @@ class RouterStandIn:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
+        self._unhang.set()
         await self._server.stop()
 
     async def wait_for(self, predicate: Callable[[RetentionSync], bool], what: str

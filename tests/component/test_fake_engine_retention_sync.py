@@ -16,6 +16,7 @@ import pytest
 from kvrelay.core.retention_sync import (
     RELEASE_CAUSES,
     RETAIN_S_KEY,
+    RETAIN_VALUE_KEY,
     RETENTION_PATH,
     RETENTION_URL_KEY,
     RETURN_CURVE_KEY,
@@ -27,6 +28,7 @@ from kvrelay.core.retention_sync import (
 )
 from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.fakevllm import FakeCluster, FakeEngine, FakeEngineConfig, ManualClock
+from kvrelay.fakevllm import sync as sync_module
 from kvrelay.fakevllm.model import FakeModel
 from kvrelay.fakevllm.retention import CONFIRM_TIMEOUT_S
 from tests.component.fake_engine_helpers import (
@@ -146,7 +148,7 @@ async def test_pressure_asks_the_turns_router_first_and_frees_what_it_drops(
         told = await router.wait_for(lambda s: bool(s.released), "the release is told")
         assert told.released == (Released(request_id=rid(old), cause="pressure"),)
         assert told.releasing == () and told.releases_total["pressure"] == 1
-        assert told.retained_requests == 2
+        await until(lambda: len(d.held()) == 2, "then D holds the second turn and the third")
         retention = d.state.retention
         assert retention is not None  # a turn without a curve counts as sure to be pulled
         assert retention.released_pull_chance == {**dict.fromkeys(RELEASE_CAUSES, 0.0),
@@ -184,6 +186,34 @@ async def test_a_curve_the_router_sends_makes_its_turn_the_first_asked_for(
         expected = chosen.pull_chance(clock())
         assert 0.0 < expected < 0.9
         assert retention.released_pull_chance["pressure"] == pytest.approx(expected)
+
+
+async def test_a_router_that_never_answers_holds_up_only_its_own_syncs(
+        model: FakeModel, monkeypatch: pytest.MonkeyPatch) -> None:
+    """D knows two routers and the first never answers (its POST stays open: a wedged
+    replica). Pressure asks the second for its turn, which it drops at once, and the
+    waiting request runs, while the first router's sync is still in flight: each URL is
+    synced in a lane of its own (one after another, the ask would wait behind it; here,
+    with the POST timeout raised, for a minute)."""
+    monkeypatch.setattr(sync_module, "POST_TIMEOUT_S", 60.0)
+    clock = ManualClock()
+    async with RouterStandIn(hang=True) as hung, RouterStandIn() as router, \
+            cluster(model, clock) as c:
+        p, d = c.prefill[0], c.decode[0]
+        await turn(p, d, conversation(5), **{RETENTION_URL_KEY: hung.url,
+                                              RETAIN_VALUE_KEY: 10.0})  # released last
+        await until(lambda: hung.entered > 0, "D syncs with the hung router")
+        old = await turn(p, d, conversation(0), **{RETENTION_URL_KEY: router.url})
+        clock.advance(1)
+        third = asyncio.create_task(turn(p, d, conversation(1),
+                                         **{RETENTION_URL_KEY: router.url}))
+        try:
+            asked = await router.wait_for(lambda s: bool(s.releasing), "D asks to free a turn")
+            await asyncio.wait_for(asyncio.shield(third), timeout=30)
+        finally:
+            third.cancel()
+        assert asked.releasing == (rid(old),)
+        assert hung.syncs == [], "the hung router has answered nothing all along"
 
 
 async def test_an_ask_the_router_leaves_unanswered_keeps_the_turn(model: FakeModel) -> None:

@@ -1,12 +1,16 @@
 """The connector's retention bookkeeping on D (vllm_plugin.retention) and its sync thread
 (vllm_plugin.retention_client), without an engine; clocks are passed in."""
 
+import threading
+import time
+import urllib.request
+
 import pytest
 
 from kvrelay.core.retention_sync import RetentionOrders, TurnCurve
 from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.vllm_plugin.retention import RetentionLedger, TurnState, blocks_needed
-from kvrelay.vllm_plugin.retention_client import Engine, RetentionSyncClient
+from kvrelay.vllm_plugin.retention_client import Engine, Orders, RetentionSyncClient
 from tests.retention_router import StandInRouter
 
 URL = "http://127.0.0.1:9/internal/kv-retention"
@@ -213,3 +217,45 @@ def test_client_thread_syncs_at_once_when_asked(router):
     assert router.got.wait(10), "an urgent publish syncs without waiting for the interval"
 
 
+
+def test_a_router_that_never_answers_holds_up_only_its_own_syncs(router):
+    """D knows two routers; the first never answers (its POST blocks: a wedged replica, or
+    one shutting down whose socket still listens). D's ask for a turn the second gave
+    reaches the second, and its answer comes back, while the first's POST is still blocked:
+    each router is synced from a lane of its own (one after another, the ask would wait
+    behind the hung POST)."""
+    hung_url = "http://127.0.0.1:9/hung/internal/kv-retention"
+    in_hung_post = threading.Event()
+    unblock = threading.Event()
+
+    def post(url: str, body: bytes) -> bytes:
+        if url == hung_url:
+            in_hung_post.set()
+            unblock.wait(30)
+            raise OSError("no answer")
+        request = urllib.request.Request(url, data=body,
+                                         headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(request, timeout=10) as answer:
+            return bytes(answer.read())
+
+    client = RetentionSyncClient(["127.0.0.1"], ENGINE, interval_s=3600.0, post=post)
+    client.add_url(hung_url)
+    client.add_url(router.url)
+    ledger = ledger_with(("a", 4, 0.0), url=router.url)
+    ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=2, now_s=1.0)
+    router.answer = RetentionOrders(dropped=("a",))
+    try:
+        client.publish(ledger.view(0), [], urgent=True)
+        assert in_hung_post.wait(10)
+        answers: list[Orders] = []
+        deadline = time.monotonic() + 10
+        while not answers and time.monotonic() < deadline:
+            answers = client.take_orders()
+            time.sleep(0.01)
+        still_blocked = not unblock.is_set()
+    finally:
+        unblock.set()
+    assert still_blocked and [a.url for a in answers] == [router.url]
+    assert router.syncs[-1]["releasing"] == ["a"]
+    ledger.confirmed(router.url, answers[0].orders.dropped)
+    assert ledger.take_to_free() == ["a"]

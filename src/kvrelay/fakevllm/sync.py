@@ -12,7 +12,10 @@ next sync.
 The loop runs while there is something to tell and wakes every ``POLL_S`` event-loop seconds
 to look at the engine's clock, so a ``ManualClock`` moved by a test drives it like real time.
 Each round first runs the engine's ``tick`` (expiry of deadlines), so a turn is released at
-its deadline even when no request comes.
+its deadline even when no request comes. Each URL's sync is a task of its own (a lane, as
+kvrelay's connector has a thread per router): a router that never answers holds up only its
+own syncs, for ``POST_TIMEOUT_S``; a round while a URL's sync is in flight makes it sync
+once more right after.
 """
 
 from __future__ import annotations
@@ -62,6 +65,8 @@ class Syncer:
         self._allowed = ReportHosts(allowed_hosts)
         self._session: aiohttp.ClientSession | None = None
         self._task: asyncio.Task[None] | None = None
+        self._lanes: dict[str, asyncio.Task[None]] = {}
+        self._due: set[str] = set()
         self._next_s = float("-inf")
         self.outcomes: dict[str, SyncOutcome] = {}
 
@@ -74,18 +79,41 @@ class Syncer:
 
     async def close(self) -> None:
         task, self._task = self._task, None
-        if task is not None:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        tasks = [*([task] if task is not None else []), *self._lanes.values()]
+        self._lanes = {}
+        for each in tasks:
+            each.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         session, self._session = self._session, None
         if session is not None:
             await session.close()
 
     async def sync_now(self) -> None:
-        """One round to every URL (tests; the loop calls it when due)."""
+        """One round to every URL, waited for (tests; the loop starts rounds when due)."""
+        await asyncio.gather(*self._round())
+
+    def _round(self) -> list[asyncio.Task[None]]:
+        """Start a sync to every URL whose lane is idle; the lanes of this round."""
         self._next_s = self._clock() + SYNC_INTERVAL_S
         self._retention.urgent = False
+        loop = asyncio.get_running_loop()
+        lanes = []
         for url in self._retention.urls:
+            self._due.add(url)
+            lane = self._lanes.get(url)
+            if lane is None or lane.done():
+                lane = self._lanes[url] = loop.create_task(self._lane(url))
+            lanes.append(lane)
+        for gone in set(self._lanes) - set(self._retention.urls):
+            if self._lanes[gone].done():
+                del self._lanes[gone]
+        return lanes
+
+    async def _lane(self, url: str) -> None:
+        """Sync ``url`` while a round has asked for it (a round while its sync was in flight
+        asks once more, right after)."""
+        while url in self._due and url in self._retention.urls:
+            self._due.discard(url)
             await self._sync(url)
 
     async def _run(self) -> None:
@@ -93,8 +121,8 @@ class Syncer:
             self._tick()
             retention = self._retention
             if retention.urgent or (retention.has_news() and self._clock() >= self._next_s):
-                await self.sync_now()
-            elif not retention.has_news():
+                self._round()
+            elif not retention.has_news() and all(t.done() for t in self._lanes.values()):
                 return
             await asyncio.sleep(POLL_S)
 

@@ -1,4 +1,4 @@
-"""D's retention sync with the routers: one daemon thread of the connector's scheduler process.
+"""D's retention sync with the routers: daemon threads of the connector's scheduler process.
 
 The scheduler thread (kvrelay's connector, ``kvrelay.vllm_plugin.connector``) never waits on
 the network: each step it ``publish``es an immutable ``LedgerView`` and the releases it made,
@@ -11,6 +11,13 @@ thread asks (a release made or asked for), and once more when D has become idle 
 router's gauges fall to zero). Each router gets the releases since its previous
 successful sync (kept, up to ``MAX_RELEASED_PER_SYNC``, while it is unreachable) and only
 the ``releasing`` ids of the turns it gave. vLLM-free.
+
+**One lane per router**: each router D knows is synced from a thread of its own, over its own
+keep-alive connection. A router that accepts connections and never answers (wedged, or a
+replica being shut down whose socket still listens) then holds up only its own lane, for the
+POST's timeout, while D's asks reach the other routers at once: synced one after another,
+every ask waited behind it, its answer came after D's ``confirm_timeout_s``, and D kept
+asking and falling back to waiting for the TTL, as stock vLLM does.
 """
 
 from __future__ import annotations
@@ -60,28 +67,46 @@ class Orders(msgspec.Struct, frozen=True):
     orders: RetentionOrders
 
 
+class _Lane:
+    """One router's sync thread: woken by ``wake``, ended by ``stop``."""
+
+    def __init__(self, url: str, post: Post) -> None:
+        self.url = url
+        self.post = post
+        self.wake = threading.Event()
+        self.stopped = False
+        self.lock = threading.Lock()
+        """Held while this router's sync is made (its thread's, or a test's ``sync_once``)."""
+        self.thread: threading.Thread | None = None
+
+    def stop(self) -> None:
+        self.stopped = True
+        self.wake.set()
+
+
 class RetentionSyncClient:
-    """Syncs D's retention with its routers from one daemon thread (started lazily)."""
+    """Syncs D's retention with its routers, one daemon thread per router (started lazily;
+    module docstring, "One lane per router")."""
 
     def __init__(self, allowed_hosts: Iterable[str], engine: Engine, *,
                  interval_s: float = SYNC_INTERVAL_S, post: Post | None = None,
                  logger: logging.Logger | None = None, background: bool = True) -> None:
-        """``background=False``: no thread; the caller runs ``sync_once`` (tests)."""
+        """``background=False``: no thread; the caller runs ``sync_once`` (tests). ``post``:
+        the one POST every lane uses (tests); by default each lane has a connection of its
+        own."""
         self._allowed = ReportHosts(allowed_hosts)
         self._engine = engine
         self._interval_s = interval_s
-        self._post = post or _HttpPost().post
+        self._post = post
         self._log = logger or logging.getLogger(__name__)
         self._lock = threading.Lock()
-        self._sync_lock = threading.Lock()
         self._background = background
         self._urls: collections.OrderedDict[str, collections.deque[Released]] = \
             collections.OrderedDict()
+        self._lanes: dict[str, _Lane] = {}
         self._refused: set[str] = set()
         self._view: LedgerView | None = None
-        self._wake = threading.Event()
         self._orders: queue.SimpleQueue[Orders] = queue.SimpleQueue()
-        self._thread: threading.Thread | None = None
         self._failures = 0
         self._told_busy: set[str] = set()
         """Routers whose last answered sync said D was busy: they get one more when not."""
@@ -101,8 +126,10 @@ class RetentionSyncClient:
                 self._urls.move_to_end(url)
             else:
                 self._urls[url] = collections.deque(maxlen=MAX_RELEASED_PER_SYNC)
+                self._lanes[url] = _Lane(url, self._post or _HttpPost().post)
                 while len(self._urls) > MAX_SYNC_URLS:
-                    self._urls.popitem(last=False)
+                    gone, _ = self._urls.popitem(last=False)
+                    self._lanes.pop(gone).stop()
         return True
 
     def urls(self) -> list[str]:
@@ -117,13 +144,14 @@ class RetentionSyncClient:
             self._view = view
             for pending in self._urls.values():
                 pending.extend(released)
-            have_urls = bool(self._urls)
-        if have_urls and self._background and self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="kvrelay-retention",
-                                            daemon=True)
-            self._thread.start()
-        if urgent or released:
-            self._wake.set()
+            lanes = list(self._lanes.values())
+        for lane in lanes:
+            if self._background and lane.thread is None:
+                lane.thread = threading.Thread(target=self._run, args=(lane,),
+                                               name="kvrelay-retention", daemon=True)
+                lane.thread.start()
+            if urgent or released:
+                lane.wake.set()
 
     def take_orders(self) -> list[Orders]:
         """The answers received since the previous call (scheduler thread)."""
@@ -134,61 +162,70 @@ class RetentionSyncClient:
             except queue.Empty:
                 return got
 
-    def _run(self) -> None:
-        while True:
-            self._wake.wait(self._interval_s)
-            self._wake.clear()
-            self.sync_once()
+    def _run(self, lane: _Lane) -> None:
+        while not lane.stopped:
+            lane.wake.wait(self._interval_s)
+            lane.wake.clear()
+            if not lane.stopped:
+                self._sync_lane(lane)
 
     def sync_once(self) -> int:
-        """One round: a sync to each router that has something to hear. Returns how many
-        syncs were answered."""
-        with self._sync_lock:
-            return self._sync_round()
+        """One round: a sync to each router that has something to hear, one after another
+        (tests; the lanes' threads sync on their own). Returns how many were answered."""
+        with self._lock:
+            lanes = list(self._lanes.values())
+        return sum(self._sync_lane(lane) for lane in lanes)
 
-    def _sync_round(self) -> int:
+    def _sync_lane(self, lane: _Lane) -> bool:
+        """Sync with ``lane``'s router if it has something to hear; whether it answered."""
+        with lane.lock:
+            return self._sync(lane)
+
+    def _sync(self, lane: _Lane) -> bool:
+        url = lane.url
         with self._lock:
             view = self._view
-            due = [(url, list(pending)) for url, pending in self._urls.items()]
-        if view is None:
-            return 0
-        answered = 0
-        for url, released in due:
-            releasing = view.releasing.get(url, ())
-            if not (view.busy or released or url in self._told_busy):
-                continue
-            sync = RetentionSync(
-                engine_id=self._engine.engine_id, block_size=self._engine.block_size,
-                bytes_per_block=self._engine.bytes_per_block,
-                num_blocks_total=self._engine.num_blocks_total,
-                num_blocks_free=min(view.num_blocks_free, self._engine.num_blocks_total),
-                retained_requests=view.retained_requests,
-                retained_blocks=min(view.retained_blocks, self._engine.num_blocks_total),
-                retained_tokens=view.retained_tokens,
-                releases_total=view.releases_total, released=tuple(released),
-                releasing=releasing[:MAX_RELEASED_PER_SYNC])
-            try:
-                answer = self._post(url, encode(sync))
-                orders = decode_orders(answer) if answer.strip() else RetentionOrders()
-            except (OSError, http.client.HTTPException, RetentionSyncError) as exc:
+            pending = self._urls.get(url)
+            released = list(pending) if pending is not None else []
+            told_busy = url in self._told_busy
+        if view is None or pending is None:
+            return False
+        releasing = view.releasing.get(url, ())
+        if not (view.busy or released or told_busy):
+            return False
+        sync = RetentionSync(
+            engine_id=self._engine.engine_id, block_size=self._engine.block_size,
+            bytes_per_block=self._engine.bytes_per_block,
+            num_blocks_total=self._engine.num_blocks_total,
+            num_blocks_free=min(view.num_blocks_free, self._engine.num_blocks_total),
+            retained_requests=view.retained_requests,
+            retained_blocks=min(view.retained_blocks, self._engine.num_blocks_total),
+            retained_tokens=view.retained_tokens,
+            releases_total=view.releases_total, released=tuple(released),
+            releasing=releasing[:MAX_RELEASED_PER_SYNC])
+        try:
+            answer = lane.post(url, encode(sync))
+            orders = decode_orders(answer) if answer.strip() else RetentionOrders()
+        except (OSError, http.client.HTTPException, RetentionSyncError) as exc:
+            with self._lock:
                 self._failures += 1
-                if self._failures in (1, 10, 100) or self._failures % 1000 == 0:
-                    self._log.warning("kvrelay: retention sync to %s failed (%d so far): %s",
-                                      url, self._failures, exc)
-                continue
-            answered += 1
+                failures = self._failures
+            if failures in (1, 10, 100) or failures % 1000 == 0:
+                self._log.warning("kvrelay: retention sync to %s failed (%d so far): %s",
+                                  url, failures, exc)
+            return False
+        with self._lock:
             if view.busy:
                 self._told_busy.add(url)
             else:
                 self._told_busy.discard(url)
-            with self._lock:
-                pending = self._urls.get(url)
-                for _ in range(min(len(released), len(pending or ()))):
-                    assert pending is not None
-                    pending.popleft()
-            if orders.release or orders.dropped or orders.turn_curves:
-                self._orders.put(Orders(url=url, orders=orders))
-        return answered
+            pending = self._urls.get(url)
+            for _ in range(min(len(released), len(pending or ()))):
+                assert pending is not None
+                pending.popleft()
+        if orders.release or orders.dropped or orders.turn_curves:
+            self._orders.put(Orders(url=url, orders=orders))
+        return True
 
 
 class _HttpPost:
