@@ -303,10 +303,14 @@ def test_with_several_kv_cache_groups_every_hit_block_counts_as_free(router):
     assert pool.lookups == []
 
 
-def test_a_release_under_pressure_counts_only_blocks_no_other_request_holds(router):
+@pytest.mark.parametrize(("num_tokens", "newer"), [(300, TurnState.RELEASING),
+                                                    (200, TurnState.HELD)])
+def test_a_release_under_pressure_counts_only_blocks_no_other_request_holds(
+        router, num_tokens: int, newer: TurnState):
     """Two retained turns of one conversation share its history (blocks 1-10, two holders
-    each); the older holds blocks 11-12 of its own, the newer 13-14. A request needing 3
-    blocks with none free: releasing the older frees 2, not 12, so D asks for both (14)."""
+    each); the older holds blocks 11-12 of its own, the newer 13-14. With none free, a
+    request needing 3 blocks (300 tokens): releasing the older frees 2, not 12, so D asks
+    for both (14); one needing 2 (200 tokens): the older alone."""
     conn = d_connector(kv_cache_groups=1)
     holders = {**dict.fromkeys(range(1, 11), 2), 11: 1, 12: 1, 13: 1, 14: 1}
     conn.bind_kv_cache_manager(ns(block_pool=CachedPool(0, {}, holders), watermark_blocks=0))
@@ -315,19 +319,7 @@ def test_a_release_under_pressure_counts_only_blocks_no_other_request_holds(rout
            [*range(1, 11), 13, 14])
     turns = {t.request_id: t for t in conn._retention.ledger.turns()}
     assert turns["newer"].block_ids == (*range(1, 11), 13, 14)
-    assert conn.get_num_new_matched_tokens(waiting("new", num_tokens=300), 0) == (None, False)
+    request = waiting("new", num_tokens=num_tokens)
+    assert conn.get_num_new_matched_tokens(request, 0) == (None, False)
     ledger = conn._retention.ledger
-    assert ledger.state("older") is ledger.state("newer") is TurnState.RELEASING
-
-
-def test_a_release_needing_two_unshared_blocks_asks_only_for_the_older_turn(router):
-    conn = d_connector(kv_cache_groups=1)
-    holders = {**dict.fromkeys(range(1, 11), 2), 11: 1, 12: 1, 13: 1, 14: 1}
-    conn.bind_kv_cache_manager(ns(block_pool=CachedPool(0, {}, holders), watermark_blocks=0))
-    retain(conn, "older", retained_params(router.url, kvrelay_retain_s=60), list(range(1, 13)))
-    retain(conn, "newer", retained_params(router.url, kvrelay_retain_s=60),
-           [*range(1, 11), 13, 14])
-    assert conn.get_num_new_matched_tokens(waiting("new", num_tokens=200), 0) == (None, False)
-    ledger = conn._retention.ledger
-    assert ledger.state("older") is TurnState.RELEASING and \
-        ledger.state("newer") is TurnState.HELD
+    assert ledger.state("older") is TurnState.RELEASING and ledger.state("newer") is newer
