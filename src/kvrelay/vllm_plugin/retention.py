@@ -192,12 +192,8 @@ class RetentionLedger:
                 and self._backoff_until_s.get(t.url, 0.0) <= now_s]
 
     def _on_the_way(self) -> list[RetainedTurn]:
+        """Turns on their way to being freed (asked or confirmed)."""
         return [t.turn for t in self._turns.values() if t.state is not TurnState.HELD]
-
-    def pending_blocks(self, holders: BlockHolders | None = None) -> int:
-        """Blocks on their way to being freed (asked or confirmed; ``holders``: D's holder
-        counts, so that blocks other requests share are not counted)."""
-        return blocks_freed(self._on_the_way(), holders)
 
     def has_pending(self) -> bool:
         """A release is under way: vLLM will get blocks back without preempting anyone."""
