@@ -103,6 +103,25 @@ def test_salt_and_index_differ_within_the_first_kv_block():
     assert first_block(s, 0) != first_block(s, 1)
 
 
+def test_a_shared_system_prompt_is_the_same_in_every_conversation_of_a_run_only():
+    def system(w, i):
+        return w.conversations[i].turns[0].new_messages[0]["content"]
+
+    a = agent_workload(count, conversations=3, system_tokens=700, shared_system_tokens=400,
+                       salt="run1")
+    b = agent_workload(count, conversations=1, system_tokens=700, shared_system_tokens=400,
+                       salt="run2")
+    shared = system(a, 0).split("\n")[0]
+    assert len(shared) > 300 and all(system(a, i).startswith(shared + "\n") for i in (1, 2))
+    assert system(a, 0) != system(a, 1), "each conversation's own part follows"
+    assert not system(b, 0).startswith(shared), "another salt shares nothing"
+    assert a.params["shared_system_tokens"] == 400
+    assert_targets_hit(a, count)
+    assert "shared_system_tokens" not in agent_workload(count, conversations=1).params
+    with pytest.raises(WorkloadError):
+        agent_workload(count, conversations=1, system_tokens=300, shared_system_tokens=400)
+
+
 def test_conversation_ids_are_unique():
     for w in (sweep_workload(count, conversations_per_length=3),
               agent_workload(count, conversations=12)):

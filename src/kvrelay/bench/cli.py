@@ -120,6 +120,9 @@ def _retention_parser(kinds: Any) -> None:
                    help="the API the turns go over (default messages, Claude Code's; chat "
                         "only with --tool-p 0: it cannot force tool calls)")
     r.add_argument("--system-tokens", type=int, default=512)
+    r.add_argument("--shared-system-tokens", type=int, default=0,
+                   help="of the system prompt's tokens, about how many every conversation "
+                        "shares (an agent's system prompt and tools; default 0: none)")
     r.add_argument("--user-tokens", type=int, default=96, help="user/tool turn tokens")
     r.add_argument("--answer-tokens", type=int, default=48,
                    help="max_tokens per answer (a tool call's adds its wrapper's tokens)")
@@ -203,7 +206,8 @@ def _run_retention(args: argparse.Namespace) -> int:
                 count, conversations=conversations, turns=args.max_turns,
                 system_tokens=args.system_tokens, user_tokens=args.user_tokens,
                 answer_tokens=args.answer_tokens, pacing=pacing, abandon_p=args.abandon_p,
-                tool_p=args.tool_p, tool_time=tool_time, seed=seed, salt=salt)
+                tool_p=args.tool_p, tool_time=tool_time, seed=seed, salt=salt,
+                shared_system_tokens=args.shared_system_tokens)
 
         workload = build(args.conversations, args.seed, salt)
         prelude = build(args.prelude_conversations, args.seed + 1_000_003, f"{salt}-prelude") \

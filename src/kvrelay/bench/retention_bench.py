@@ -11,7 +11,9 @@ call** (``tool_p``; the harness runs the tool and comes back with its result aft
 execution time, heavy-tailed and cut at the tool timeout), the others in a **reply** to the
 user, who comes back after a heavy-tailed think time. After every turn the conversation
 may be abandoned (``abandon_p``: the user never comes back, or stopped the agent's
-loop). The turns go over the Anthropic Messages API (``api="messages"``, Claude Code's:
+loop). With ``--shared-system-tokens`` every conversation's system prompt starts with the
+same text (an agent's system prompt and tools), which D's prefix cache holds once. The
+turns go over the Anthropic Messages API (``api="messages"``, Claude Code's:
 ``messages_client``), where the fake engine forces tool calls (``tool_choice``) as vLLM does;
 ``api="chat"`` sends chat completions and takes no tool calls (``tool_p = 0``, the benchmark
 as it was before tool calls). A turn's TTFT is the start of its answer's first content

@@ -328,8 +328,16 @@ def agent_workload(
     tool_time: ThinkTime | None = None,
     seed: int = 0,
     salt: str = "",
+    shared_system_tokens: int = 0,
 ) -> Workload:
     """Agent sessions: ``conversations`` concurrent loops of ``turns`` turns each.
+
+    ``shared_system_tokens``: of the ``system_tokens``, about this many at the start are the
+    same in every conversation of the workload (an agent's system prompt and tools, which
+    real harnesses send unchanged with every session; D's prefix cache holds them once):
+    drawn from the salt alone, so another salt (another run, the retention benchmark's
+    prelude) shares nothing with this one. 0: every system prompt is the conversation's own
+    from its first token.
 
     Turn 1's prompt is a ``system_tokens`` system prompt plus a ``user_tokens`` task; every
     later turn appends the previous answer (its ``max_tokens``) and ``user_tokens`` more.
@@ -366,6 +374,12 @@ def agent_workload(
     if pacing.arrival_mean_s < 0:
         raise WorkloadError("arrival_mean_s must be >= 0")
     think = pacing.think
+    if not 0 <= shared_system_tokens <= system_tokens:
+        raise WorkloadError("shared_system_tokens must be within [0, system_tokens]")
+    shared = ""
+    if shared_system_tokens:
+        shared = fill_text(appending((), "system"), count, shared_system_tokens,
+                           random.Random(f"agent-shared-system/{salt}")) + "\n"
     answers: dict[int, ChatMessage] = {}
 
     def answer(max_tokens: int) -> ChatMessage:
@@ -380,7 +394,7 @@ def agent_workload(
         rng = random.Random(f"agent/{seed}/{index}")
         tools = random.Random(f"agent-tools/{seed}/{index}")
         tool_gaps = random.Random(f"agent-tool-time/{seed}/{index}")
-        opening = appending((), "system", _opening(salt, seed, index, "agent"))
+        opening = appending((), "system", shared + _opening(salt, seed, index, "agent"))
         history = opening(fill_text(opening, count, system_tokens, rng))
         specs: list[TurnSpec] = []
         target = system_tokens
@@ -420,6 +434,7 @@ def agent_workload(
                     params={
         "conversations": conversations, "turns": turns, "abandon_p": abandon_p,
         "system_tokens": system_tokens,
+        **({"shared_system_tokens": shared_system_tokens} if shared_system_tokens else {}),
         "user_tokens": user_tokens, "answer_tokens": answer_tokens, **pacing.params(),
         **tool_params, "seed": seed, "salt": salt,
     })
