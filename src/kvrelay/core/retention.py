@@ -186,8 +186,10 @@ def release_over_headroom(turns: Iterable[RetainedTurn], *, num_blocks_total: in
     ``release_order`` at ``now_s``: what releasing every turn would free (``blocks_freed``;
     a block a live request shares is not retention's)."""
     turns = list(turns)
-    held = blocks_freed(turns, holders)
-    over = held - retention_cap_blocks(num_blocks_total, headroom)
+    cap = retention_cap_blocks(num_blocks_total, headroom)
+    if sum(turn.num_blocks for turn in turns) <= cap:
+        return NOTHING  # what releasing all would free is no more (checked every step)
+    over = blocks_freed(turns, holders) - cap
     return release_for(turns, over, "headroom", now_s=now_s, holders=holders) \
         if over > 0 else NOTHING
 
