@@ -11,8 +11,14 @@ stock retention on both (D keeps each finished turn for ``decoder_kv_blocks_ttl`
    queue is first come first served and its head blocks it);
 3. P reads the first conversation's retained turn (its second turn pulls): D frees those
    blocks and both waiting requests are served;
-4. past the TTL, D frees every retained turn (usage 0) and counts the expiries;
-5. two requests whose prompts fit together but whose outputs do not: the one that cannot
+4. P is sent a prompt too short to pull (below ``kv_recompute_threshold``) carrying the
+   second conversation's retained params: P recomputes it, pulls nothing, and still
+   notifies D, which frees that turn at once, long before its TTL (vLLM's notify-only read,
+   ``NixlConnectorScheduler.get_num_new_matched_tokens`` returning 0 below the threshold and
+   ``update_state_after_alloc`` queueing the empty read). So a router could release a stock
+   D's turn early through P;
+5. past the TTL, D frees every retained turn (usage 0) and counts the expiries;
+6. two requests whose prompts fit together but whose outputs do not: the one that cannot
    grow is preempted (``vllm:num_preemptions_total``) and both still finish in full.
 
 What is compared is what a router can observe: statuses, the gauges and counters, and
@@ -50,7 +56,7 @@ TTL_S = 30
 LEASE_S = 30.0  # kvrelay up's kv_lease_duration (P's blocks wait this long for D's read)
 GEN = 16
 LONG_GEN = 600
-"""Step 5: ~300 prompt + 600 output tokens need 8 blocks each; two of them need 16 of 11."""
+"""Step 6: ~300 prompt + 600 output tokens need 8 blocks each; two of them need 16 of 11."""
 PATIENCE_S = 120.0
 """How long a step may take to show on the real cluster (a bound, not a measurement)."""
 
@@ -66,6 +72,9 @@ class Observed:
     read_pulled: bool
     answered_after_the_read: tuple[int, int]
     usage_after_the_read: float
+    notify_status: int
+    notify_pulled: bool
+    usage_after_the_notify: float
     usage_after_ttl: float
     d_expired_after_ttl: float
     d_preemptions: float
@@ -132,7 +141,7 @@ async def scenario(prefill: str, decode: str, model: str,
         turn_a = await first_turn(1)
         await settle()
         usage_one = await d_metric("vllm:kv_cache_usage_perc")
-        await first_turn(2)
+        turn_b = await first_turn(2)
         await settle()
         usage_two = await d_metric("vllm:kv_cache_usage_perc")
 
@@ -158,6 +167,14 @@ async def scenario(prefill: str, decode: str, model: str,
         await settle()
         usage_after_read = await d_metric("vllm:kv_cache_usage_perc")
 
+        # Conversation 2's turn, read by a prompt too short to pull: D is notified, frees it.
+        pulled_before = await p_pulled()
+        notify = await post(prefill, [{"role": "user", "content": "Hi."}], 1,
+                            turn_b["kv_transfer_params"])
+        notify_pulled = await p_pulled() - pulled_before
+        await settle()
+        usage_after_notify = await d_metric("vllm:kv_cache_usage_perc")
+
         expired_before = await d_metric("vllm:nixl_num_kv_expired_reqs_total")
         await pass_ttl()
         usage_after_ttl = await await_metric("vllm:kv_cache_usage_perc", 0.0)
@@ -182,6 +199,9 @@ async def scenario(prefill: str, decode: str, model: str,
             read_pulled=pulled > 0,
             answered_after_the_read=(answers[0].status_code, answers[1].status_code),
             usage_after_the_read=usage_after_read,
+            notify_status=notify.status_code,
+            notify_pulled=notify_pulled > 0,
+            usage_after_the_notify=usage_after_notify,
             usage_after_ttl=usage_after_ttl,
             d_expired_after_ttl=expired,
             d_preemptions=preemptions,
@@ -245,5 +265,7 @@ async def run_fake() -> Observed:
 def test_fake_engine_matches_real_vllm_under_kv_pressure(tmp_path: Path) -> None:
     real = run_real(tmp_path / "cluster")
     assert real.waiting_with_third_turn == 1.0 and real.answered_after_the_read == (200, 200)
+    assert real.notify_status == 200 and not real.notify_pulled
+    assert real.usage_after_the_notify < real.usage_after_the_read
     fake = asyncio.run(run_fake())
     assert fake == real
