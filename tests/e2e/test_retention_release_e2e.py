@@ -9,6 +9,10 @@ with cause ``router`` below is what only managed retention does). Conversation A
 holds the router's one entry; conversation B's first turn evicts it (capacity), which queues
 a release order for A's D request id; D gets it in the answer to its next sync, frees A's
 blocks through vLLM's expiry path and tells the router in the sync right after.
+
+The same for a D the router does not sync with (stock vLLM; here a router with ``--guard
+tokenize``, which treats every D so): the order goes through P (``router.stock_release``), a
+prompt too short to pull carrying A's D params, and D frees A's turn on P's notification.
 """
 
 from __future__ import annotations
@@ -169,3 +173,63 @@ def test_an_evicted_entry_is_released_on_d_and_its_next_turn_recomputes(
         recomputed = client.turn(a_turn2, max_tokens=16)
     assert a2_text == recomputed.text
     assert b_text  # B answered: its turn is what evicted A
+
+
+@pytest.fixture
+def stock_view_router(real_cluster: RealCluster, tmp_path: Path) -> Iterator[str]:
+    """A one-entry router that syncs with no D (``--guard tokenize``: it proves pulls itself
+    and treats every D as stock vLLM, sending no retention keys), so its release orders go
+    through P (``router.stock_release``), as they do for a D without kvrelay's connector."""
+    router: ServiceProcess = start_extra_router(
+        real_cluster, free_port_block(2, start=18750), tmp_path / "stock-view-router.log",
+        ["--max-entries", "1", "--guard", "tokenize"])
+    try:
+        assert router.url is not None
+        yield router.url
+    finally:
+        router.stop()
+
+
+def d_usage(cluster: RealCluster) -> float:
+    """D's ``vllm:kv_cache_usage_perc``: retained turns count (nothing else runs now)."""
+    metrics = parse_prometheus(httpx.get(f"{cluster.decode_url}/metrics", timeout=30).text)
+    return sum(v for k, v in metrics.items() if k.startswith("vllm:kv_cache_usage_perc"))
+
+
+def test_an_evicted_entry_of_a_d_that_does_not_sync_is_freed_through_p(
+    real_cluster: RealCluster, stock_view_router: str
+) -> None:
+    """As above, for a D the router does not sync with: A's evicted turn is freed on D by a
+    P request too short to pull that carries A's D params (P pulls nothing, D is notified
+    and frees the blocks), shortly after B's turn, not at D's TTL; A's next turn recomputes
+    with the answer of a recompute."""
+    model = real_cluster.model
+    a_id, b_id = f"stock-a-{secrets.token_hex(4)}", f"stock-b-{secrets.token_hex(4)}"
+    a_turn1 = opening(2201, num_words=2500)  # about 3,000 tokens retained on D
+    b_turn1 = opening(2202, num_words=200)  # about 300
+
+    a_text, _, _ = send(stock_view_router, model, a_turn1, a_id)
+    time.sleep(1.0)  # vLLM's gauges follow the engine's steps
+    with_a = d_usage(real_cluster)
+    assert router_metric(stock_view_router, "release_orders_total") == 0
+    pulled_before = p_external(real_cluster)
+
+    send(stock_view_router, model, b_turn1, b_id)
+    b_done = time.monotonic()
+    deadline = b_done + RELEASE_DEADLINE_S
+    while not (router_metric(stock_view_router, "release_orders_total") >= 1
+               and d_usage(real_cluster) < with_a):
+        assert time.monotonic() < deadline, \
+            f"D did not free A's evicted turn: usage with A {with_a}, now {d_usage(real_cluster)}"
+        time.sleep(0.02)
+    print(f"\nD freed A's evicted turn through P {time.monotonic() - b_done:.3f} s after B's "
+          f"turn ended; D's usage with A {with_a:.4f}, now {d_usage(real_cluster):.4f}")
+    assert router_metric(stock_view_router, "release_orders_total") == 1
+    assert p_external(real_cluster) == pulled_before, "the release pulled nothing"
+
+    a_turn2: list[Message] = [*a_turn1, {"role": "assistant", "content": a_text},
+               {"role": "user", "content": "Now run the tests."}]
+    a2_text, action, reason = send(stock_view_router, model, a_turn2, a_id)
+    assert (action, reason) == ("recompute", "no_entry")
+    with PDClient(real_cluster.prefill_url, real_cluster.decode_url, model) as client:
+        assert a2_text == client.turn(a_turn2, max_tokens=16).text

@@ -46,6 +46,7 @@ from kvrelay.router.response_store import InMemoryResponseStore, ResponseStore
 from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stats import RouterStats
+from kvrelay.router.stock_release import StockReleases
 from kvrelay.router.turnlog import TurnLogWriter
 from kvrelay.router.upstream import AiohttpTransport, Transport, Upstream
 
@@ -103,19 +104,19 @@ class RouterApp:
             self.ctx.turn_log.close()
 
     async def _background(self) -> None:
-        """The health loop, and the turn log's idle flush (records are buffered)."""
-        if self.ctx.turn_log is None:
-            await self.ctx.nodes.run_health_loop()
-            return
-        health = asyncio.ensure_future(self.ctx.nodes.run_health_loop())
+        """The health loop, stock D's release orders (``router.stock_release``), and the
+        turn log's idle flush (records are buffered)."""
+        loops = [asyncio.ensure_future(self.ctx.nodes.run_health_loop()),
+                 asyncio.ensure_future(self.ctx.stock_releases.run())]
         try:
             while True:
                 await asyncio.sleep(1.0)
-                self.ctx.turn_log.flush()
+                if self.ctx.turn_log is not None:
+                    self.ctx.turn_log.flush()
         finally:
-            health.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await health
+            for loop in loops:
+                loop.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
 
     async def _lifespan(self, receive: Receive, send: Send) -> None:
         while True:
@@ -201,6 +202,7 @@ def create_app(
             backups=config.turn_log_backups,
         ) if config.turn_log else None,
         responses=response_store,
+        stock_releases=StockReleases(index, nodes, upstream, metrics, list(config.decode)),
     )
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))

@@ -37,7 +37,10 @@ Contracts:
   ``drop_node``/``drop_engine`` remove (D's blocks are gone), or ``drop(...,
   release=False)``, queues a release order for its D request id on its D:
   ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for another
-  engine of that D are discarded) for the answer to D's next sync. ``mark_released`` marks
+  engine of that D are discarded) for the answer to D's next sync; a D that never syncs
+  (stock vLLM) has them popped by ``take_release_blocks`` instead, which returns each
+  order's D params (``RemoteBlocks``: what a P request needs to have D free the turn,
+  ``router.stock_release``). ``mark_released`` marks
   the entries D said it released (its sync): they are never claimed, and ``lookup`` returns
   one only when its ref has no other, so the turn recomputes with reason ``released``. A
   release of a request with no entry yet (D's sync overtook the turn's commit) is kept
@@ -99,6 +102,7 @@ from kvrelay.core.identity import (
     text_fine_of,
     text_fines,
 )
+from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
 
 EvictReason = Literal["expired", "capacity", "overflow"]
@@ -157,6 +161,10 @@ class ConversationIndex(Protocol):
     async def take_releases(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[str, ...]: ...
+
+    async def take_release_blocks(
+        self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
+    ) -> tuple[RemoteBlocks, ...]: ...
 
     async def release_requested(
         self, node_id: str, engine_id: str, request_ids: Iterable[str]
@@ -330,7 +338,7 @@ class InMemoryIndex:
         self._by_tenant: dict[str, OrderedDict[_Key, None]] = {}
         self._by_scope: dict[bytes, dict[_Key, None]] = {}
         self._by_request: dict[tuple[str, str], dict[_Key, None]] = {}
-        self._releases: dict[str, OrderedDict[tuple[str, str], None]] = {}
+        self._releases: dict[str, OrderedDict[tuple[str, str], RemoteBlocks]] = {}
         self._due: dict[str, list[_Due]] = {}
         self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._reading: dict[tuple[str, str], int] = {}
@@ -531,19 +539,28 @@ class InMemoryIndex:
     async def take_releases(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[str, ...]:
-        out: list[str] = []
+        return tuple(blocks.request_id for blocks in self._take(node_id, engine_id, limit))
+
+    async def take_release_blocks(
+        self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
+    ) -> tuple[RemoteBlocks, ...]:
+        return tuple(self._take(node_id, engine_id, limit))
+
+    def _take(self, node_id: str, engine_id: str, limit: int) -> list[RemoteBlocks]:
+        out: list[RemoteBlocks] = []
         queue = self._releases.get(node_id)
         if queue:
             while queue and len(out) < limit:
-                (engine, request_id), _ = queue.popitem(last=False)
+                (engine, _), blocks = queue.popitem(last=False)
                 if engine == engine_id:
-                    out.append(request_id)
+                    out.append(blocks)
             if not queue:
                 del self._releases[node_id]
         self._take_due(node_id, engine_id, limit, out)
-        return tuple(out)
+        return out
 
-    def _take_due(self, node_id: str, engine_id: str, limit: int, out: list[str]) -> None:
+    def _take_due(self, node_id: str, engine_id: str, limit: int,
+                  out: list[RemoteBlocks]) -> None:
         """Order the release of ``node_id``'s flagged entries that expired (module
         docstring, release at expiry) into ``out`` while it has room (``limit``), looking
         at no more than ``limit`` due heap items; each is marked ``ordered``."""
@@ -560,7 +577,7 @@ class InMemoryIndex:
                 continue  # claimed, removed, released or ordered already
             item.ordered = True
             if item.entry.decode_engine_id == engine_id:
-                out.append(item.entry.request_id)
+                out.append(item.entry.blocks)
         if not due:
             del self._due[node_id]
 
@@ -669,7 +686,7 @@ class InMemoryIndex:
                 del self._by_request[(entry.decode_node_id, entry.request_id)]
         if release and item.held:
             queue = self._releases.setdefault(entry.decode_node_id, OrderedDict())
-            queue[(entry.decode_engine_id, entry.request_id)] = None
+            queue[(entry.decode_engine_id, entry.request_id)] = entry.blocks
             while len(queue) > MAX_QUEUED_RELEASES:
                 queue.popitem(last=False)
         ref = key[0]

@@ -28,7 +28,8 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:q:{node_id}:{request_id}`` – D's request id to its entry's key (``mark_released``;
   ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
   claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
-* ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
+* ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request
+  id<TAB>entry JSON``: a stock D's order needs the entry's params, ``take_release_blocks``):
   every entry the index drops but a claim, a released one, an ordered one (``ord``) and
   ``drop_node``/``drop_engine`` queues one in the same script, so whichever replica D syncs
   with delivers it (``take_releases``).
@@ -79,7 +80,7 @@ from redis.exceptions import RedisError
 
 from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.identity import Probe, RequestIdentity, text_fine_of
-from kvrelay.core.params import KVParamsError, parse_remote_blocks
+from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
 from kvrelay.router.index import (
     MAX_ENTRIES_PER_REF,
@@ -108,7 +109,7 @@ RELEASE_QUEUE_TTL_MS = 600_000
 _REMOVE = """
 local function remove(k, release)
   local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az', 'rx', 'mem', 'qx',
-                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end', 'dx', 'ord')
+                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end', 'dx', 'ord', 'json')
   if f[1] then redis.call('ZREM', f[1], k) end
   if f[17] then redis.call('ZREM', f[17], k) end
   if f[7] then
@@ -127,7 +128,7 @@ local function remove(k, release)
   if f[6] then redis.call('ZREM', f[6], k) end
   if f[9] and redis.call('GET', f[9]) == k then redis.call('DEL', f[9]) end
   if release == 1 and f[12] and not f[11] and not f[18] then
-    redis.call('RPUSH', f[12], f[13] .. '\\t' .. f[10])
+    redis.call('RPUSH', f[12], f[13] .. '\\t' .. f[10] .. '\\t' .. (f[19] or ''))
     redis.call('LTRIM', f[12], -@MAXQ@, -1)
     redis.call('PEXPIRE', f[12], @QTTL@)
   end
@@ -405,11 +406,11 @@ local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[3], 'LIMIT', 0, AR
 for _, k in ipairs(due) do
   if room <= 0 then break end
   redis.call('ZREM', KEYS[2], k)
-  local v = redis.call('HMGET', k, 'rid', 'engine', 'rel', 'ord')
+  local v = redis.call('HMGET', k, 'rid', 'engine', 'rel', 'ord', 'json')
   if v[1] and not v[3] and not v[4] then
     redis.call('HSET', k, 'ord', '1')
     if v[2] == ARGV[1] then
-      table.insert(out, v[1])
+      table.insert(out, v[1] .. '\\t' .. (v[5] or ''))
       room = room - 1
     end
   end
@@ -818,10 +819,31 @@ class RedisIndex:
     async def take_releases(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[str, ...]:
+        return tuple(order.partition("\t")[0]
+                     for order in await self._take(node_id, engine_id, limit))
+
+    async def take_release_blocks(
+        self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
+    ) -> tuple[RemoteBlocks, ...]:
+        """The orders' D params, from the entry's JSON the order was queued with; an order
+        without it (queued by a replica older than this method) or with JSON this one cannot
+        read is dropped (D keeps that turn its TTL, as before)."""
+        out: list[RemoteBlocks] = []
+        for order in await self._take(node_id, engine_id, limit):
+            doc = order.partition("\t")[2]
+            try:
+                out.append(parse_remote_blocks(json.loads(doc)["params"]))
+            except (ValueError, KeyError, TypeError, KVParamsError):
+                log.warning("release order for D %s without readable params: dropped", node_id)
+        return tuple(out)
+
+    async def _take(self, node_id: str, engine_id: str, limit: int) -> list[str]:
+        """Queued and due orders for D's engine: ``request id<TAB>entry JSON`` each (the
+        JSON is empty for an order a replica older than it queued)."""
         result = await self._quiet("release", self._take_releases(
             keys=[self.release_queue(node_id), self.due_set(node_id)],
             args=[engine_id, limit, self._now_ms()]), None)
-        return tuple(result or ())
+        return [str(order) for order in result or ()]
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]:
         return dict(self._retained)

@@ -34,7 +34,8 @@ Names (all prefixed ``kvrelay_router_``):
   ``expired``); the router's side: ``retention_syncs_total{outcome}`` (``ok``,
   ``invalid``, ``unknown_engine``), ``retention_releases_seen_total{node,cause}`` (releases
   the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
-  released), ``release_orders_total{node}`` (orders delivered to D),
+  released), ``release_orders_total{node}`` (orders delivered to D, or sent through P to a
+  stock D: ``router.stock_release``),
   ``release_requests_total{node,answer}`` (turns D asked to free: ``dropped``, or
   ``reading`` while a P leg reads them);
   ``retain_time_decisions_total{reason}`` (``prior``, ``learned``, ``headroom``) and
@@ -167,7 +168,9 @@ class RouterMetrics:
             registry=r,
         )
         self.release_orders = Counter(
-            _P + "release_orders_total", "Release orders delivered to D", ["node"], registry=r,
+            _P + "release_orders_total",
+            "Release orders delivered to D (in its sync's answer, or through P to a stock D)",
+            ["node"], registry=r,
         )
         self.retain_decisions = Counter(
             _P + "retain_time_decisions_total", "Per-turn retention times sent to D, by where "

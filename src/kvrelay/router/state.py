@@ -15,6 +15,7 @@ from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.response_store import ResponseStore
 from kvrelay.router.retention import RetentionDesk
 from kvrelay.router.stats import RouterStats
+from kvrelay.router.stock_release import StockReleases
 from kvrelay.router.turnlog import TurnLogWriter
 from kvrelay.router.upstream import Upstream
 
@@ -36,6 +37,7 @@ class RouterContext:
     auth: Authenticator
     retention: RetentionDesk
     tag_key: bytes
+    stock_releases: StockReleases
     turn_log: TurnLogWriter | None = None
     responses: ResponseStore | None = None
     """The Responses store (``--response-store``; ``None``: off)."""

