@@ -28,6 +28,7 @@ from kvrelay.core.conversation import (
     TAG_KEY_BYTES,
 )
 from kvrelay.core.costs import CostLine, CostLines
+from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.policy import PolicyConfig
 from kvrelay.core.selection import AffinityConfig
 from kvrelay.router.auth import ApiKey, check_security, parse_api_keys
@@ -123,6 +124,13 @@ class NodeConfig:
             raise ConfigError(f"{self.node_id}: ttl_s must be positive")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError(f"{self.node_id}: block_size must be >= 1")
+
+    def reached(self, blocks: RemoteBlocks) -> RemoteBlocks:
+        """This node's params as the other engine reaches it: at its configured side
+        channel, when it has one (the params say where the node itself thinks it is)."""
+        if self.side_channel is None:
+            return blocks
+        return blocks.with_host(self.side_channel.host, self.side_channel.port)
 
 
 @dataclass(frozen=True)

@@ -99,9 +99,7 @@ class Prefiller:
         blocks = turn.decision.blocks_to_send
         assert blocks is not None and turn.found is not None
         holder = self._ctx.nodes.config(turn.found.entry.decode_node_id)
-        if holder.side_channel is not None:
-            blocks = blocks.with_host(holder.side_channel.host, holder.side_channel.port)
-        return blocks.to_json()
+        return holder.reached(blocks).to_json()
 
     async def _once(
         self, turn: Turn, node: NodeConfig, params: dict[str, object], *, pull: bool
@@ -146,6 +144,4 @@ class Prefiller:
 
     @staticmethod
     def _for_decode(node: NodeConfig, blocks: RemoteBlocks) -> dict[str, object]:
-        if node.side_channel is not None:
-            blocks = blocks.with_host(node.side_channel.host, node.side_channel.port)
-        return blocks.to_vllm_json()
+        return node.reached(blocks).to_vllm_json()

@@ -29,8 +29,9 @@ stays pinned until D's TTL, as before.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
+
+import msgspec
 
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.retention_sync import SYNC_INTERVAL_S
@@ -102,10 +103,8 @@ class StockReleases:
             log.warning("release of D %s request %s: no prefill node is up (D keeps it "
                         "its TTL)", holder.node_id, blocks.request_id)
             return False
-        if holder.side_channel is not None:
-            blocks = blocks.with_host(holder.side_channel.host, holder.side_channel.port)
-        body = json.dumps({"prompt": RELEASE_PROMPT, "max_tokens": 1,
-                           "kv_transfer_params": blocks.to_json()}).encode()
+        body = msgspec.json.encode({"prompt": RELEASE_PROMPT, "max_tokens": 1,
+                                    "kv_transfer_params": holder.reached(blocks).to_json()})
         try:
             await self._upstream.post(p, "/v1/completions", body)
         except UpstreamError as exc:
