@@ -535,6 +535,13 @@ CONTRACT: tuple[Requirement, ...] = (
           "a waiting request is sized before its allocation"),
     Mentions(method(CORE_SCHEDULER, "schedule"), "ext_tokens",
              "a None answer skips the waiting request for this step"),
+    # A stock D's turn released through P (router.stock_release): a prompt too short to pull.
+    Mentions(method(SCHEDULER, "get_num_new_matched_tokens"), "kv_recompute_threshold",
+             "P pulls nothing of a span below the threshold"),
+    Mentions(method(SCHEDULER, "update_state_after_alloc"), "_reqs_need_recv",
+             "P queues the read of D's params even with nothing to pull"),
+    Calls(method(WORKER, "_read_blocks"), "self.nixl_wrapper.send_notif",
+          "an empty read still notifies D, which frees its turn"),
 )
 
 
