@@ -161,17 +161,13 @@ async def routed(
     *,
     sleep: Any = None,
     clock: ManualClock | None = None,
-    decode_config: FakeEngineConfig | None = None,
     **settings: Any,
 ) -> AsyncIterator[Routed]:
     """The router in front of a fresh ``FakeCluster``; ``settings`` over the rig's defaults
     (fixed costs where every pull pays: ``tests.costs``). ``clock`` is the shared clock
-    (a new ``ManualClock`` if not given), ``sleep`` the engines' simulated-latency sleep,
-    ``decode_config`` D's config when not ``engine_config`` (with D's prefix caching on)."""
+    (a new ``ManualClock`` if not given), ``sleep`` the engines' simulated-latency sleep."""
     clock = clock if clock is not None else ManualClock()
-    extra: dict[str, Any] = {"sleep": sleep} if sleep is not None else {}
-    if decode_config is not None:
-        extra["decode_config"] = replace(decode_config, enable_prefix_caching=True)
+    extra = {"sleep": sleep} if sleep is not None else {}
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
                            **extra) as cluster, \
             FakeCluster(1, 0, engine_config, model=cluster.model) as reference:

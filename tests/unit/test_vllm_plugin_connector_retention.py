@@ -323,28 +323,3 @@ def test_a_release_under_pressure_counts_only_blocks_no_other_request_holds(
     assert conn.get_num_new_matched_tokens(request, 0) == (None, False)
     ledger = conn._retention.ledger
     assert ledger.state("older") is TurnState.RELEASING and ledger.state("newer") is newer
-
-
-def test_p_frees_a_stock_release_prompt_at_once_and_leases_every_other_prompt():
-    """A P request that only releases a stock D's turn (``kvrelay_release``,
-    ``router.stock_release``) is undone as vLLM undoes an aborted prefill: no lease queued,
-    listed as not processed for the worker, its blocks freed now. Any other P request keeps
-    vLLM's lease for D's read."""
-    conn = d_connector()
-    d_params = {"do_remote_decode": True, "do_remote_prefill": False,
-                "_remote_blocks_processed": True, "remote_block_ids": [[3, 4]],
-                "remote_engine_id": "stock-d", "remote_request_id": "d-turn",
-                "remote_host": "127.0.0.1", "remote_port": 5601, "remote_num_tokens": 200}
-    scheduler = conn.connector_scheduler
-    for request_id, params in (("release", {**d_params, "kvrelay_release": True}),
-                               ("prompt", {"do_remote_decode": True})):
-        scheduler._reqs_in_batch.add(request_id)  # admitted as vLLM does
-        delay, out = conn.request_finished(finished(request_id, params, num_tokens=12), [0])
-        if request_id == "release":
-            assert (delay, out) == (False, None)
-            assert request_id not in scheduler._reqs_need_send
-            assert request_id in scheduler._reqs_not_processed
-        else:
-            assert delay and out["do_remote_prefill"] is True  # P's params for a D to read
-            assert request_id in scheduler._reqs_need_send
-            assert request_id not in scheduler._reqs_not_processed

@@ -32,10 +32,6 @@ unknown keys through untouched):
   as absent.
 * ``kvrelay_report_url`` / ``kvrelay_turn_id`` (a D request): where kvrelay's connector posts
   D's report when the request finishes (see ``core.report``).
-* ``kvrelay_release`` (true, on the P request that releases a stock D's turn,
-  ``router.stock_release``): nothing will read the prompt's blocks, so kvrelay's connector
-  on P frees them when the request finishes instead of holding them under
-  ``kv_lease_duration`` (a stock P holds them, and then logs their lease's expiry).
 
 vLLM keys this module does not model (e.g. 0.33's ``remote_registration_generation``) are
 kept verbatim in ``RemoteBlocks.vllm_extra`` and sent back unchanged.
@@ -59,7 +55,6 @@ VERIFIED_TOKENS_KEY = "kvrelay_verified_tokens"
 RETENTION_MODE_KEY = "kvrelay_retention"
 REPORT_URL_KEY = "kvrelay_report_url"
 REPORT_TURN_KEY = "kvrelay_turn_id"
-RELEASE_KEY = "kvrelay_release"
 GUARD_VERSION = 1
 """Version of kvrelay's connector protocol (``kvrelay_guard``)."""
 

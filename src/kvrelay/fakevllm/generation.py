@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 from kvrelay.core.fingerprint import held_fingerprint
 from kvrelay.core.guard import guard_params
-from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RELEASE_KEY, RemoteBlocks
+from kvrelay.core.params import FINGERPRINT_KEY, GUARD_VERSION, RemoteBlocks
 from kvrelay.core.report import report_body, report_target
 from kvrelay.core.retention import RetainedTurn
 from kvrelay.core.retention_sync import (
@@ -153,11 +153,7 @@ class Generation:
         st.metrics.record_finished("length")
         rec.finish_reason = "length"
         params: dict[str, object] | None = None
-        release_only = rec.kv_role == "prefill" and cfg.kvrelay_connector \
-            and (self.request_params or {}).get(RELEASE_KEY) is True
-        if release_only:  # kvrelay's connector on P: nothing will read these blocks
-            st.pool.free(self.blocks)
-        elif rec.kv_role == "prefill" or (rec.kv_role == "decode" and cfg.bidirectional_kv_xfer):
+        if rec.kv_role == "prefill" or (rec.kv_role == "decode" and cfg.bidirectional_kv_xfer):
             on_p = rec.kv_role == "prefill"
             ttl = cfg.kv_lease_duration if on_p else cfg.decoder_kv_blocks_ttl
             now = self.engine.clock()

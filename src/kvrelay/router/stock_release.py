@@ -18,14 +18,12 @@ frees the turn too.
 with (``NodeRegistry.manages_retention`` false) from the index
 (``ConversationIndex.take_release_blocks``: each order's D params; with Redis the queue is
 shared, so one replica carries out each order) and sends each to a P: ``/v1/completions``,
-a one-character prompt, one token, D's params addressed as P reaches D, and
-``kvrelay_release``. The app runs it every ``SYNC_INTERVAL_S`` (so a dropped entry is freed
-on D within about that), at most ``MAX_PER_ROUND`` orders a D per round, ``CONCURRENCY``
-requests at once. Costs: a one-token prefill on P. kvrelay's connector on P frees that
-prompt's block when the request finishes (``kvrelay_release``); a stock P keeps it for its
-``kv_lease_duration`` (its params wait for a D read that never comes) and then logs vLLM's
-"Releasing expired KV blocks" warning. A failed request is logged; the turn then stays
-pinned until D's TTL, as before.
+a one-character prompt, one token, D's params addressed as P reaches D. The app runs it
+every ``SYNC_INTERVAL_S`` (so a dropped entry is freed on D within about that), at most
+``MAX_PER_ROUND`` orders a D per round, ``CONCURRENCY`` requests at once. Costs: a one-token
+prefill on P, and P keeps that prompt's one block for its ``kv_lease_duration`` (P's params
+wait for a D read that never comes). A failed request is logged and counted; the turn then
+stays pinned until D's TTL, as before.
 """
 
 from __future__ import annotations
@@ -35,7 +33,7 @@ import logging
 
 import msgspec
 
-from kvrelay.core.params import RELEASE_KEY, RemoteBlocks
+from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.retention_sync import SYNC_INTERVAL_S
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.index import ConversationIndex
@@ -105,9 +103,8 @@ class StockReleases:
             log.warning("release of D %s request %s: no prefill node is up (D keeps it "
                         "its TTL)", holder.node_id, blocks.request_id)
             return False
-        params = {**holder.reached(blocks).to_json(), RELEASE_KEY: True}
         body = msgspec.json.encode({"prompt": RELEASE_PROMPT, "max_tokens": 1,
-                                    "kv_transfer_params": params})
+                                    "kv_transfer_params": holder.reached(blocks).to_json()})
         try:
             await self._upstream.post(p, "/v1/completions", body)
         except UpstreamError as exc:

@@ -122,7 +122,6 @@ from kvrelay.core.guard import guard_params
 from kvrelay.core.params import (
     FINGERPRINT_KEY,
     GUARD_VERSION,
-    RELEASE_KEY,
     VERIFIED_TOKENS_KEY,
     RetentionMode,
     kvrelay_keys,
@@ -228,8 +227,6 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     def request_finished(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished(request, block_ids)
-        if self._release_only(request, delay):
-            return False, None
         self._mark(request, params)
         self._retain(request, (block_ids,), delay, params)
         self._report(request, params)
@@ -237,27 +234,10 @@ class NixlConnector(NixlPullConnector):  # type: ignore[misc]
 
     def request_finished_all_groups(self, request: Any, block_ids: Any) -> tuple[bool, Any]:
         delay, params = super().request_finished_all_groups(request, block_ids)
-        if self._release_only(request, delay):
-            return False, None
         self._mark(request, params)
         self._retain(request, block_ids, delay, params)
         self._report(request, params)
         return delay, params
-
-    def _release_only(self, request: Any, delay: bool) -> bool:
-        """A P request that only releases a stock D's turn (``kvrelay_release``,
-        ``router.stock_release``) finished: nothing will read its prompt's blocks, so they
-        are freed now, not held under P's lease. Undone as vLLM does for a prefill request
-        it frees at once (an abort): the lease it just queued dropped, the request listed as
-        not processed for the worker."""
-        sent = request.kv_transfer_params
-        if not delay or not isinstance(sent, dict) or sent.get(RELEASE_KEY) is not True \
-                or not sent.get("do_remote_decode"):
-            return False
-        scheduler = self.connector_scheduler
-        scheduler._reqs_need_send.pop(request.request_id, None)
-        scheduler._reqs_not_processed.add(request.request_id)
-        return True
 
     def bind_gpu_block_pool(self, gpu_block_pool: Any) -> None:
         super().bind_gpu_block_pool(gpu_block_pool)

@@ -542,10 +542,6 @@ CONTRACT: tuple[Requirement, ...] = (
              "P queues the read of D's params even with nothing to pull"),
     Calls(method(WORKER, "_read_blocks"), "self.nixl_wrapper.send_notif",
           "an empty read still notifies D, which frees its turn"),
-    Attribute(SCHEDULER, "_reqs_not_processed",
-              "kvrelay's P frees the release prompt at once, as vLLM frees an aborted prefill"),
-    Mentions(method(WORKER, "start_load_kv"), "reqs_not_processed",
-             "the worker stops tracking a request freed without a lease"),
 )
 
 
