@@ -22,7 +22,10 @@ a one-character prompt, one token, D's params addressed as P reaches D. The app 
 every ``SYNC_INTERVAL_S`` (so a dropped entry is freed on D within about that), at most
 ``MAX_PER_ROUND`` orders a D per round, ``CONCURRENCY`` requests at once. Costs: a one-token
 prefill on P, and P keeps that prompt's one block for its ``kv_lease_duration`` (P's params
-wait for a D read that never comes). A failed request is logged and counted; the turn then
+wait for a D read that never comes; vLLM then logs the lease's expiry). That lease is also
+what keeps an otherwise idle P stepping until its notification reaches D: before P's first
+handshake with D the notification goes out in a later step (freeing the prompt at once,
+tried, left D's turn held on a fresh cluster). A failed request is logged; the turn then
 stays pinned until D's TTL, as before.
 """
 
