@@ -7,16 +7,15 @@ connector takes its orders in its sync's answer: no P request is sent for it."""
 
 from __future__ import annotations
 
-from dataclasses import replace
 from typing import Any
 
 import httpx
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.fakevllm import FakeEngine
-from tests.component.router_fake import ENGINE_CONFIG, routed, until
+from kvrelay.router.stock_release import LEASE_WINDOW_S, StockReleases
+from tests.component.router_fake import STOCK_CONFIG, routed, until
 
-STOCK = replace(ENGINE_CONFIG, kvrelay_connector=False)
 SYSTEM = "You are a careful agent that fixes failing tests. " * 34
 
 
@@ -43,7 +42,7 @@ def held(d: FakeEngine) -> set[str]:
 
 
 async def test_an_entry_the_router_evicts_is_freed_on_a_stock_d_through_p() -> None:
-    async with routed(engine_config=STOCK, max_entries=1) as r:
+    async with routed(engine_config=STOCK_CONFIG, max_entries=1) as r:
         d = r.cluster.decode[0]
         d_id = r.ctx.config.decode[0].node_id
         async with r.client() as c:
@@ -83,3 +82,24 @@ async def test_a_d_running_kvrelay_connector_gets_no_release_through_p() -> None
             await r.settle()
             assert await r.ctx.stock_releases.run_once() == 0
             assert len(held(d)) == 2  # the order waits for D's sync (its own tests)
+
+
+async def test_release_prompts_stay_within_their_lease_budget() -> None:
+    """Each release leaves P a leased block for ``LEASE_WINDOW_S``: at most ``max_leased``
+    prompts go out per window; the other orders wait in the queue, none is lost."""
+    async with routed(engine_config=STOCK_CONFIG, max_entries=1) as r:
+        d = r.cluster.decode[0]
+        releases = StockReleases(r.ctx.index, r.ctx.nodes, r.ctx.upstream, r.ctx.metrics,
+                                 list(r.ctx.config.decode), clock=r.clock, max_leased=1)
+        async with r.client() as c:
+            for i in (1, 2, 3):  # 1 and 2 evicted in turn
+                await chat(c, conversation(i))
+                await r.settle()
+            assert len(held(d)) == 3
+            assert await releases.run_once() == 1
+            await until(lambda: len(held(d)) == 2, "D freed the first evicted turn")
+            r.clock.advance(LEASE_WINDOW_S - 1)
+            assert await releases.run_once() == 0  # the first prompt's lease still counts
+            r.clock.advance(1)
+            assert await releases.run_once() == 1
+            await until(lambda: len(held(d)) == 1, "D freed the second evicted turn")

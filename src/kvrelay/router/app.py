@@ -202,7 +202,8 @@ def create_app(
             backups=config.turn_log_backups,
         ) if config.turn_log else None,
         responses=response_store,
-        stock_releases=StockReleases(index, nodes, upstream, metrics, list(config.decode)),
+        stock_releases=StockReleases(index, nodes, upstream, metrics, list(config.decode),
+                                     clock=clock),
     )
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))

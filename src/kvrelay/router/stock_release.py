@@ -20,9 +20,10 @@ with (``NodeRegistry.manages_retention`` false) from the index
 shared, so one replica carries out each order) and sends each to a P: ``/v1/completions``,
 a one-character prompt, one token, D's params addressed as P reaches D. The app runs it
 every ``SYNC_INTERVAL_S`` (so a dropped entry is freed on D within about that), at most
-``MAX_PER_ROUND`` orders a D per round, ``CONCURRENCY`` requests at once. Costs: a one-token
-prefill on P, and P keeps that prompt's one block for its ``kv_lease_duration`` (P's params
-wait for a D read that never comes; vLLM then logs the lease's expiry). That lease is also
+``MAX_PER_ROUND`` orders a D per round, ``CONCURRENCY`` requests at once and ``MAX_LEASED``
+prompts per ``LEASE_WINDOW_S``. Costs: a one-token prefill on P, and P keeps that prompt's
+one block for its ``kv_lease_duration`` (P's params wait for a D read that never comes;
+vLLM then logs the lease's expiry: hence the bound). That lease is also
 what keeps an otherwise idle P stepping until its notification reaches D: before P's first
 handshake with D the notification goes out in a later step (freeing the prompt at once,
 tried, left D's turn held on a fresh cluster). A failed request is logged; the turn then
@@ -33,6 +34,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections import deque
+from collections.abc import Callable
 
 import msgspec
 
@@ -49,6 +52,12 @@ log = logging.getLogger("kvrelay.router")
 INTERVAL_S = SYNC_INTERVAL_S
 MAX_PER_ROUND = 256
 CONCURRENCY = 8
+LEASE_WINDOW_S = 30.0
+"""vLLM's default ``kv_lease_duration``: how long P keeps each release prompt's block."""
+MAX_LEASED = 1024
+"""At most this many release prompts within ``LEASE_WINDOW_S`` (every D together), so the
+blocks P leases for them stay bounded: a flush of many entries drains over minutes (what is
+left, D frees at its TTL as before)."""
 RELEASE_PROMPT = "."
 """A prompt far below any ``kv_recompute_threshold`` worth setting (a token or two)."""
 
@@ -57,12 +66,17 @@ class StockReleases:
     """Carries out the release orders of D nodes that do not sync (module docstring)."""
 
     def __init__(self, index: ConversationIndex, nodes: NodeRegistry, upstream: Upstream,
-                 metrics: RouterMetrics, decode: list[NodeConfig]) -> None:
+                 metrics: RouterMetrics, decode: list[NodeConfig], *,
+                 clock: Callable[[], float], max_leased: int = MAX_LEASED) -> None:
         self._index = index
         self._nodes = nodes
         self._upstream = upstream
         self._metrics = metrics
         self._decode = decode
+        self._clock = clock
+        self._max_leased = max_leased
+        self._sent_at: deque[float] = deque()
+        """When each release prompt of the last ``LEASE_WINDOW_S`` was sent."""
 
     async def run(self) -> None:
         """``run_once`` every ``INTERVAL_S`` until cancelled."""
@@ -74,17 +88,24 @@ class StockReleases:
             await asyncio.sleep(INTERVAL_S)
 
     async def run_once(self) -> int:
-        """Send the queued orders of every stock D to a P; returns how many were sent."""
+        """Send the queued orders of every stock D to a P, within ``max_leased`` prompts
+        per ``LEASE_WINDOW_S`` (the rest stay queued); returns how many were sent."""
+        now = self._clock()
+        while self._sent_at and self._sent_at[0] <= now - LEASE_WINDOW_S:
+            self._sent_at.popleft()
         sent = 0
         for node in self._decode:
+            room = min(MAX_PER_ROUND, self._max_leased - len(self._sent_at))
+            if room <= 0:
+                break
             if self._nodes.manages_retention(node.node_id):
                 continue  # D takes its orders in its sync's answer
             engine_id = self._nodes.trusted_identity(node.node_id)[0]
             if engine_id is None:
                 continue  # no turn of this D's current engine was ever stored
-            orders = await self._index.take_release_blocks(node.node_id, engine_id,
-                                                           MAX_PER_ROUND)
+            orders = await self._index.take_release_blocks(node.node_id, engine_id, room)
             if orders:
+                self._sent_at.extend([now] * len(orders))
                 sent += await self._send(node, orders)
         return sent
 
