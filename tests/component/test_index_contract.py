@@ -456,7 +456,8 @@ async def test_release_orders_follow_every_drop_but_claims_and_lost_blocks(
     assert await index.take_releases("d0", "A") == ("r1",)
     assert await index.drop_scope(scope) == 2  # r4, r5: an admin's flush
     # A stock D never syncs: its orders come with the params a P request needs.
-    assert await index.take_release_blocks("d0", "A") == (stored[4].blocks, stored[5].blocks)
+    assert await index.take_release_blocks("d0", "A") == (stored[4].blocks.for_release(),
+                                                          stored[5].blocks.for_release())
     assert await index.take_releases("d1", "A") == ()
     assert await index.take_releases("d0", "B") == ()  # D restarted: the orders are moot
     assert await index.take_releases("d0", "A") == ()
@@ -616,7 +617,7 @@ async def test_a_flagged_entry_is_ordered_released_once_when_it_expires(
     assert await index.take_releases("d0", "A") == ()
     clock.now = 131.0
     assert await index.take_releases("d1", "A") == ()  # another D
-    assert await index.take_release_blocks("d0", "A") == (e.blocks,)
+    assert await index.take_release_blocks("d0", "A") == (e.blocks.for_release(),)
     assert await index.take_releases("d0", "A") == ()
     found = await index.lookup(follow("tool call"))  # type: ignore[arg-type]
     assert found is not None and found.entry.request_id == "f"

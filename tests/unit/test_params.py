@@ -4,6 +4,7 @@ import json
 from pathlib import Path
 
 import pytest
+from msgspec.structs import replace
 
 from kvrelay.client.sse import line_chunks
 from kvrelay.core.fingerprint import fingerprint_tokens
@@ -76,6 +77,16 @@ def test_cap_and_host_rewrite():
         blocks.capped(blocks.num_tokens, 64)
     moved = blocks.with_host("10.0.0.7", 7000)
     assert (moved.host, moved.port) == ("10.0.0.7", 7000)
+
+
+def test_release_params_name_the_turn_with_one_token_of_its_first_block():
+    blocks = parse_remote_blocks(load("chat_turn1.json")["d1"]["kv_transfer_params"])
+    fingerprinted = replace(blocks, fingerprint=fingerprint_tokens(list(range(64))))
+    release = fingerprinted.for_release()
+    assert release.block_ids == (blocks.block_ids[0][:1],) and release.num_tokens == 1
+    assert release.fingerprint is None  # small however long the turn; P guards nothing
+    assert (release.engine_id, release.request_id, release.host, release.port) == \
+        (blocks.engine_id, blocks.request_id, blocks.host, blocks.port)  # D frees it all
 
 
 @pytest.mark.parametrize("raw", [

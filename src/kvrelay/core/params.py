@@ -143,6 +143,15 @@ class RemoteBlocks(msgspec.Struct, frozen=True):
             out.pop(key, None)
         return out
 
+    def for_release(self) -> RemoteBlocks:
+        """What a P request that only makes D free the turn needs (``router.stock_release``):
+        D frees the whole request on P's notification, whatever the params list, so one
+        token of the first block per group (P reads at most that, with
+        ``kv_recompute_threshold`` 0; below it nothing) and no fingerprint: kept for each
+        queued release order, it stays small however long the turn."""
+        return replace(self, block_ids=tuple(group[:1] for group in self.block_ids),
+                       num_tokens=min(self.num_tokens, 1), fingerprint=None)
+
     def with_host(self, host: str, port: int | None = None) -> RemoteBlocks:
         """Same blocks, reached through another address (router-side NAT/host rewrite)."""
         return replace(self, host=host, port=self.port if port is None else port)

@@ -39,8 +39,8 @@ Contracts:
   ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for another
   engine of that D are discarded) for the answer to D's next sync; a D that never syncs
   (stock vLLM) has them popped by ``take_release_blocks`` instead, which returns each
-  order's D params (``RemoteBlocks``: what a P request needs to have D free the turn,
-  ``router.stock_release``). ``mark_released`` marks
+  order's D params as a release needs them (``RemoteBlocks.for_release``: what a P request
+  needs to have D free the turn, ``router.stock_release``). ``mark_released`` marks
   the entries D said it released (its sync): they are never claimed, and ``lookup`` returns
   one only when its ref has no other, so the turn recomputes with reason ``released``. A
   release of a request with no entry yet (D's sync overtook the turn's commit) is kept
@@ -577,7 +577,7 @@ class InMemoryIndex:
                 continue  # claimed, removed, released or ordered already
             item.ordered = True
             if item.entry.decode_engine_id == engine_id:
-                out.append(item.entry.blocks)
+                out.append(item.entry.blocks.for_release())
         if not due:
             del self._due[node_id]
 
@@ -686,7 +686,7 @@ class InMemoryIndex:
                 del self._by_request[(entry.decode_node_id, entry.request_id)]
         if release and item.held:
             queue = self._releases.setdefault(entry.decode_node_id, OrderedDict())
-            queue[(entry.decode_engine_id, entry.request_id)] = entry.blocks
+            queue[(entry.decode_engine_id, entry.request_id)] = entry.blocks.for_release()
             while len(queue) > MAX_QUEUED_RELEASES:
                 queue.popitem(last=False)
         ref = key[0]

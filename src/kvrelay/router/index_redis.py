@@ -29,7 +29,8 @@ load balancer picks, and pulls from the D the entry names.
   ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
   claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
 * ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request
-  id<TAB>entry JSON``: a stock D's order needs the entry's params, ``take_release_blocks``):
+  id<TAB>release params``: a stock D's order needs D's params, cut to what a release needs,
+  ``RemoteBlocks.for_release``, kept in the entry's ``relp`` field; ``take_release_blocks``):
   every entry the index drops but a claim, a released one, an ordered one (``ord``) and
   ``drop_node``/``drop_engine`` queues one in the same script, so whichever replica D syncs
   with delivers it (``take_releases``).
@@ -109,7 +110,7 @@ RELEASE_QUEUE_TTL_MS = 600_000
 _REMOVE = """
 local function remove(k, release)
   local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az', 'rx', 'mem', 'qx',
-                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end', 'dx', 'ord', 'json')
+                       'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end', 'dx', 'ord', 'relp')
   if f[1] then redis.call('ZREM', f[1], k) end
   if f[17] then redis.call('ZREM', f[17], k) end
   if f[7] then
@@ -215,14 +216,14 @@ return out
 # (else its bucket again), D's due set. ARGV = json, id, exp (wall s), node, engine, tokens,
 # ttl ms, slot, member, tenant cap, total cap, node-set score (exp ms), D request id, per-ref
 # cap, fine digest (hex) and end offset ('' for chat), due-set score (exp ms rounded up; ''
-# unless flagged release_at_expiry). Returns {evicted for capacity, total size, pushed out of
-# the ref}.
+# unless flagged release_at_expiry), the release params (JSON, ``for_release``). Returns
+# {evicted for capacity, total size, pushed out of the ref}.
 _PUT = _REMOVE + """
 if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1], 0) end
 redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'node', ARGV[4],
            'engine', ARGV[5], 'tokens', ARGV[6], 'nx', KEYS[2], 'bk', KEYS[3], 'slot', ARGV[8],
            'sx', KEYS[4], 'tz', KEYS[5], 'az', KEYS[6], 'rx', KEYS[8], 'mem', ARGV[9],
-           'qx', KEYS[9], 'rid', ARGV[13], 'lq', KEYS[10])
+           'qx', KEYS[9], 'rid', ARGV[13], 'lq', KEYS[10], 'relp', ARGV[18])
 redis.call('PEXPIRE', KEYS[1], ARGV[7])
 local prior = redis.call('GET', KEYS[9])
 if prior and string.sub(prior, 1, 1) == '!' then
@@ -406,7 +407,7 @@ local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[3], 'LIMIT', 0, AR
 for _, k in ipairs(due) do
   if room <= 0 then break end
   redis.call('ZREM', KEYS[2], k)
-  local v = redis.call('HMGET', k, 'rid', 'engine', 'rel', 'ord', 'json')
+  local v = redis.call('HMGET', k, 'rid', 'engine', 'rel', 'ord', 'relp')
   if v[1] and not v[3] and not v[4] then
     redis.call('HSET', k, 'ord', '1')
     if v[2] == ARGV[1] then
@@ -739,7 +740,8 @@ class RedisIndex:
                   ref.slot.hex(), member, self._max_tenant, self._max,
                   math.floor(expires_wall * 1000), entry.request_id, self._max_ref,
                   fine, end,
-                  math.ceil(expires_wall * 1000) if entry.release_at_expiry else ""],
+                  math.ceil(expires_wall * 1000) if entry.release_at_expiry else "",
+                  json.dumps(entry.blocks.for_release().to_json(), separators=(",", ":"))],
         ), None)
         self._nodes_seen.add(node)
         if result is not None:
@@ -825,21 +827,21 @@ class RedisIndex:
     async def take_release_blocks(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS
     ) -> tuple[RemoteBlocks, ...]:
-        """The orders' D params, from the entry's JSON the order was queued with; an order
-        without it (queued by a replica older than this method) or with JSON this one cannot
-        read is dropped (D keeps that turn its TTL, as before)."""
+        """The orders' release params (``RemoteBlocks.for_release``), queued with them; an
+        order without them (an entry stored by a replica older than this method) or with
+        params this one cannot read is dropped (D keeps that turn its TTL, as before)."""
         out: list[RemoteBlocks] = []
         for order in await self._take(node_id, engine_id, limit):
             doc = order.partition("\t")[2]
             try:
-                out.append(parse_remote_blocks(json.loads(doc)["params"]))
+                out.append(parse_remote_blocks(json.loads(doc)))
             except (ValueError, KeyError, TypeError, KVParamsError):
                 log.warning("release order for D %s without readable params: dropped", node_id)
         return tuple(out)
 
     async def _take(self, node_id: str, engine_id: str, limit: int) -> list[str]:
-        """Queued and due orders for D's engine: ``request id<TAB>entry JSON`` each (the
-        JSON is empty for an order a replica older than it queued)."""
+        """Queued and due orders for D's engine: ``request id<TAB>release params`` each
+        (empty params for an entry a replica older than them stored)."""
         result = await self._quiet("release", self._take_releases(
             keys=[self.release_queue(node_id), self.due_set(node_id)],
             args=[engine_id, limit, self._now_ms()]), None)

