@@ -7,34 +7,11 @@ connector takes its orders in its sync's answer: no P request is sent for it."""
 
 from __future__ import annotations
 
-from typing import Any
-
-import httpx
-
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.fakevllm import FakeEngine
 from kvrelay.router.stock_release import LEASE_WINDOW_S, StockReleases
 from tests.component.router_fake import STOCK_CONFIG, routed, until
-
-SYSTEM = "You are a careful agent that fixes failing tests. " * 34
-
-
-def conversation(i: int) -> list[dict[str, Any]]:
-    return [{"role": "system", "content": f"Agent {i}. {SYSTEM}"},
-            {"role": "user", "content": f"Conversation {i}: the test fails. Find out why."}]
-
-
-async def chat(c: httpx.AsyncClient, messages: list[dict[str, Any]]) -> httpx.Response:
-    resp = await c.post("/v1/chat/completions", json={
-        "model": "tiny", "messages": messages, "max_tokens": 16})
-    assert resp.status_code == 200, resp.text
-    return resp
-
-
-def follow_up(messages: list[dict[str, Any]], reply: httpx.Response) -> list[dict[str, Any]]:
-    return [*messages, {"role": "assistant",
-                        "content": reply.json()["choices"][0]["message"]["content"]},
-            {"role": "user", "content": "Now run the tests."}]
+from tests.component.test_router_fake_retention_sync import chat, conversation, follow_up
 
 
 def held(d: FakeEngine) -> set[str]:
