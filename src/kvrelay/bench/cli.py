@@ -162,6 +162,7 @@ def _run_retention(args: argparse.Namespace) -> int:
     """``bench retention``: run the modes, write JSON and Markdown, print the table."""
     import json
 
+    from kvrelay.bench.hindsight import hindsight, hindsight_line
     from kvrelay.bench.retention_bench import (
         RetentionBenchOptions,
         parse_retention_modes,
@@ -182,6 +183,7 @@ def _run_retention(args: argparse.Namespace) -> int:
         agent_workload,
     )
     from kvrelay.cluster.launcher import ServiceStartError
+    from kvrelay.fakevllm.config import FakeEngineConfig
 
     try:
         modes = parse_retention_modes(args.modes)
@@ -232,19 +234,25 @@ def _run_retention(args: argparse.Namespace) -> int:
     summaries: dict[str, RetentionSummary] = {
         r.mode: summarize_retention(r.mode, r.run.records, r.trace, scale) for r in runs}
     goals = check_goals(summaries)
+    none_run = next((r for r in runs if r.mode == "none"), None)
+    seen = hindsight(none_run.run.records, num_blocks=args.decode_kv_blocks,
+                     block_size=FakeEngineConfig().block_size,
+                     shared_tokens=args.shared_system_tokens) if none_run else None
     lines = [f"`{' '.join(sys.argv)}`", "",
              f"{len(workload.conversations)} conversations, {workload.num_turns} turns "
              f"({sum(t.tool_call for c in workload.conversations for t in c.turns)} tool "
              f"calls, over {args.api}); time scale {scale:g}; D {args.decode_kv_blocks} "
              f"blocks; TTL {args.ttl_s:g} s; prelude {args.prelude_conversations} "
              f"conversations; modes side by side",
-             "", *markdown_table(summaries, goals)]
+             "", *markdown_table(summaries, goals),
+             *(["", hindsight_line(seen)] if seen is not None else [])]
     out.mkdir(parents=True, exist_ok=True)
     (out / "retention.md").write_text("\n".join(lines) + "\n")
     (out / "retention.json").write_text(json.dumps({
         "command": " ".join(sys.argv), "params": workload.params,
         "modes": {m: s.to_json() for m, s in summaries.items()},
         "goals": [vars(g) for g in goals],
+        "hindsight": vars(seen) if seen is not None else None,
         "runs": [{"mode": r.mode, "info": r.run.info, "trace": {
             "samples": r.trace.samples, "end_s": r.trace.end_s,
             "num_preemptions": r.trace.num_preemptions, "releases": dict(r.trace.releases)},
