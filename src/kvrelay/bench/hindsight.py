@@ -17,10 +17,10 @@ records' token counts, in blocks of ``block_size`` tokens:
 
 * a request holds ``ceil(prompt_tokens / block_size)`` blocks from its first token
   (``sent_at_s + ttft_s``: D admitted it) to its end (``sent_at_s + e2e_s``);
-* a turn that the conversation's next turn continues holds ``ceil((prompt_tokens +
-  completion_tokens) / block_size)`` blocks from its end until that next turn is sent (then
-  P reads it and D frees it); a turn never continued is not counted (a D that knew would
-  release it first);
+* a turn that the conversation's next turn continues holds the blocks of its KV (its prompt
+  and its answer but the last token, whose KV is never computed) from its end until that next
+  turn is sent (then P reads it and D frees it); a turn never continued is not counted (a D
+  that knew would release it first);
 * the ``shared_tokens`` every conversation's prompt starts with are held once (D's prefix
   cache): their full blocks count once while anything is held, not per turn.
 
@@ -77,8 +77,8 @@ def hindsight(records: Iterable[TurnRecord], *, num_blocks: int, block_size: int
                 or nxt.sent_at_s <= end:
             continue
         assert turn.prompt_tokens is not None
-        blocks = max(0, math.ceil((turn.prompt_tokens + turn.completion_tokens) / block_size)
-                     - shared)
+        kv_tokens = turn.prompt_tokens + max(0, turn.completion_tokens - 1)
+        blocks = max(0, math.ceil(kv_tokens / block_size) - shared)
         events += [(end, 1, blocks, index), (nxt.sent_at_s, 0, -blocks, index)]
         continued += 1
     events.sort(key=lambda e: (e[0], e[1]))
