@@ -194,3 +194,45 @@ def test_the_chat_api_cannot_send_tool_calls(
     assert code == 2
     assert "--tool-p 0" in capsys.readouterr().err
     assert not any(tmp_path.iterdir())
+
+
+def test_the_report_ends_with_what_hindsight_says_of_the_none_run(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The report's last line and the JSON's ``hindsight`` come from ``none``'s records:
+    here two conversations each retain 8 blocks (1,000 tokens) while a third runs 5, in a D
+    of 16 blocks: one of the two follow-ups is lost to D's size."""
+    import json
+
+    from kvrelay.bench import retention_bench
+    from kvrelay.bench.report import ModeRun
+    from kvrelay.bench.retention_bench import RetentionRun
+    from kvrelay.cli import main
+
+    def record(mode: str, conv: str, number: int, sent_at_s: float, prompt: int) -> TurnRecord:
+        return TurnRecord(
+            mode=mode, workload="agent", conversation_id=conv, turn=number,
+            context_tokens=None, target_tokens=prompt, measured=True, think_s=0.0,
+            sent_at_s=sent_at_s, prompt_tokens=prompt, completion_tokens=1, ttft_s=0.1,
+            tpot_s=None, e2e_s=1.0, action="recompute", reason="no_entry", reused_tokens=0,
+            decision_source="headers", error=None)
+
+    def fake_bench(workload: object, modes: object, run_dir: Path, options: object,
+                   **_: object) -> list[RetentionRun]:
+        records = [record("none", c, 1, 0.0, 1000) for c in ("a", "b")] + \
+            [record("none", c, 2, 9.0, 1100) for c in ("a", "b")] + \
+            [record("none", "c", 1, 4.0, 600)]
+        trace = DecodeTrace(samples=((0.0, 0, 0),), end_s=10.0, num_preemptions=0)
+        return [RetentionRun("none", ModeRun("none", records), trace)]
+
+    monkeypatch.setattr(retention_bench, "run_retention_bench", fake_bench)
+    code = main(["bench", "retention", "--modes", "none", "--decode-kv-blocks", "16",
+                 "--conversations", "2", "--prelude-conversations", "0", "--out",
+                 str(tmp_path)])
+    assert code == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last.startswith("Hindsight (none's records): live requests plus the 2 turns")
+    assert "peak at 21 of D's 16 blocks" in last and "loses at least 1 of" in last
+    saved = json.loads((tmp_path / "retention.json").read_text())["hindsight"]
+    assert saved == {"num_blocks": 16, "peak_blocks": 21, "forced_misses": 1,
+                     "continued_turns": 2}
