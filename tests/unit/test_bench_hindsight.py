@@ -54,6 +54,10 @@ def test_the_shared_prefix_is_held_once_and_failed_turns_are_left_out() -> None:
     result = hindsight(records, num_blocks=80, block_size=128, shared_tokens=384)
     assert (result.peak_blocks, result.continued_turns) == (9, 2)
     assert hindsight(records, num_blocks=80, block_size=128).peak_blocks == 12
+    # a turn all within the shared prefix is continued but holds nothing of its own
+    inside = [rec("a", 1, 0.0, prompt=200), rec("a", 2, 4.0, prompt=300)]
+    assert hindsight(inside, num_blocks=4, block_size=128, shared_tokens=384) == Hindsight(
+        num_blocks=4, peak_blocks=3, forced_misses=0, continued_turns=1)
     with pytest.raises(ValueError):
         hindsight(records, num_blocks=0, block_size=128)
 

@@ -63,7 +63,8 @@ def hindsight(records: Iterable[TurnRecord], *, num_blocks: int, block_size: int
     shared = shared_tokens // block_size
     ok = sorted((r for r in records if r.succeeded and r.prompt_tokens is not None),
                 key=lambda r: (r.conversation_id, r.turn))
-    # (time, order, +/-blocks, retained turn key or None); at one time ends (order 0) go first
+    # (time, 1 at a start / 0 at an end, +/-blocks, retained turn key or None): at one
+    # time, ends go first
     events: list[tuple[float, int, int, int | None]] = []
     continued = 0
     for record in ok:
@@ -79,19 +80,20 @@ def hindsight(records: Iterable[TurnRecord], *, num_blocks: int, block_size: int
         assert turn.prompt_tokens is not None
         kv_tokens = turn.prompt_tokens + max(0, turn.completion_tokens - 1)
         blocks = max(0, math.ceil(kv_tokens / block_size) - shared)
-        events += [(end, 1, blocks, index), (nxt.sent_at_s, 0, -blocks, index)]
         continued += 1
+        events += [(end, 1, blocks, index), (nxt.sent_at_s, 0, -blocks, index)]
     events.sort(key=lambda e: (e[0], e[1]))
-    held = 0
+    held = present = 0
     retained: dict[int, int] = {}
     peak = forced = 0
-    for _time_s, _order, change, key in events:
+    for _time_s, starts, change, key in events:
         held += change
-        if key is not None and change > 0:
+        present += 1 if starts else -1
+        if key is not None and starts:
             retained[key] = change
         elif key is not None:
             del retained[key]
-        if held == 0:
+        if present == 0:
             continue
         peak = max(peak, held + shared)
         excess = held + shared - num_blocks
