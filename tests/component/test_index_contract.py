@@ -466,6 +466,38 @@ async def test_release_orders_follow_every_drop_but_claims_and_lost_blocks(
     assert await index.take_releases("d0", "A") == ()
 
 
+async def test_queued_orders_read_the_same_by_replicas_of_every_format(
+    redis_server: RedisServer,
+) -> None:
+    """Rolling upgrades: a queued order stays ``engine<TAB>request id``, what every replica
+    reads as D's request id, and a stock D's params wait beside it (taken and deleted with
+    it); an order a replica of the ``engine<TAB>id<TAB>params`` format queued is read too."""
+    import json
+
+    clock = Clock()
+    index = redis_index(redis_server, clock)
+    raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+    try:
+        stored = [entry("d0", "A", request=f"r{i}") for i in range(2)]
+        refs = [stored_at(chat(SYSTEM, FIRST, scope=scope_of("t", f"c{i}")), str(i))
+                for i in range(2)]
+        for ref, e in zip(refs, stored, strict=True):
+            await index.put(ref, e, tenant="t")
+            assert await index.drop(ref, e) is True
+        queue = index.release_queue("d0")
+        assert await raw.lrange(queue, 0, -1) == ["A\tr0", "A\tr1"]
+        params = json.loads(await raw.get(f"{queue}:p:A\tr0") or "null")
+        assert params == json.loads(json.dumps(stored[0].blocks.for_release().to_json()))
+        older = replace(stored[0].blocks, request_id="r9").for_release()
+        await raw.rpush(queue, "A\tr9\t" + json.dumps(older.to_json()))
+        assert await index.take_release_blocks("d0", "A") == (
+            stored[0].blocks.for_release(), stored[1].blocks.for_release(), older)
+        assert await raw.keys(f"{queue}*") == []
+    finally:
+        await raw.aclose()
+        await index.aclose()
+
+
 async def test_a_release_that_overtakes_the_commit_is_not_lost(
     made: tuple[ConversationIndex, Clock],
 ) -> None:

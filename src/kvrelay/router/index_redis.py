@@ -28,12 +28,15 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:q:{node_id}:{request_id}`` – D's request id to its entry's key (``mark_released``;
   ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
   claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
-* ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request
-  id<TAB>release params``: a stock D's order needs D's params, cut to what a release needs,
-  ``RemoteBlocks.for_release``, kept in the entry's ``relp`` field; ``take_release_blocks``):
+* ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
   every entry the index drops but a claim, a released one, an ordered one (``ord``) and
   ``drop_node``/``drop_engine`` queues one in the same script, so whichever replica D syncs
-  with delivers it (``take_releases``).
+  with delivers it (``take_releases``). A stock D's order needs D's params, cut to what a
+  release needs (``RemoteBlocks.for_release``, kept in the entry's ``relp`` field): they
+  wait beside the order in ``{ns}:rel:{node_id}:p:{order}`` (PX as the queue; taken and
+  deleted with it, ``take_release_blocks``), not in the queue item, so a replica that
+  predates them reads each item as it always did (an order a replica of 2026-12-05's
+  ``engine<TAB>id<TAB>params`` items queued is read the same).
 * ``{ns}:due:{node_id}`` – a sorted set of a D's entries flagged ``release_at_expiry``, by
   wall-clock expiry (ms, rounded up), added by ``put`` and left by an entry removed.
   ``take_releases`` pops the due ones (at most its ``limit`` looked at per call, in the
@@ -129,8 +132,14 @@ local function remove(k, release)
   if f[6] then redis.call('ZREM', f[6], k) end
   if f[9] and redis.call('GET', f[9]) == k then redis.call('DEL', f[9]) end
   if release == 1 and f[12] and not f[11] and not f[18] then
-    redis.call('RPUSH', f[12], f[13] .. '\\t' .. f[10] .. '\\t' .. (f[19] or ''))
-    redis.call('LTRIM', f[12], -@MAXQ@, -1)
+    local order = f[13] .. '\\t' .. f[10]
+    redis.call('RPUSH', f[12], order)
+    if f[19] and f[19] ~= '' then
+      redis.call('SET', f[12] .. ':p:' .. order, f[19], 'PX', @QTTL@)
+    end
+    while redis.call('LLEN', f[12]) > @MAXQ@ do
+      redis.call('DEL', f[12] .. ':p:' .. redis.call('LPOP', f[12]))
+    end
     redis.call('PEXPIRE', f[12], @QTTL@)
   end
   return redis.call('DEL', k)
@@ -399,7 +408,12 @@ local out = {}
 local items = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
 local p = ARGV[1] .. '\\t'
 for _, it in ipairs(items or {}) do
-  if string.sub(it, 1, #p) == p then table.insert(out, string.sub(it, #p + 1)) end
+  local pk = KEYS[1] .. ':p:' .. it
+  if string.sub(it, 1, #p) == p then
+    local params = redis.call('GET', pk)
+    table.insert(out, string.sub(it, #p + 1) .. (params and ('\\t' .. params) or ''))
+  end
+  redis.call('DEL', pk)
 end
 local room = tonumber(ARGV[2]) - #out
 if room <= 0 then return out end
@@ -841,7 +855,7 @@ class RedisIndex:
 
     async def _take(self, node_id: str, engine_id: str, limit: int) -> list[str]:
         """Queued and due orders for D's engine: ``request id<TAB>release params`` each
-        (empty params for an entry a replica older than them stored)."""
+        (the id alone for an entry a replica older than the params stored)."""
         result = await self._quiet("release", self._take_releases(
             keys=[self.release_queue(node_id), self.due_set(node_id)],
             args=[engine_id, limit, self._now_ms()]), None)
