@@ -70,6 +70,17 @@ def test_pressure_and_headroom_ask_for_the_turns_least_likely_to_be_pulled_first
     assert over.request_ids == ("old-reply",), "a curve's turn before one without"
 
 
+def test_d_logs_each_turn_it_asks_for_with_its_chance_of_a_pull():
+    ledger = RetentionLedger()
+    ledger.retain("tool", num_blocks=12, num_tokens=192, now_s=1.0, retain_s=100.0, url=URL,
+                  curve=TOOL)
+    ledger.retain("unknown", num_blocks=1, num_tokens=16, now_s=2.0, retain_s=50.0, url=URL)
+    chance = ledger.turns()[0].pull_chance(30.0)
+    assert 0.0 < chance < 0.1
+    assert ledger.describe(["tool", "unknown", "gone"], 30.0) == (
+        f"tool (pull chance {chance:.3f}), unknown (no curve), gone (no curve)")
+
+
 def test_a_router_curve_makes_a_tool_calls_turn_the_first_asked_for():
     """Both turns were told the replies' curve (D cannot tell how its answer ends); the
     router then read that "tool" ended in a tool call and sends the tools' curve: 20 s on,

@@ -398,7 +398,8 @@ class _Retention:
                                                  holders=self._holders())
         if release.request_ids:
             logger.info("kvrelay: request %s needs %d blocks, %d free: asking to release %s",
-                        request.request_id, needed, free, ", ".join(release.request_ids))
+                        request.request_id, needed, free,
+                        self.ledger.describe(release.request_ids, now_s))
             self._publish(urgent=True)
         return self.ledger.has_pending()
 
@@ -428,14 +429,14 @@ class _Retention:
         if self.ledger.has_pending():
             return True
         free = self._free_blocks()
+        now_s = time.perf_counter()
         release = self.ledger.ask_under_pressure(num_blocks_free=free,
-                                                 num_blocks_needed=free + 1,
-                                                 now_s=time.perf_counter(),
+                                                 num_blocks_needed=free + 1, now_s=now_s,
                                                  holders=self._holders())
         if not release.request_ids:
             return False
         logger.info("kvrelay: a running request needs a block: asking to release %s",
-                    ", ".join(release.request_ids))
+                    self.ledger.describe(release.request_ids, now_s))
         self._publish(urgent=True)
         return True
 

@@ -184,6 +184,18 @@ class RetentionLedger:
     def turns(self) -> list[RetainedTurn]:
         return [tracked.turn for tracked in self._turns.values()]
 
+    def describe(self, request_ids: Iterable[str], now_s: float) -> str:
+        """``request_ids`` for D's log, each with its chance of a pull at ``now_s``
+        (``RetainedTurn.pull_chance``; "no curve" without one): why D chose them."""
+        parts = []
+        for request_id in request_ids:
+            tracked = self._turns.get(request_id)
+            if tracked is None or tracked.turn.curve is None:
+                parts.append(f"{request_id} (no curve)")
+            else:
+                parts.append(f"{request_id} (pull chance {tracked.turn.pull_chance(now_s):.3f})")
+        return ", ".join(parts)
+
     # -- deciding releases ------------------------------------------------------------------
 
     def _askable(self, now_s: float) -> list[RetainedTurn]:
