@@ -208,20 +208,13 @@ def test_the_report_ends_with_what_hindsight_says_of_the_none_run(
     from kvrelay.bench.report import ModeRun
     from kvrelay.bench.retention_bench import RetentionRun
     from kvrelay.cli import main
-
-    def record(mode: str, conv: str, number: int, sent_at_s: float, prompt: int) -> TurnRecord:
-        return TurnRecord(
-            mode=mode, workload="agent", conversation_id=conv, turn=number,
-            context_tokens=None, target_tokens=prompt, measured=True, think_s=0.0,
-            sent_at_s=sent_at_s, prompt_tokens=prompt, completion_tokens=1, ttft_s=0.1,
-            tpot_s=None, e2e_s=1.0, action="recompute", reason="no_entry", reused_tokens=0,
-            decision_source="headers", error=None)
+    from tests.unit.test_bench_hindsight import rec
 
     def fake_bench(workload: object, modes: object, run_dir: Path, options: object,
                    **_: object) -> list[RetentionRun]:
-        records = [record("none", c, 1, 0.0, 1000) for c in ("a", "b")] + \
-            [record("none", c, 2, 9.0, 1100) for c in ("a", "b")] + \
-            [record("none", "c", 1, 4.0, 600)]
+        records = [rec(c, 1, 0.0, prompt=1000, answer=1, ttft_s=0.1) for c in ("a", "b")] + \
+            [rec(c, 2, 9.0, prompt=1100, answer=1, ttft_s=0.1) for c in ("a", "b")] + \
+            [rec("c", 1, 4.0, prompt=600, answer=1, ttft_s=0.1)]
         trace = DecodeTrace(samples=((0.0, 0, 0),), end_s=10.0, num_preemptions=0)
         return [RetentionRun("none", ModeRun("none", records), trace)]
 
