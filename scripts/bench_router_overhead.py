@@ -14,6 +14,10 @@ interleaved round by round:
   header: id-free lookup by message digests, the policy, a pull on turns 2..N (P's
   connector verifies it), byte pass-through streaming, and D's report.
 * ``router+id``: the same with a conversation id (the lookup's scope is narrowed).
+* ``redis``: the same turns as ``router`` through a second ``kvrelay route`` whose index is
+  a ``redis-server`` the script starts (``--state redis://...``: the index shared by router
+  replicas, with its Lua scripts and the release queue); its relay column is the router's
+  CPU, ``redis CPU ms/req`` Redis's.
 * ``responses`` / ``messages``: the same conversations through kvrelay on ``/v1/responses``
   (``store: false``, the whole ``input`` re-sent with D's ``output`` items) and on
   ``/v1/messages`` (the history re-sent with D's ``content``), id-free, streamed: the
@@ -53,9 +57,13 @@ import contextlib
 import json
 import os
 import re
+import shutil
+import socket
+import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -86,7 +94,7 @@ class ModeResult:
 
 
 AGENT_PATHS = {"responses": "/v1/responses", "messages": "/v1/messages"}
-RELAY_OF = {"bare": "bare", "before": "before"}
+RELAY_OF = {"bare": "bare", "before": "before", "redis": "redis-router"}
 """The process whose CPU a mode's relay column counts (the router's for every other mode)."""
 
 
@@ -142,7 +150,7 @@ async def conversation(ports: dict[str, int], mode: str, idx: int, rnd: int, tur
     if mode == "direct":
         conns = {name: Conn("127.0.0.1", ports[name]) for name in ("p", "d")}
     else:
-        conns = {"router": Conn("127.0.0.1", ports[mode])}  # before: driven like router
+        conns = {"router": Conn("127.0.0.1", ports[mode])}  # before, redis: like router
     conversation_id = f"c{rnd}-{idx}" if mode == "router+id" else None
     messages = [{"role": "user", "content": f"[{idx}] " + USER}]
     try:
@@ -198,8 +206,9 @@ async def bench(ports: dict[str, int], args: argparse.Namespace,
 def report(results: list[ModeResult]) -> str:
     ms = 1000.0
     lines = ["| mode | requests | errors | req/s | TTFT p50 ms | TTFT p99 ms | "
-             "e2e p50 ms | e2e p99 ms | relay CPU ms/req | engines CPU ms/req |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "e2e p50 ms | e2e p99 ms | relay CPU ms/req | redis CPU ms/req | "
+             "engines CPU ms/req |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         n = max(1, len(r.samples))
         rps = len(r.samples) / r.wall_s if r.wall_s else 0.0
@@ -208,6 +217,7 @@ def report(results: list[ModeResult]) -> str:
             f"{r.pct('ttft_s', 0.5) * ms:.1f} | {r.pct('ttft_s', 0.99) * ms:.1f} | "
             f"{r.pct('e2e_s', 0.5) * ms:.1f} | {r.pct('e2e_s', 0.99) * ms:.1f} | "
             f"{r.cpu_s.get(RELAY_OF.get(r.mode, 'router'), 0.0) * ms / n:.2f} | "
+            f"{r.cpu_s.get('redis', 0.0) * ms / n:.2f} | "
             f"{r.cpu_s.get('engines', 0.0) * ms / n:.2f} |")
     base = results[0]
     lines += ["", "| added vs direct | TTFT p50 ms | TTFT p99 ms | e2e p50 ms | e2e p99 ms |",
@@ -218,6 +228,46 @@ def report(results: list[ModeResult]) -> str:
                               ("e2e_s", 0.99))]
         lines.append(f"| {r.mode} | " + " | ".join(f"{c:+.1f}" for c in cells) + " |")
     return "\n".join(lines)
+
+
+@contextlib.contextmanager
+def redis_server(port: int, workdir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """``redis-server`` on loopback ``port``, no persistence, killed on exit (``make setup``
+    installs it)."""
+    binary = shutil.which("redis-server")
+    if binary is None:
+        raise SystemExit("mode `redis` needs redis-server (make setup installs it)")
+    proc = subprocess.Popen(
+        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
+         "no", "--dir", str(workdir)], stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(
+                    ("127.0.0.1", port), timeout=1) as sock:
+                sock.sendall(b"PING\r\n")
+                if sock.recv(16).startswith(b"+PONG"):
+                    break
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise SystemExit("redis-server did not start")
+            time.sleep(0.05)
+        yield proc
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+
+
+def redis_calls(port: int, turns: int) -> str:
+    """Redis commands per turn the ``redis`` mode's router sent (warm-up included in both),
+    from Redis's own ``INFO commandstats``."""
+    import redis  # the `redis` extra, installed by make setup
+
+    stats = redis.Redis(port=port).info("commandstats")
+    calls = {name.removeprefix("cmdstat_"): int(v["calls"]) for name, v in stats.items()
+             if name not in ("cmdstat_info", "cmdstat_ping", "cmdstat_client",
+                             "cmdstat_hello", "cmdstat_select", "cmdstat_script")}
+    per = ", ".join(f"{k} {v / max(1, turns):.2f}" for k, v in sorted(calls.items()))
+    return f"redis calls per turn ({turns} turns): {per}"
 
 
 def main() -> int:
@@ -233,10 +283,11 @@ def main() -> int:
     ap.add_argument("--before-python", type=Path, default=None,
                     help="another checkout's venv python: its router is mode `before`")
     args = ap.parse_args()
-    if ("before" in args.modes.split(",")) != (args.before_python is not None):
+    modes = args.modes.split(",")
+    if ("before" in modes) != (args.before_python is not None):
         ap.error("mode `before` and --before-python go together")
 
-    base = free_port_block(7, start=21000)
+    base = free_port_block(10, start=21000)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     urls = {"p": f"http://127.0.0.1:{base}", "d": f"http://127.0.0.1:{base + 1}",
             "router": f"http://127.0.0.1:{base + 2}", "bare": f"http://127.0.0.1:{base + 4}"}
@@ -248,27 +299,30 @@ def main() -> int:
              *args.engine_arg],
             [urls["p"] + "/health", urls["d"] + "/health"], Path(tmp) / "engines.log",
             ready_timeout_s=120, env=env)
-        def route(name: str, python: str, port: int) -> ServiceProcess:
+        def route(name: str, python: str, port: int, *extra: str) -> ServiceProcess:
             return ServiceProcess(
                 name,
                 [python, "-m", "kvrelay.cli", "route", "--prefill", urls["p"], "--decode",
                  urls["d"], "--port", str(port), "--internal-port", str(port + 1),
                  "--block-size", "128",
                  # zero-latency engines make every recompute look free: keep pulling
-                 "--pull-cost-factor", "0.001", "--log-level", "warning"],
+                 "--pull-cost-factor", "0.001", "--log-level", "warning", *extra],
                 [f"http://127.0.0.1:{port}/health"], Path(tmp) / f"{name}.log",
                 ready_timeout_s=120, env=env)
 
         router = route("router", sys.executable, base + 2)
         before = route("before", str(args.before_python), base + 5) if args.before_python \
             else None
+        shared = route("redis-router", sys.executable, base + 7, "--state",
+                       f"redis://127.0.0.1:{base + 9}/0") if "redis" in modes else None
         bare = ServiceProcess(
             "bare",
             [sys.executable, "-m", "kvrelay.bench.bare_relay", "--prefill", urls["p"],
              "--decode", urls["d"], "--port", str(base + 4)],
             [urls["bare"] + "/health"], Path(tmp) / "bare.log", ready_timeout_s=120, env=env)
         with contextlib.ExitStack() as stack:
-            for service in (engines, router, bare, before):
+            redis = stack.enter_context(redis_server(base + 9, Path(tmp))) if shared else None
+            for service in (engines, router, bare, before, shared):
                 if service is not None:
                     stack.enter_context(service)
             assert engines.process and router.process and bare.process
@@ -276,16 +330,25 @@ def main() -> int:
                   f"max_tokens {args.max_tokens}, cpus {os.cpu_count()}", flush=True)
             ports = {"p": base, "d": base + 1, "router": base + 2, "router+id": base + 2,
                      "responses": base + 2, "messages": base + 2, "bare": base + 4,
-                     "before": base + 5}
+                     "before": base + 5, "redis": base + 7}
             pids = {"router": router.process.pid, "engines": engines.process.pid,
                     "bare": bare.process.pid}
             if before is not None and before.process:
                 pids["before"] = before.process.pid
+            if shared is not None and shared.process and redis is not None:
+                pids["redis-router"] = shared.process.pid
+                pids["redis"] = redis.pid
             results = asyncio.run(bench(ports, args, pids))
             print(report(results))
-            stats = httpx.get(urls["router"] + "/stats").json()["decisions"]
-            by_reason = re.sub(r"[{}']", "", str(stats["by_reason"]))
-            print(f"\nrouter decisions: {by_reason}")
+            routers = {"router": urls["router"]}
+            if shared is not None:
+                routers["redis-router"] = f"http://127.0.0.1:{base + 7}"
+            for name, url in routers.items():
+                stats = httpx.get(url + "/stats").json()["decisions"]
+                by_reason = re.sub(r"[{}']", "", str(stats["by_reason"]))
+                print(f"\n{name} decisions: {by_reason}")
+            if shared is not None:
+                print(redis_calls(base + 9, sum(stats["by_reason"].values())))
             return 0 if all(r.errors == 0 for r in results) else 1
 
 if __name__ == "__main__":
