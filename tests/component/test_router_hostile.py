@@ -16,6 +16,7 @@ import pytest
 from kvrelay.fakevllm import FakeCluster, FakeEngine
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.plan import Planner
 from kvrelay.router.server import bind, make_server
 from kvrelay.router.state import RouterContext
 from tests.component.asgi_direct import call, is_openai_error
@@ -105,6 +106,11 @@ def anthropic_error(answer: Any) -> bool:
     b'"content": "\\ud800"}]}', b'{"max_tokens": NaN}', b'{"max_output_tokens": -Infinity}',
     b"[" * 100_000 + b"]" * 100_000, b"", b"null", b"[]",
     b'{"input": [], "messages": [], "max_tokens": 1' + b"0" * 5000 + b"}",
+    # an item's type that is no string (was a 500: a set lookup of a dict)
+    b'{"input": [{"type": {}, "role": "user", "content": "hi"}], "messages": [{"role": '
+    b'{}, "content": "hi"}]}',
+    b'{"input": [{"type": ["message"], "role": "user", "content": "hi"}], "messages": '
+    b'[{"role": ["user"], "content": "hi"}]}',
 ])
 async def test_malformed_agent_api_bodies_are_400_in_their_shape(path: str, raw: bytes) -> None:
     async with routed() as rig:
@@ -293,3 +299,18 @@ async def test_slow_clients_are_cut_off_without_blocking_others() -> None:
                 await task
         for w in (w1, w2, w3):
             w.close()
+
+
+async def test_a_crash_is_answered_500_and_counted_as_one(
+        rig: Routed, monkeypatch: pytest.MonkeyPatch) -> None:
+    async def crash(self: Planner, req: object) -> None:
+        raise RuntimeError("a bug in the router")
+
+    monkeypatch.setattr(Planner, "plan", crash)
+    async with rig.client() as client:
+        resp = await client.post(CHAT, content=body(), headers=dict([JSON]))
+    assert resp.status_code == 500
+    metrics = (await rig.internal_get("/metrics")).text
+    done = 'kvrelay_router_requests_total{endpoint="/v1/chat/completions",status="%s"}'
+    assert done % "500" + " 1.0" in metrics
+    assert done % "200" not in metrics

@@ -79,7 +79,7 @@ class GenerationHandler:
             await _answer_error(request, endpoint, exc)
             ctx.metrics.request_done(path, exc.status)
             return
-        status = 200
+        status = 500  # what escapes the turn unanswered is a crash, and is counted as one
         try:
             status = await self._turn(request, endpoint, tenant)
         finally:

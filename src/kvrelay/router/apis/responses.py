@@ -220,6 +220,8 @@ def _items(value: object) -> list[ChatMessage]:
     for item in value:
         if not isinstance(item, dict):
             raise ClientError("every input item must be an object", "input")
+        if not isinstance(item.get("type", ""), (str, type(None))):
+            raise ClientError("an input item's type must be a string", "input")
         if _is_output(item):
             group.append(item)
             continue
