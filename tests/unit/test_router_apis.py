@@ -180,3 +180,20 @@ def test_a_responses_stream_loses_only_internal_fields_and_gets_cached_tokens() 
     completed = json.loads(out.split(b"event: response.completed\ndata: ")[1])
     assert completed["response"]["usage"]["input_tokens_details"] == {
         "cached_tokens": 25, "cache_write_tokens": 0}
+
+
+def test_a_cut_responses_stream_numbers_its_error_after_the_last_event() -> None:
+    def ev(seq: int, delta: str) -> bytes:
+        body = {"type": "response.output_text.delta", "delta": delta, "sequence_number": seq}
+        return (b"event: response.output_text.delta\ndata: "
+                + json.dumps(body, separators=(",", ":")).encode() + b"\n\n")
+
+    scan = ResponsesScan(Rewrite())
+    assert json.loads(scan.cut(502, "x").split(b"data: ")[1])["sequence_number"] == 0
+    scan.feed(ev(0, "a") + ev(1, '"sequence_number":99'))  # a delta quoting the key
+    scan.feed(ev(22, "b"))
+    cut = scan.cut(502, "the decode node failed mid-stream")
+    assert cut.startswith(b"event: error\ndata: ")
+    error = json.loads(cut.split(b"data: ")[1])
+    assert error == {"type": "error", "code": "502", "param": None, "sequence_number": 23,
+                     "message": "the decode node failed mid-stream"}

@@ -215,7 +215,7 @@ class Decoder:
             await ctx.nodes.request_failed(exc)
             await self._lose(turn, pending, "failed_mid_stream")
             watch.stop()
-            await _body(send, adapter.stream_error(502, "the decode node failed mid-stream"))
+            await _body(send, scan.cut(502, "the decode node failed mid-stream"))
             await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         except asyncio.CancelledError:
@@ -229,7 +229,7 @@ class Decoder:
                 log.log(logging.INFO if order.logged else logging.DEBUG,
                         "stream of a %s turn cut %s", turn.action, order.why)
                 with contextlib.suppress(OSError):
-                    await _body(send, adapter.stream_error(order.status, order.message))
+                    await _body(send, scan.cut(order.status, order.message))
                     await send({"type": "http.response.body", "body": b"", "more_body": False})
             return
         watch.stop()

@@ -116,6 +116,9 @@ class _KeepingScan:
     def answer(self) -> tuple[str, list[ToolCall]]:
         return self._inner.answer()
 
+    def cut(self, status: int, message: str) -> bytes:
+        return self._inner.cut(status, message)
+
     def feed(self, events: bytes) -> bytes:
         out = self._inner.feed(events)
         self._sync()

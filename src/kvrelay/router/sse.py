@@ -159,6 +159,9 @@ class StreamScan:
             self._parse_batch()
         return events
 
+    def cut(self, status: int, message: str) -> bytes:
+        return sse_error(status, message) + SSE_DONE
+
     def answer(self) -> tuple[str, list[ToolCall]]:
         """The answer relayed so far: its text and tool calls (choice 0)."""
         self._parse_batch()

@@ -14,7 +14,8 @@ is behind ``ApiAdapter``:
 * ``scanner`` / ``rewrite_body``: D's answer as the client gets it: a per-request scanner of
   a stream that finds what the turn needs (D's params, the answer the next turn carries)
   and rewrites only what must change (the usage's cached tokens, router-internal fields);
-* ``error`` / ``stream_error``: the router's own errors in the API's error shape.
+* ``error``: the router's own errors in the API's error shape (a cut stream's: the
+  scanner's ``cut``).
 
 Adapters are stateless; one instance per API (``router.apis.ADAPTERS``).
 """
@@ -77,6 +78,11 @@ class StreamScanner(Protocol):
 
     def answer(self) -> tuple[str, list[ToolCall]]: ...
 
+    def cut(self, status: int, message: str) -> bytes:
+        """The events that end this stream when the router must cut it (D failed, the
+        drain), in the API's shape, after the events already relayed."""
+        ...
+
 
 class ApiAdapter(Protocol):
     """One client API (module docstring). ``endpoint`` is its name in metrics and logs,
@@ -129,6 +135,3 @@ class ApiAdapter(Protocol):
         """The body of an error the router answers, in the API's shape."""
         ...
 
-    def stream_error(self, status: int, message: str) -> bytes:
-        """The events that end a stream the router must cut (D failed, the drain)."""
-        ...

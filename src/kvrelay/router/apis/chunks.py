@@ -17,7 +17,7 @@ import msgspec
 from kvrelay.router.apis.base import DecodeRead, StreamScanner
 from kvrelay.router.apis.fields import JsonObject, encode
 from kvrelay.router.errors import ClientError, RouterError
-from kvrelay.router.sse import SSE_DONE, Rewrite, StreamScan, rewrite_body, sse_error
+from kvrelay.router.sse import Rewrite, StreamScan, rewrite_body
 
 _P_DROPPED = ("stream_options", "return_token_ids", "min_tokens", "seed", "logprobs",
               "top_logprobs")
@@ -74,6 +74,3 @@ class OpenAIChunks:
 
     def error(self, exc: ClientError | RouterError) -> bytes:
         return exc.body()
-
-    def stream_error(self, status: int, message: str) -> bytes:
-        return sse_error(status, message) + SSE_DONE

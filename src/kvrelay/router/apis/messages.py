@@ -161,9 +161,6 @@ class MessagesAdapter:
             return error_body(exc.status, message if isinstance(message, str) else exc.message)
         return error_body(exc.status, exc.message)
 
-    def stream_error(self, status: int, message: str) -> bytes:
-        return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
-
 
 def session_of(user_id: str) -> str | None:
     """The session in Claude Code's ``metadata.user_id``: a JSON object's ``session_id``,
@@ -335,6 +332,9 @@ class MessagesScan:
         if self._batch_bytes >= BATCH_BYTES:
             self._parse_batch()
         return events
+
+    def cut(self, status: int, message: str) -> bytes:
+        return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
 
     def answer(self) -> tuple[str, list[ToolCall]]:
         self._parse_batch()

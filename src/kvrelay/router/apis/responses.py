@@ -33,6 +33,7 @@ to the prompt tokens P did not compute.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
 from typing import Any
 
@@ -61,6 +62,8 @@ FINAL_EVENTS = (b"event: response.completed\n", b"event: response.incomplete\n",
                 b"event: response.failed\n")
 """The events that end a response stream, each with the final response snapshot."""
 _ERROR = b"event: error\n"
+_SEQUENCE = b'"sequence_number":'
+_DIGITS = re.compile(rb" *(\d+)")
 _DECODER = msgspec.json.Decoder()
 
 
@@ -165,12 +168,6 @@ class ResponsesAdapter:
 
     def error(self, exc: ClientError | RouterError) -> bytes:
         return exc.body()
-
-    def stream_error(self, status: int, message: str) -> bytes:
-        return b"event: error\ndata: " + dumps({
-            "type": "error", "code": str(status), "message": message, "param": None,
-            "sequence_number": 0,
-        }) + b"\n\n"
 
 
 RENDERED_TOOLS = frozenset({"function", "namespace", "custom"})
@@ -296,8 +293,11 @@ class ResponsesScan:
         self.params_seen = False
         self.prompt_token_ids: list[int] | None = None
         self.output_token_ids: list[int] = []
+        self.sequence_number = -1
+        """The last event's ``sequence_number`` relayed (-1 before any)."""
 
     def feed(self, events: bytes) -> bytes:
+        self._count(events)
         if _NULL_PARAMS in events:
             events = events.replace(_NULL_PARAMS, b"")
         if _MARK_PARAMS in events or _ERROR in events or any(m in events for m in FINAL_EVENTS):
@@ -306,6 +306,24 @@ class ResponsesScan:
 
     def answer(self) -> tuple[str, list[ToolCall]]:
         return self._text, self._calls
+
+    def cut(self, status: int, message: str) -> bytes:
+        """An ``error`` event numbered after the last one relayed (clients order events by
+        ``sequence_number``)."""
+        return b"event: error\ndata: " + dumps({
+            "type": "error", "code": str(status), "message": message, "param": None,
+            "sequence_number": self.sequence_number + 1,
+        }) + b"\n\n"
+
+    def _count(self, events: bytes) -> None:
+        """Keep the last ``sequence_number`` in ``events`` (one reverse search per feed,
+        not a parse: the stream stays byte pass-through)."""
+        at = events.rfind(_SEQUENCE)
+        if at < 0:
+            return
+        digits = _DIGITS.match(events, at + len(_SEQUENCE))
+        if digits is not None:
+            self.sequence_number = int(digits.group(1))
 
     def _event(self, event: bytes) -> bytes:
         if event.startswith(_ERROR):
