@@ -113,6 +113,7 @@ async def test_tenants_cannot_address_each_others_conversations(
     {}, {"Authorization": "Bearer wrong"}, {"Authorization": "key-a-123"},
     {"Authorization": "Basic key-a-123"}, {"Authorization": "Bearer "},
     {"Authorization": "Bearer key-a-1234"}, {"Authorization": "Bearer admin-key-0"},
+    {"x-api-key": "wrong"}, {"x-api-key": " "}, {"x-api-key": "admin-key-0"},
 ])
 async def test_requests_without_a_valid_key_get_401(headers: dict[str, str]) -> None:
     async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS, admin_key="admin-key-0") as rig:
@@ -127,6 +128,20 @@ async def test_requests_without_a_valid_key_get_401(headers: dict[str, str]) -> 
         # the health check and metrics stay open
         assert (await rig.get("/health")).status_code == 200
         assert (await rig.get("/metrics")).status_code == 200
+
+
+async def test_anthropic_clients_key_in_x_api_key_names_its_tenant() -> None:
+    """Claude Code and Anthropic's SDKs send ``ANTHROPIC_API_KEY`` as ``x-api-key``; a
+    Bearer token, when both come, is the key that counts."""
+    body = {"model": "tiny", "max_tokens": 4,
+            "messages": [{"role": "user", "content": "hello there"}]}
+    async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS) as rig:
+        resp = await rig.post("/v1/messages", body, headers={"x-api-key": "key-b-456"})
+        assert resp.status_code == 200, resp.text
+        resp = await rig.post("/v1/messages", body, headers={"x-api-key": "key-a-123", **B})
+        assert resp.status_code == 200
+        stats = (await rig.get("/stats", headers=B)).json()
+        assert [d["tenant"] for d in stats["decisions"]["recent"]] == ["tenant-b"] * 2
 
 
 async def test_bare_key_maps_to_the_default_tenant() -> None:

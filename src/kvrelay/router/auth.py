@@ -2,7 +2,8 @@
 
 With no API key configured the router is open and every request belongs to
 ``config.tenant`` ("default"). With keys configured, every client request (generation,
-``/v1/models``, ``/stats``) needs ``Authorization: Bearer <key>``; the key's tenant scopes the
+``/v1/models``, ``/stats``) needs ``Authorization: Bearer <key>`` (or Anthropic's
+``x-api-key: <key>``); the key's tenant scopes the
 conversation ids of that request (``ConversationKey(tenant, id)``), so one tenant can never
 address, probe or consume another tenant's entries.
 
@@ -145,6 +146,16 @@ def bearer(headers: Mapping[str, str]) -> str | None:
     return token.strip()
 
 
+def client_key(headers: Mapping[str, str]) -> str | None:
+    """A client's key: ``Authorization: Bearer <key>``, else Anthropic's ``x-api-key: <key>``
+    (what Claude Code and Anthropic's SDKs send with ``ANTHROPIC_API_KEY``)."""
+    token = bearer(headers)
+    if token is not None:
+        return token
+    value = headers.get("x-api-key", "").strip()
+    return value or None
+
+
 class Authenticator:
     """Maps a request's bearer token to its tenant (see the module docstring)."""
 
@@ -195,10 +206,11 @@ class Authenticator:
         carries none of them."""
         if not self._keys:
             return self.default_tenant
-        tenant = self._match(bearer(headers))
+        tenant = self._match(client_key(headers))
         if tenant is None:
             raise ClientError(
-                "Missing or invalid API key: send 'Authorization: Bearer <key>'",
+                "Missing or invalid API key: send 'Authorization: Bearer <key>' (or "
+                "'x-api-key: <key>')",
                 status=401, headers=_CHALLENGE,
             )
         return tenant
