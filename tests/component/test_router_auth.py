@@ -144,6 +144,23 @@ async def test_anthropic_clients_key_in_x_api_key_names_its_tenant() -> None:
         assert [d["tenant"] for d in stats["decisions"]["recent"]] == ["tenant-b"] * 2
 
 
+async def test_a_tenants_stats_show_no_other_tenants_load_or_traffic() -> None:
+    """The prompt tokens in flight on a node tell how long another tenant's prompt is, and
+    the cost fits' sample counts how many requests others send: a tenant's ``/stats`` shows
+    the nodes without them, the admin's with them."""
+    async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS, admin_key="admin-key-0") as rig:
+        resp = await conversation(rig, "c").turn(LONG)
+        assert resp[0].status_code == 401
+        rig.headers.update(A)
+        assert (await conversation(rig, "c").turn(LONG))[0].status_code == 200
+        tenant = (await rig.get("/stats", headers=B)).json()["nodes"]
+        admin = (await rig.get("/stats", headers={"Authorization": "Bearer admin-key-0"})
+                 ).json()["nodes"]
+        assert [set(n) for n in tenant] == [{"id", "role", "up", "drained"}] * 2
+        assert all({"outstanding_prefill_tokens", "costs"} <= set(n) for n in admin)
+        assert [n["id"] for n in tenant] == [n["id"] for n in admin]
+
+
 async def test_bare_key_maps_to_the_default_tenant() -> None:
     async with routed(1, 1, STOCK_CONFIG, api_keys=KEYS) as rig:
         chat_ = conversation(rig, "c")

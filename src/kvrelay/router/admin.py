@@ -129,7 +129,8 @@ def public_routes(ctx: RouterContext) -> list[Route]:
         out: dict[str, object] = {
             "guard": {"mode": config.guard, "nodes": {
                 n.node_id: ctx.nodes.guard_mode(n.node_id) for n in config.nodes}},
-            "nodes": ctx.nodes.describe(admin=viewer is None and auth.is_admin(request.headers)),
+            "nodes": ctx.nodes.describe(admin=viewer is None and auth.is_admin(request.headers),
+                                        load=viewer is None),
         }
         if viewer is None:  # every tenant's: not a tenant's to see
             out["conversations"] = {"live": len(ctx.index)}

@@ -359,9 +359,12 @@ class NodeRegistry:
         return (any(n.config.role == "prefill" for n in up),
                 any(n.config.role == "decode" for n in up))
 
-    def describe(self, *, admin: bool) -> list[dict[str, object]]:
-        """Nodes for ``/stats`` (load and costs) and, with ``admin``, ``/admin/nodes``
-        (engine ids, side channels, URLs, last error kind)."""
+    def describe(self, *, admin: bool, load: bool = True) -> list[dict[str, object]]:
+        """Nodes for ``/stats``, with ``load`` their load and learned costs (every tenant's
+        traffic: the prompt tokens in flight tell one tenant how long another's prompt is,
+        the sample counts how many requests others send; so not for a tenant's view), and
+        with ``admin`` for ``/admin/nodes`` (engine ids, side channels, URLs, last error
+        kind)."""
         out: list[dict[str, object]] = []
         for node_id in self._order:
             n = self._nodes[node_id]
@@ -370,10 +373,13 @@ class NodeRegistry:
                 "role": n.config.role,
                 "up": n.up,
                 "drained": node_id in self._drained,
-                "outstanding_requests": n.outstanding_requests,
-                "outstanding_prefill_tokens": n.outstanding_prefill_tokens,
-                "costs": _costs_json(n.costs) if n.config.role == "prefill" else None,
             }
+            if load or admin:
+                item.update({
+                    "outstanding_requests": n.outstanding_requests,
+                    "outstanding_prefill_tokens": n.outstanding_prefill_tokens,
+                    "costs": _costs_json(n.costs) if n.config.role == "prefill" else None,
+                })
             if admin:
                 item.update({
                     "url": n.config.url,

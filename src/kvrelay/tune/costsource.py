@@ -77,7 +77,8 @@ def costs_from_stats(stats: object, origin: str = "/stats") -> CostValues:
     costs = [n["costs"] for n in nodes
              if isinstance(n, Mapping) and isinstance(n.get("costs"), Mapping)]
     if not costs:
-        raise CostSourceError(f"{origin}: no P node with learned costs")
+        raise CostSourceError(f"{origin}: no P node with learned costs (a tenant's /stats "
+                              "has none: save the admin key's, or an open router's)")
     try:
         prefill = _weighted(costs, "prefill_s_per_token", "prefill_samples")
         rate = _weighted(costs, "transfer_s_per_token", "transfer_samples")
