@@ -6,7 +6,11 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
+
 from kvrelay.client.sse import sse_events
+from kvrelay.router.asgi import BodyBudget
+from kvrelay.router.errors import ClientError
 from tests.component.router_fake import PermitSleep, Routed, routed, until
 
 MESSAGES = [{"role": "user", "content": "Explain tides to a sailor in three sentences."}]
@@ -109,3 +113,41 @@ async def test_auth_comes_first_and_each_tenant_has_its_share() -> None:
             resp = await c.post("/v1/chat/completions", json=body(), headers=a)
             assert resp.status_code == 200
         assert r.ctx.admission.in_flight == 0
+
+
+async def test_a_body_still_arriving_holds_no_slot_only_its_bytes() -> None:
+    """Clients that send a head and part of a body, then nothing (or a trickle), hold no
+    in-flight slot: with the one slot there is, another request is served meanwhile. What
+    they sent is held in the body budget (``max_in_flight`` full bodies) until they go."""
+    async with routed(max_in_flight=1, max_body_bytes=4096) as r:
+        host, port = r.url.removeprefix("http://").split(":")
+        stalled = []
+        for _ in range(3):
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"POST /v1/chat/completions HTTP/1.1\r\nhost: x\r\n"
+                         b"content-type: application/json\r\ncontent-length: 100\r\n\r\n"
+                         b'{"mo')
+            await writer.drain()
+            stalled.append((reader, writer))
+        budget = r.ctx.admission.bodies
+        assert budget.limit_bytes == 4096
+        await until(lambda: budget.held_bytes == 12, "the three partial bodies are held")
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body())
+        assert resp.status_code == 200 and rejected(r) == 0
+        for _, writer in stalled:
+            writer.close()
+        await until(lambda: budget.held_bytes == 0, "the partial bodies are let go")
+        assert r.ctx.admission.in_flight == 0
+
+
+def test_the_body_budget_refuses_what_it_cannot_hold() -> None:
+    budget = BodyBudget(10)
+    budget.take(6)
+    with pytest.raises(ClientError) as refused:
+        budget.take(5)
+    assert refused.value.status == 503 and refused.value.headers["Retry-After"] == "1"
+    assert budget.held_bytes == 6
+    budget.give(6)
+    budget.take(10)
+    assert budget.held_bytes == 10

@@ -185,7 +185,8 @@ def create_app(
                         report_timeout_s=config.report_timeout_s),
         metrics=metrics,
         stats=RouterStats(config.recent_decisions),
-        admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics),
+        admission=Admission(config.max_in_flight, config.tenant_in_flight, metrics,
+                            max_body_bytes=config.max_body_bytes),
         auth=Authenticator(config.api_keys, config.admin_key, config.tenant,
                            config.metrics_key),
         retention=RetentionDesk(

@@ -50,11 +50,36 @@ class Request:
 Handler = Callable[[Request], Awaitable[None]]
 
 
-async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes:
+class BodyBudget:
+    """The bytes of request bodies being received at once, across requests, at most
+    ``limit_bytes``. A generation request takes its in-flight slot only once its body has
+    arrived (so a client that sends a head and then nothing, or trickles its body, holds no
+    slot and locks nobody out); what bodies still arriving hold is bounded here instead, by
+    what their clients have actually sent."""
+
+    def __init__(self, limit_bytes: int) -> None:
+        self.limit_bytes = limit_bytes
+        self.held_bytes = 0
+
+    def take(self, num_bytes: int) -> None:
+        """Hold ``num_bytes`` more, or ``ClientError`` 503 (the router is receiving too
+        much at once)."""
+        if self.held_bytes + num_bytes > self.limit_bytes:
+            raise ClientError("The router is receiving too many request bodies at once; "
+                              "retry later", status=503,
+                              headers={"Retry-After": "1", **_CLOSE})
+        self.held_bytes += num_bytes
+
+    def give(self, num_bytes: int) -> None:
+        self.held_bytes -= num_bytes
+
+
+async def read_body(request: Request, max_bytes: int, timeout_s: float,
+                    budget: BodyBudget | None = None) -> bytes:
     """The request body, at most ``max_bytes`` (``ClientError`` 413: a larger
     ``Content-Length`` before anything is read, a chunked body as soon as it passes the
     limit), within ``timeout_s`` of the first read (408); the connection is closed after
-    either."""
+    either. With ``budget``, the bytes received are held in it while the body arrives."""
     declared = request.headers.get("content-length")
     if declared is not None:
         if not declared.strip().isdigit():
@@ -65,7 +90,10 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
                 status=413, headers=_CLOSE,
             )
 
+    held = 0
+
     async def read() -> bytes:
+        nonlocal held
         chunks: list[bytes] = []
         size = 0
         while True:
@@ -79,6 +107,9 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
                     f"Request body too large: the limit is {max_bytes} bytes",
                     status=413, headers=_CLOSE,
                 )
+            if budget is not None and chunk:
+                budget.take(len(chunk))
+                held += len(chunk)
             chunks.append(chunk)
             if not message.get("more_body", False):
                 return chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -90,6 +121,9 @@ async def read_body(request: Request, max_bytes: int, timeout_s: float) -> bytes
         raise ClientError(
             f"Request body not received within {timeout_s:g} s", status=408, headers=_CLOSE
         ) from None
+    finally:
+        if budget is not None:
+            budget.give(held)
 
 
 def header_list(headers: Mapping[str, str]) -> list[tuple[bytes, bytes]]:

@@ -74,6 +74,8 @@ class GenerationHandler:
         path = request.path
         try:
             tenant = ctx.auth.tenant(request.headers)
+            raw = await read_body(request, ctx.config.max_body_bytes,
+                                  ctx.config.body_timeout_s, ctx.admission.bodies)
             ctx.admission.admit(tenant)
         except ClientError as exc:
             await _answer_error(request, endpoint, exc)
@@ -81,17 +83,16 @@ class GenerationHandler:
             return
         status = 500  # what escapes the turn unanswered is a crash, and is counted as one
         try:
-            status = await self._turn(request, endpoint, tenant)
+            status = await self._turn(request, endpoint, tenant, raw)
         finally:
             ctx.admission.release(tenant)
             ctx.metrics.request_done(path, status)
 
-    async def _turn(self, request: Request, endpoint: str, tenant: str) -> int:
-        """Serve one turn; returns the status answered."""
+    async def _turn(self, request: Request, endpoint: str, tenant: str, raw: bytes) -> int:
+        """Serve one turn (its body ``raw`` read); returns the status answered."""
         ctx = self._ctx
         turn: Turn | None = None
         try:
-            raw = await read_body(request, ctx.config.max_body_bytes, ctx.config.body_timeout_s)
             if self._stored is not None and endpoint == "responses":
                 req = await self._stored.request(raw, request.headers, tenant)
             else:

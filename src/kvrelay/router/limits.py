@@ -1,7 +1,10 @@
 """Admission: the in-flight cap (global and per tenant), draining, and the open turns.
 
-Generation requests count as in flight from admission (after authentication, so an
-unauthenticated flood takes no slot) until their response, streams included, has been sent.
+Generation requests count as in flight from admission (after authentication and once their
+body has arrived, so neither an unauthenticated flood nor a client that sends a head and then
+stalls takes a slot: what bodies still arriving hold is bounded by ``bodies``, a
+``BodyBudget`` of ``max_in_flight`` full bodies) until their response, streams included, has
+been sent.
 Beyond ``max_in_flight``, or beyond a tenant's share (``max_in_flight_per_tenant``), the
 router answers 429 with ``Retry-After`` at once instead of queueing. While draining
 (SIGTERM, see ``router.server``) new requests get 503, except ``/metrics`` and the internal
@@ -13,7 +16,7 @@ from __future__ import annotations
 
 from collections import Counter
 
-from kvrelay.router.asgi import DisconnectWatch
+from kvrelay.router.asgi import BodyBudget, DisconnectWatch
 from kvrelay.router.errors import ClientError
 from kvrelay.router.metrics import RouterMetrics
 
@@ -21,8 +24,10 @@ from kvrelay.router.metrics import RouterMetrics
 class Admission:
     """Shared by the handlers and the server: what is in flight, whether we drain."""
 
-    def __init__(self, max_in_flight: int, per_tenant: int, metrics: RouterMetrics) -> None:
+    def __init__(self, max_in_flight: int, per_tenant: int, metrics: RouterMetrics, *,
+                 max_body_bytes: int = 0) -> None:
         self.max_in_flight = max_in_flight
+        self.bodies = BodyBudget(max_in_flight * max_body_bytes)
         self.per_tenant = per_tenant
         self.draining = False
         self.in_flight = 0
