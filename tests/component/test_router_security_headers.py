@@ -172,3 +172,30 @@ async def test_a_64_mib_header_is_refused_while_it_is_still_being_sent(rig: Rig)
             metrics_status.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await metrics_status
+
+
+def anthropic_refusal(resp: RawResponse, status: int) -> bool:
+    body = resp.json()
+    return (resp.status == status and body["type"] == "error"
+            and set(body["error"]) == {"type", "message"})
+
+
+async def test_refusals_of_messages_requests_are_in_anthropics_shape(rig: Rig) -> None:
+    """Anthropic's clients read only Anthropic's error body: what the router refuses itself
+    on the Messages API's paths (a head too large, one it cannot parse, no such path, a wrong
+    method) is in that shape; the same refusals elsewhere stay OpenAI's."""
+    big = ("X-Big", "b" * (9 * KIB))
+    for path in ("/v1/messages", "/v1/messages?beta=true", "/v1/messages/count_tokens"):
+        resp = await exchange(rig.router, request_bytes("POST", path, [big], b"{}"))
+        assert anthropic_refusal(resp, 431), (path, resp.status, resp.body[:200])
+    resp = await exchange(rig.router, b"POST /v1/messages HTTP/1.1\r\nHost: x\r\n"
+                                      b"Bad Header: x\r\n\r\n")
+    assert anthropic_refusal(resp, 400), resp.body[:200]
+    resp = await exchange(rig.router, request_bytes(
+        "POST", "/v1/messages/batches", [("Authorization", "Bearer KA")], b"{}"))
+    assert anthropic_refusal(resp, 404), resp.body[:200]
+    resp = await exchange(rig.router, request_bytes(
+        "GET", "/v1/messages", [("Authorization", "Bearer KA")]))
+    assert anthropic_refusal(resp, 405) and resp.headers["allow"] == "POST", resp.body[:200]
+    resp = await exchange(rig.router, request_bytes("POST", CHAT, [big], b"{}"))
+    assert refused(resp, (431,), "chat") is None

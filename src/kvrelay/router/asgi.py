@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping, MutableMapping
 from dataclasses import dataclass
 from typing import Any
 
-from kvrelay.router.errors import ClientError, error_json
+from kvrelay.router.errors import ClientError, error_json, refusal_json
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -290,7 +290,8 @@ async def refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
 
 class Routes:
     """Exact-path routes (and prefix ones, tried after them); anything else is a 404, a
-    wrong method a 405 (OpenAI error bodies, never a redirect)."""
+    wrong method a 405 (``refusal_json``: the path's API's error body, never a
+    redirect)."""
 
     def __init__(self, routes: list[Route]) -> None:
         self._routes = {r.path: r for r in routes if not r.prefix}
@@ -302,10 +303,11 @@ class Routes:
         if route is None and self._prefixes:
             route = next((r for r in self._prefixes if path.startswith(r.path)), None)
         if route is None:
-            await send_error(send, 404, "Not found")
+            await send_response(send, 404, refusal_json(path, 404, "Not found"))
             return
         if scope["method"] not in route.methods:
             allow = ", ".join(sorted(route.methods))
-            await send_error(send, 405, "Method not allowed", {"Allow": allow})
+            await send_response(send, 405, refusal_json(path, 405, "Method not allowed"),
+                                headers={"Allow": allow})
             return
         await route.handler(Request(scope, receive, send))

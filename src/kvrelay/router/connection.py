@@ -41,7 +41,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvrelay.router.asgi import DISCONNECT_SCOPE_KEY, CutOrder, DisconnectWatch
-from kvrelay.router.errors import error_json
+from kvrelay.router.errors import error_json, refusal_json
 
 log = logging.getLogger("kvrelay.router")
 
@@ -297,11 +297,21 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
     # -- refusals ---------------------------------------------------------------------------
 
     def _kvrelay_reject(self) -> None:
-        body = error_json(431, "Request header fields too large")
+        body = refusal_json(self._kvrelay_path(), 431, "Request header fields too large")
         self._kvrelay_answer(b"431 Request Header Fields Too Large", body)
 
     def _kvrelay_bad_request(self, message: str) -> None:
-        self._kvrelay_answer(b"400 Bad Request", error_json(400, message))
+        self._kvrelay_answer(b"400 Bad Request", refusal_json(self._kvrelay_path(), 400, message))
+
+    def _kvrelay_path(self) -> str:
+        """The refused request's path, for its API's error shape: from the request line of
+        the head being read, else the request being parsed; ``""`` when there is none."""
+        head = self._kvrelay_head
+        if head:
+            parts = bytes(head[:self.max_line_bytes]).split(b"\r\n", 1)[0].split(b" ")
+            return parts[1].partition(b"?")[0].decode("latin-1") if len(parts) >= 2 else ""
+        scope = getattr(self, "scope", None)
+        return scope.get("path", "") if isinstance(scope, dict) else ""
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to what its parser refuses, as an OpenAI error."""

@@ -59,6 +59,29 @@ def error_json(status: int, message: str, param: str | None = None) -> bytes:
     return dumps(error_body(status, message, param))
 
 
+_ANTHROPIC_TYPES: Mapping[int, str] = {
+    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
+    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
+}
+MESSAGES_PATH = "/v1/messages"
+
+
+def anthropic_error_json(status: int, message: str) -> bytes:
+    """Anthropic's error body (``{"type": "error", "error": {"type", "message"}}``)."""
+    kind = _ANTHROPIC_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
+    return dumps({"type": "error", "error": {"type": kind, "message": message}})
+
+
+def refusal_json(path: str, status: int, message: str) -> bytes:
+    """A refusal the router writes before any API's handler has the request (no such path,
+    a wrong method): Anthropic's shape under the Messages API's path (its clients read only
+    that), else OpenAI's."""
+    if path == MESSAGES_PATH or path.startswith(MESSAGES_PATH + "/"):
+        return anthropic_error_json(status, message)
+    return error_json(status, message)
+
+
 def dumps(obj: object) -> bytes:
     """Compact JSON bytes (non-ASCII kept, like vLLM's pydantic dumps)."""
     return _ENCODER.encode(obj)

@@ -31,14 +31,9 @@ import msgspec
 from kvrelay.core.identity import ChatMessage, History, ToolCall, answer_digest
 from kvrelay.router.apis.base import ApiRequest, DecodeRead, StreamScanner
 from kvrelay.router.apis.fields import JsonObject, encode, optional, positive
-from kvrelay.router.errors import ClientError, RouterError, dumps
+from kvrelay.router.errors import ClientError, RouterError, anthropic_error_json, dumps
 from kvrelay.router.sse import BATCH_BYTES, Rewrite, split_events
 
-_ERROR_TYPES: Mapping[int, str] = {
-    400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-    404: "not_found_error", 408: "timeout_error", 413: "request_too_large",
-    429: "rate_limit_error", 503: "overloaded_error", 529: "overloaded_error",
-}
 _SESSION_SUFFIX = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
 _MARK_USAGE = b'"usage":{'
 _MARK_PARAMS = b'"kv_transfer_params"'
@@ -47,15 +42,6 @@ _ROLES = ("user", "assistant", "system")
 BILLING_HEADER = "x-anthropic-billing-header"
 _ERROR = b"event: error\n"
 _DECODER = msgspec.json.Decoder()
-
-
-def error_type(status: int) -> str:
-    """Anthropic's error ``type`` for an HTTP status."""
-    return _ERROR_TYPES.get(status, "invalid_request_error" if status < 500 else "api_error")
-
-
-def error_body(status: int, message: str) -> bytes:
-    return dumps({"type": "error", "error": {"type": error_type(status), "message": message}})
 
 
 class _Usage(msgspec.Struct):
@@ -158,8 +144,9 @@ class MessagesAdapter:
         if isinstance(exc, RouterError):
             inner = exc.to_body().get("error")
             message = inner.get("message") if isinstance(inner, Mapping) else None
-            return error_body(exc.status, message if isinstance(message, str) else exc.message)
-        return error_body(exc.status, exc.message)
+            text = message if isinstance(message, str) else exc.message
+            return anthropic_error_json(exc.status, text)
+        return anthropic_error_json(exc.status, exc.message)
 
 
 def session_of(user_id: str) -> str | None:
@@ -334,7 +321,7 @@ class MessagesScan:
         return events
 
     def cut(self, status: int, message: str) -> bytes:
-        return b"event: error\ndata: " + error_body(status, message) + b"\n\n"
+        return b"event: error\ndata: " + anthropic_error_json(status, message) + b"\n\n"
 
     def answer(self) -> tuple[str, list[ToolCall]]:
         self._parse_batch()
