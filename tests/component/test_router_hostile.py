@@ -54,6 +54,16 @@ async def test_unknown_paths_and_methods_get_openai_errors(rig: Routed) -> None:
         assert is_openai_error(answer) and answer.json()["error"]["code"] == status
 
 
+async def test_head_is_answered_wherever_get_is(rig: Routed) -> None:
+    async with rig.client() as client:
+        for path in ("/", "/health", "/v1/models", "/stats", "/metrics"):
+            get, head = await client.get(path), await client.head(path)
+            assert (get.status_code, head.status_code, head.content) == (200, 200, b""), path
+        refused = await client.head(CHAT)
+        assert refused.status_code == 405 and refused.headers["allow"] == "POST"
+        assert (await client.post("/health")).headers["allow"] == "GET, HEAD"
+
+
 async def test_declared_oversized_body_is_refused_before_reading(rig: Routed) -> None:
     answer = await call(rig.app, "POST", CHAT, [JSON, (b"content-length", b"1000000000")],
                         chunks=[b"x" * 100] * 50)

@@ -150,6 +150,10 @@ async def test_misses_are_one_404_and_delete_forgets() -> None:
         rid = first.json()["id"]
         await r.settle()
         assert (await r.get(f"/v1/responses/{rid}", headers=A)).status_code == 200
+        async with r.client(headers=A) as c:  # a HEAD asks as a GET does, and deletes nothing
+            head = await c.head(f"/v1/responses/{rid}")
+            assert (head.status_code, head.content) == (200, b"")
+        assert (await r.get(f"/v1/responses/{rid}", headers=A)).status_code == 200
         misses = [
             await r.get(f"/v1/responses/{rid}", headers=B),  # another tenant's
             await r.get("/v1/responses/resp_" + "0" * 32, headers=A),  # unknown

@@ -291,7 +291,9 @@ async def refuse_websocket(scope: Scope, receive: Receive, send: Send) -> None:
 class Routes:
     """Exact-path routes (and prefix ones, tried after them); anything else is a 404, a
     wrong method a 405 (``refusal_json``: the path's API's error body, never a
-    redirect)."""
+    redirect). ``HEAD`` is answered wherever ``GET`` is (load balancers and uptime checks
+    probe with it): the handler serves a ``GET``, and the server (uvicorn) sends the
+    status and headers without the body."""
 
     def __init__(self, routes: list[Route]) -> None:
         self._routes = {r.path: r for r in routes if not r.prefix}
@@ -305,9 +307,14 @@ class Routes:
         if route is None:
             await send_response(send, 404, refusal_json(path, 404, "Not found"))
             return
-        if scope["method"] not in route.methods:
-            allow = ", ".join(sorted(route.methods))
+        methods = route.methods
+        head = scope["method"] == "HEAD" and "HEAD" not in methods and "GET" in methods
+        if scope["method"] not in methods and not head:
+            allow = ", ".join(sorted(methods | {"HEAD"} if "GET" in methods else methods))
             await send_response(send, 405, refusal_json(path, 405, "Method not allowed"),
                                 headers={"Allow": allow})
             return
-        await route.handler(Request(scope, receive, send))
+        request = Request(scope, receive, send)
+        if head:  # served as the GET it asks about; the server sends no body for a HEAD
+            request.method = "GET"
+        await route.handler(request)
