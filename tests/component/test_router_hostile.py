@@ -64,6 +64,15 @@ async def test_head_is_answered_wherever_get_is(rig: Routed) -> None:
         assert (await client.post("/health")).headers["allow"] == "GET, HEAD"
 
 
+async def test_models_name_no_path_on_ps_disk(rig: Routed) -> None:
+    async with rig.client() as client:
+        direct = (await client.get(rig.cluster.prefill_urls[0] + "/v1/models")).json()
+        routed_ = (await client.get("/v1/models")).json()
+    (model,) = direct["data"]
+    assert model["root"].startswith("/")  # vLLM names the directory it loaded from
+    assert routed_["data"] == [{**model, "root": model["id"]}]
+
+
 async def test_declared_oversized_body_is_refused_before_reading(rig: Routed) -> None:
     answer = await call(rig.app, "POST", CHAT, [JSON, (b"content-length", b"1000000000")],
                         chunks=[b"x" * 100] * 50)

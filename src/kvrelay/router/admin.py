@@ -10,12 +10,15 @@ Who sees what (docs/security.md):
   the request-size series (``metrics.SIZE_SERIES``), which only the admin key gets. Not on
   the public listener at all with ``metrics_listener = "internal"``; always, complete, on
   the internal listener.
-* ``GET /v1/models`` – client key; answered by the first up P.
+* ``GET /v1/models`` – client key; answered by the first up P, a model's ``root`` and
+  ``parent`` that name a path on P's disk (vLLM's: a model loaded from a directory) replaced
+  by its id.
 * ``POST /v1/messages/count_tokens`` – client key; the body checked as a Messages request
   (``apis.messages``), answered by the least loaded P; errors in Anthropic's shape.
-* ``GET /stats`` – client key: node load and learned costs, the guard mode per node, and
+* ``GET /stats`` – client key: the nodes (up, drained), the guard mode per node, and
   the caller's own tenant's decision counts, pending reports and recent turns (keys
-  hashed). The admin key (or an open router) sees every tenant's, and the index's size.
+  hashed). The admin key (or an open router) sees every tenant's, the nodes' load and
+  learned costs, and the index's size.
 * ``GET /admin/nodes`` – admin key: URLs, engine ids, side channels, capabilities and the
   kind of each node's last error. ``POST /admin/nodes/{id}/drain``/``undrain``: stop or
   resume routing new turns to a node. ``POST /admin/conversations/drop`` with
@@ -54,6 +57,28 @@ ROOT_BODY = b'{"object":"kvrelay.router"}'
 """What ``GET /`` answers: only that this is kvrelay's router listening."""
 Endpoint = Callable[[Request], Awaitable[bytes]]
 Handler = Callable[[Request], Awaitable[None]]
+
+
+def _without_paths(raw: bytes) -> bytes:
+    """P's ``/v1/models`` answer with each model's ``root`` / ``parent`` that is a path on
+    P's disk replaced by the model's id (a client needs the id; the path tells it P's
+    filesystem layout and user); anything not in vLLM's shape is passed on as it came."""
+    try:
+        body = msgspec.json.decode(raw)
+    except msgspec.DecodeError:
+        return raw
+    models = body.get("data") if isinstance(body, dict) else None
+    if not isinstance(models, list):
+        return raw
+    for model in models:
+        if not isinstance(model, dict):
+            continue
+        for key in ("root", "parent"):
+            value = model.get(key)
+            if isinstance(value, str) and (value.startswith(("/", "~", "./", "../"))
+                                           or value[1:3] in (":\\", ":/")):
+                model[key] = model.get("id")
+    return dumps(body)
 
 
 def _counted(
@@ -100,7 +125,7 @@ def public_routes(ctx: RouterContext) -> list[Route]:
                 continue
             if answer.status != 200:
                 continue
-            return answer.body
+            return _without_paths(answer.body)
         if last is not None:
             raise last.to_router_error("prefill")
         raise RouterError(503, "no prefill node is up")
