@@ -25,7 +25,7 @@ class Admission:
     """Shared by the handlers and the server: what is in flight, whether we drain."""
 
     def __init__(self, max_in_flight: int, per_tenant: int, metrics: RouterMetrics, *,
-                 max_body_bytes: int = 0) -> None:
+                 max_body_bytes: int) -> None:
         self.max_in_flight = max_in_flight
         self.bodies = BodyBudget(max_in_flight * max_body_bytes)
         self.per_tenant = per_tenant
