@@ -393,3 +393,41 @@ async def test_forced_tool_use_round_trips_pull_without_an_id() -> None:
                              {"role": "user", "content": reply}]
         finally:
             await client.close()
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_d_dying_mid_stream_ends_with_the_apis_error_event(api: str) -> None:
+    """D resets the connection after 3 deltas: the client gets them, then the API's error
+    event (Responses': numbered after the last event relayed), and the turn leaves no
+    entry; the next turn recomputes and is served."""
+    async with routed() as r:
+        d = r.cluster.decode[0]
+        d.faults.die_after_tokens = 3
+        async with r.client() as c:
+            resp = await c.post(PATHS[api], json=first_body(api, True))
+        events = sse(resp.text)
+        assert resp.status_code == 200
+        deltas = [e for k, e in events if k in ("response.output_text.delta",
+                                                "content_block_delta")]
+        assert len(deltas) == 3 and len(d.records[-1].output_token_ids) == 3
+        kind, error = events[-1]
+        assert kind == "error"
+        if api == "responses":
+            assert error["code"] == "502"
+            assert error["sequence_number"] == events[-2][1]["sequence_number"] + 1
+        else:
+            assert error == {"type": "error", "error": {
+                "type": "api_error", "message": "the decode node failed mid-stream"}}
+        assert_clean(resp.text, [e for _, e in events])
+        await r.settle()
+        assert len(r.ctx.index) == 0 and (await r.last_decision())["outcome"] == \
+            "failed_mid_stream"
+        async with r.client() as c:  # not streamed: no answer from D at all
+            cut = await c.post(PATHS[api], json=first_body(api, False))
+        assert cut.status_code == 502
+        assert ("error" in cut.json()) and (cut.json().get("type") == "error") == (
+            api == "messages")
+        d.faults.die_after_tokens = None
+        async with r.client() as c:
+            again = await c.post(PATHS[api], json=first_body(api, False))
+        assert again.status_code == 200

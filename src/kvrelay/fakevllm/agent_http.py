@@ -70,7 +70,7 @@ def _forced_call(engine: FakeEngine, parsed: ParsedRequest, gen: Generation
     return call, head
 
 
-async def complete(engine: FakeEngine, parsed: ParsedRequest) -> Response:
+async def complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -> Response:
     inp = parsed.inp
     try:
         gen = await admit(engine, inp)
@@ -80,8 +80,17 @@ async def complete(engine: FakeEngine, parsed: ParsedRequest) -> Response:
         return _error(inp.endpoint, 503, str(exc))
     try:
         forced = _forced_call(engine, parsed, gen)
-        async for _ in gen.tokens():
-            pass
+        cut, produced = engine.faults.cut_after(len(gen.output)), 0
+        if cut != 0:
+            async for _ in gen.tokens():
+                produced += 1
+                if produced == cut:
+                    break
+        if cut is not None:  # die_after_tokens: no answer at all
+            gen.abort()
+            gen.report()
+            await engine.kill_connection(client)
+            return Response(status_code=500)  # never reaches the client
         params = gen.finish()
     except BaseException:
         gen.abort()
@@ -131,6 +140,10 @@ async def stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> A
             for kind, payload in responses_api.opening_events(head):
                 yield responses_event(kind, payload)
         total, sent, params = len(gen.output), 0, None
+        cut = engine.faults.cut_after(total)
+        if cut == 0:
+            await engine.kill_connection(client)
+            return
         async for token in gen.tokens():
             sent += 1
             if sent == total:
@@ -147,6 +160,9 @@ async def stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> A
             else:
                 kind, payload = responses_api.delta_event(head, text)
                 yield responses_event(kind, payload)
+            if sent == cut:  # die_after_tokens: the connection reset mid-stream
+                await engine.kill_connection(client)
+                return
         if messages:
             yield messages_api.stop_events(n_prompt, total,
                                            "tool_use" if span is not None else "max_tokens")

@@ -44,7 +44,8 @@ class Faults:
       channel, so their KV reads from it fail (as a failed transfer on the reader).
     * ``die_after_tokens``: after generating ``k`` tokens of a request that has more to
       generate, the engine resets the connection (streaming: after ``k`` token chunks were
-      sent, without the final chunk or ``[DONE]``; non-streaming: no response at all). The
+      sent, without the final chunk or ``[DONE]``, or ``k`` Responses / Messages deltas
+      without their closing events; non-streaming: no response at all). The
       engine itself lives on: the request is aborted, so no KV is held for it, and a D-side
       report (if asked for) says ``kv_transfer_params: null``, as vLLM's abort path does.
     * ``unhealthy``: ``/health`` answers 503.
@@ -67,6 +68,12 @@ class Faults:
         self._health_hang = False
         self._health_released = asyncio.Event()
         self._health_released.set()
+
+    def cut_after(self, total: int) -> int | None:
+        """How many of a request's ``total`` tokens to send before ``die_after_tokens`` cuts
+        the connection; ``None`` when it does not apply (off, or no more than ``k``)."""
+        die = self.die_after_tokens
+        return die if die is not None and die < total else None
 
     @property
     def num_hung(self) -> int:

@@ -142,7 +142,8 @@ def build_app(engine: FakeEngine) -> Starlette:
                 if parsed.stream:
                     return StreamingResponse(agent_http.stream(engine, parsed, client),
                                              media_type="text/event-stream")
-                return await _cancel_on_disconnect(request, agent_http.complete(engine, parsed))
+                return await _cancel_on_disconnect(
+                    request, agent_http.complete(engine, parsed, client))
             if parsed.stream:
                 return StreamingResponse(
                     _stream(engine, parsed, client), media_type="text/event-stream"
@@ -262,13 +263,6 @@ async def _report_after_response(gen: Generation) -> None:
     gen.report()
 
 
-def _cut_after(engine: FakeEngine, total: int) -> int | None:
-    """How many tokens to send before the ``die_after_tokens`` fault cuts the connection;
-    ``None`` when it does not apply (off, or the request has no more than ``k`` tokens)."""
-    die = engine.faults.die_after_tokens
-    return die if die is not None and die < total else None
-
-
 async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -> Response:
     inp, cfg = parsed.inp, engine.config
     try:
@@ -278,7 +272,7 @@ async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -
     except KVCacheFull as exc:
         return error_response(503, str(exc))
     try:
-        cut = _cut_after(engine, len(gen.output))
+        cut = engine.faults.cut_after(len(gen.output))
         produced = 0
         if cut != 0:
             async for _ in gen.tokens():
@@ -344,7 +338,7 @@ async def _stream(engine: FakeEngine, parsed: ParsedRequest, client: object) -> 
         if chat:
             yield role_chunk
         total, sent = len(gen.output), 0
-        cut = _cut_after(engine, total)
+        cut = engine.faults.cut_after(total)
         if cut == 0:
             gen.abort()
             await engine.kill_connection(client)
