@@ -128,8 +128,10 @@ class Harness:
         self.statuses[answer.status] = self.statuses.get(answer.status, 0) + 1
         assert 200 <= answer.status < 500, (method, path, hdrs, raw[:300], answer.body[:300])
         if answer.status >= 400 and method != "HEAD":
-            shaped = is_anthropic_error if path in ANTHROPIC_PATHS and not internal \
-                and method == "POST" else is_openai_error
+            # on the Messages API's paths every refusal is Anthropic's, a wrong method's too
+            bare = path.partition("?")[0]
+            messages = bare == "/v1/messages" or bare.startswith("/v1/messages/")
+            shaped = is_anthropic_error if messages and not internal else is_openai_error
             assert shaped(answer), (path, answer.status, answer.body[:300])
         if internal and path == "/internal/kv-report" and answer.status == 200:
             body = answer.json()
