@@ -132,7 +132,8 @@ def public_routes(ctx: RouterContext) -> list[Route]:
 
     async def count_tokens(request: Request) -> bytes:
         auth.tenant(request.headers)
-        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s)
+        raw = await read_body(request, config.max_body_bytes, config.body_timeout_s,
+                              ctx.admission.bodies)
         body = load_json(raw)
         if not isinstance(body, dict):
             raise ClientError("The request body must be a JSON object")
