@@ -242,3 +242,25 @@ async def test_a_chunked_request_is_the_connections_last(held: Held) -> None:
                 assert conn.response().headers.get("connection") == "close"
         finally:
             conn.abort()
+
+
+async def test_an_over_limit_pipelined_messages_head_gets_anthropics_431(held: Held) -> None:
+    """The late 431 of a head pipelined behind a request is in the shape of the head's own
+    API: Anthropic's for a Messages path (its clients read only that)."""
+    conn = await RawConnection.open(held.router.host, held.router.port)
+    try:
+        await conn.send(chat(4, stream=False)
+                        + b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: router.test\r\n"
+                          b"X-Flood: ")
+        for _ in range(4):  # 256 KiB: over the 64 KiB head limit
+            if not await conn.send(PIECE):
+                break
+        await until(lambda: conn.closed.is_set() or len(responses(bytes(conn.received))) == 2,
+                    "two answers, or the connection closed")
+        got = bytes(conn.received)
+        assert responses(got)[-1:] == [431], got[-600:]
+        last = parse_response(got[got.rindex(b"HTTP/1.1 431"):])
+        assert last.json() == {"type": "error", "error": {
+            "type": "invalid_request_error", "message": "Request header fields too large"}}
+    finally:
+        conn.abort()

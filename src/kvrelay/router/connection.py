@@ -41,7 +41,7 @@ from typing import Any
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from kvrelay.router.asgi import DISCONNECT_SCOPE_KEY, CutOrder, DisconnectWatch
-from kvrelay.router.errors import error_json, refusal_json
+from kvrelay.router.errors import refusal_json
 
 log = logging.getLogger("kvrelay.router")
 
@@ -70,6 +70,13 @@ def head_size(head: bytes | bytearray, scan_from: int, max_head_bytes: int,
         return _OVER
     return size if end >= 0 else 0
 
+
+
+def line_path(head: bytes | bytearray, max_line_bytes: int) -> str:
+    """The path in the request line at the start of ``head`` (its first ``max_line_bytes``;
+    the query left out), ``""`` when there is none: which API a refused head was for."""
+    parts = bytes(head[:max_line_bytes]).lstrip(b"\r\n").split(b"\r\n", 1)[0].split(b" ")
+    return parts[1].partition(b"?")[0].decode("latin-1") if len(parts) >= 2 else ""
 
 class LingeringTransport:
     """A transport whose ``close()``, while the peer may still be sending (a request whose
@@ -128,6 +135,7 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
     _kvrelay_done: bool = False
     _kvrelay_paused: bool = False
     _kvrelay_owed: bool = False
+    _kvrelay_owed_path: str = ""
     _kvrelay_draining: bool = False
 
     def connection_made(self, transport: Any) -> None:
@@ -185,8 +193,8 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
             self.pipeline.clear()
             if self._kvrelay_owed and not self.transport.is_closing():
                 self._kvrelay_owed = False  # the cut connection is still open: say why
-                self._kvrelay_write(b"431 Request Header Fields Too Large",
-                                    error_json(431, "Request header fields too large"))
+                self._kvrelay_write(b"431 Request Header Fields Too Large", refusal_json(
+                    self._kvrelay_owed_path, 431, "Request header fields too large"))
             self.transport.close()
             return
         super().on_response_complete()
@@ -278,6 +286,7 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         if size == _OVER:
             self._kvrelay_cut()
             self._kvrelay_owed = True
+            self._kvrelay_owed_path = line_path(held, self.max_line_bytes)
             self._kvrelay_abandon()
         elif size:
             self._kvrelay_pause()
@@ -308,8 +317,7 @@ class GuardedProtocol(HttpToolsProtocol):  # type: ignore[misc]
         the head being read, else the request being parsed; ``""`` when there is none."""
         head = self._kvrelay_head
         if head:
-            parts = bytes(head[:self.max_line_bytes]).split(b"\r\n", 1)[0].split(b" ")
-            return parts[1].partition(b"?")[0].decode("latin-1") if len(parts) >= 2 else ""
+            return line_path(head, self.max_line_bytes)
         scope = getattr(self, "scope", None)
         return scope.get("path", "") if isinstance(scope, dict) else ""
 
