@@ -137,6 +137,17 @@ def sse_errors(raw: bytes) -> list[dict[str, object]]:
     return out
 
 
+async def flood_head(conn: RawConnection) -> bytes:
+    """Send 256 KiB more of the head begun on ``conn`` (over the 64 KiB head limit, while
+    the router takes it), then wait for two answers or the close; what came back."""
+    for _ in range(4):
+        if not await conn.send(PIECE):
+            break
+    await until(lambda: conn.closed.is_set() or len(responses(bytes(conn.received))) == 2,
+                "two answers, or the connection closed")
+    return bytes(conn.received)
+
+
 async def test_the_request_before_an_over_limit_pipelined_head_is_abandoned_at_once(
     held: Held,
 ) -> None:
@@ -152,12 +163,7 @@ async def test_the_request_before_an_over_limit_pipelined_head_is_abandoned_at_o
     try:
         await conn.send(chat(64) + b"GET /health HTTP/1.1\r\nHost: router.test\r\nX-Flood: ")
         await until(lambda: sleep.held >= 1, "D holds the chat's stream")
-        for _ in range(4):  # 256 KiB: over the 64 KiB head limit
-            if not await conn.send(PIECE):
-                break
-        await until(lambda: conn.closed.is_set() or len(responses(bytes(conn.received))) == 2,
-                    "two answers, or the connection closed")
-        got = bytes(conn.received)
+        got = await flood_head(conn)
         assert not conn.closed.is_set() or b"data: [DONE]" in got, (
             "the router closed the connection with the stream still running: it served the "
             "request before the over-limit head on, instead of abandoning it")
@@ -252,12 +258,7 @@ async def test_an_over_limit_pipelined_messages_head_gets_anthropics_431(held: H
         await conn.send(chat(4, stream=False)
                         + b"POST /v1/messages?beta=true HTTP/1.1\r\nHost: router.test\r\n"
                           b"X-Flood: ")
-        for _ in range(4):  # 256 KiB: over the 64 KiB head limit
-            if not await conn.send(PIECE):
-                break
-        await until(lambda: conn.closed.is_set() or len(responses(bytes(conn.received))) == 2,
-                    "two answers, or the connection closed")
-        got = bytes(conn.received)
+        got = await flood_head(conn)
         assert responses(got)[-1:] == [431], got[-600:]
         last = parse_response(got[got.rindex(b"HTTP/1.1 431"):])
         assert last.json() == {"type": "error", "error": {
