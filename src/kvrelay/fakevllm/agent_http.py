@@ -19,7 +19,12 @@ from starlette.responses import Response
 from kvrelay.fakevllm import messages_api, responses_api
 from kvrelay.fakevllm import openai as oai
 from kvrelay.fakevllm.engine import FakeEngine
-from kvrelay.fakevllm.generation import Generation, KVLoadFailed, admit
+from kvrelay.fakevllm.generation import (
+    Generation,
+    KVLoadFailed,
+    admit,
+    died_before_answering,
+)
 from kvrelay.fakevllm.kv import KVCacheFull
 from kvrelay.fakevllm.requests import ParsedRequest
 
@@ -80,17 +85,10 @@ async def complete(engine: FakeEngine, parsed: ParsedRequest, client: object) ->
         return _error(inp.endpoint, 503, str(exc))
     try:
         forced = _forced_call(engine, parsed, gen)
-        cut, produced = engine.faults.cut_after(len(gen.output)), 0
-        if cut != 0:
-            async for _ in gen.tokens():
-                produced += 1
-                if produced == cut:
-                    break
-        if cut is not None:  # die_after_tokens: no answer at all
-            gen.abort()
-            gen.report()
-            await engine.kill_connection(client)
+        if await died_before_answering(engine, gen, client):
             return Response(status_code=500)  # never reaches the client
+        async for _ in gen.tokens():
+            pass
         params = gen.finish()
     except BaseException:
         gen.abort()

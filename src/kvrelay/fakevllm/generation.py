@@ -255,6 +255,25 @@ def _number(value: object) -> float:
     return float(value)
 
 
+async def died_before_answering(engine: FakeEngine, gen: Generation, client: object) -> bool:
+    """A non-streamed request under ``die_after_tokens``: produce ``k`` tokens, abort, report,
+    reset the client's connection and return True (no answer is sent); False (nothing done)
+    when the fault does not apply."""
+    cut = engine.faults.cut_after(len(gen.output))
+    if cut is None:
+        return False
+    produced = 0
+    if cut:
+        async for _ in gen.tokens():
+            produced += 1
+            if produced == cut:
+                break
+    gen.abort()
+    gen.report()
+    await engine.kill_connection(client)
+    return True
+
+
 async def admit(engine: FakeEngine, inp: GenerationInput) -> Generation:
     """Schedule, load KV and prefill one request. Waits for blocks (``scheduler``); raises
     ``KVLoadFailed`` (policy ``fail``), ``KVCacheFull`` (more blocks than the whole cache)

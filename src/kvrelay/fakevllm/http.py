@@ -33,7 +33,7 @@ from kvrelay.fakevllm import agent_http
 from kvrelay.fakevllm import messages_api as anthropic
 from kvrelay.fakevllm import openai as oai
 from kvrelay.fakevllm.engine import FakeEngine, Listen, Received
-from kvrelay.fakevllm.generation import Generation, KVLoadFailed, admit
+from kvrelay.fakevllm.generation import Generation, KVLoadFailed, admit, died_before_answering
 from kvrelay.fakevllm.kv import KVCacheFull
 from kvrelay.fakevllm.requests import (
     BadRequest,
@@ -272,18 +272,10 @@ async def _complete(engine: FakeEngine, parsed: ParsedRequest, client: object) -
     except KVCacheFull as exc:
         return error_response(503, str(exc))
     try:
-        cut = engine.faults.cut_after(len(gen.output))
-        produced = 0
-        if cut != 0:
-            async for _ in gen.tokens():
-                produced += 1
-                if produced == cut:
-                    break
-        if cut is not None:
-            gen.abort()
-            gen.report()
-            await engine.kill_connection(client)
+        if await died_before_answering(engine, gen, client):
             return Response(status_code=500)  # never reaches the client
+        async for _ in gen.tokens():
+            pass
         params = gen.finish()
     except BaseException:
         gen.abort()

@@ -71,12 +71,12 @@ def head_size(head: bytes | bytearray, scan_from: int, max_head_bytes: int,
     return size if end >= 0 else 0
 
 
-
 def line_path(head: bytes | bytearray, max_line_bytes: int) -> str:
     """The path in the request line at the start of ``head`` (its first ``max_line_bytes``;
     the query left out), ``""`` when there is none: which API a refused head was for."""
     parts = bytes(head[:max_line_bytes]).lstrip(b"\r\n").split(b"\r\n", 1)[0].split(b" ")
     return parts[1].partition(b"?")[0].decode("latin-1") if len(parts) >= 2 else ""
+
 
 class LingeringTransport:
     """A transport whose ``close()``, while the peer may still be sending (a request whose
