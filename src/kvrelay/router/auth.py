@@ -157,7 +157,8 @@ def client_key(headers: Mapping[str, str]) -> str | None:
 
 
 class Authenticator:
-    """Maps a request's bearer token to its tenant (see the module docstring)."""
+    """Maps a request's client key (``client_key``) to its tenant (see the module
+    docstring)."""
 
     def __init__(
         self, keys: tuple[ApiKey, ...], admin_key: str | None, default_tenant: str,

@@ -31,7 +31,13 @@ import msgspec
 from kvrelay.core.identity import ChatMessage, History, ToolCall, answer_digest
 from kvrelay.router.apis.base import ApiRequest, DecodeRead, StreamScanner
 from kvrelay.router.apis.fields import JsonObject, encode, optional, positive
-from kvrelay.router.errors import ClientError, RouterError, anthropic_error_json, dumps
+from kvrelay.router.errors import (
+    MESSAGES_PATH,
+    ClientError,
+    RouterError,
+    anthropic_error_json,
+    dumps,
+)
 from kvrelay.router.sse import BATCH_BYTES, Rewrite, split_events
 
 _SESSION_SUFFIX = re.compile(r"_session_([0-9A-Za-z-]{8,64})$")
@@ -63,7 +69,7 @@ class MessagesAdapter:
 
     __slots__ = ()
     endpoint = "messages"
-    path = "/v1/messages"
+    path = MESSAGES_PATH
     tokenizable = False
     stream_family = "messages"
 
