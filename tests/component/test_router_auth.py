@@ -188,6 +188,11 @@ async def test_admin_endpoints_need_the_admin_key() -> None:
         # node details are the admin's: /admin/nodes
         assert_error(await rig.get("/admin/nodes"), 401)
         assert_error(await rig.get("/admin/nodes", headers=A), 403)
+        # a key sent as Anthropic's x-api-key is the same key: a tenant's 403, the admin's in
+        assert_error(await rig.get("/admin/nodes", headers={"x-api-key": "key-a-123"}), 403)
+        assert_error(await rig.get("/admin/nodes", headers={"x-api-key": "wrong"}), 401)
+        assert (await rig.get("/admin/nodes", headers={"x-api-key": "admin-key-0"})
+                ).status_code == 200
         nodes = (await rig.get("/admin/nodes", headers=ADMIN)).json()["nodes"]
         assert [(n["id"], n["url"], n["drained"]) for n in nodes] == [
             ("prefill-0", rig.cluster.prefill_urls[0], False),

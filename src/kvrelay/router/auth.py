@@ -175,8 +175,8 @@ class Authenticator:
         return self._metrics is not None
 
     def reads_metrics(self, headers: Mapping[str, str]) -> bool:
-        """Whether the request carries the metrics key or the admin key."""
-        token = bearer(headers)
+        """Whether the request carries the metrics key or the admin key (``client_key``)."""
+        token = client_key(headers)
         if token is None:
             return False
         given = _digest(token)
@@ -197,7 +197,9 @@ class Authenticator:
         return found
 
     def is_admin(self, headers: Mapping[str, str]) -> bool:
-        token = bearer(headers)
+        """Whether the request's key (``client_key``: Bearer, else ``x-api-key``) is the
+        admin key."""
+        token = client_key(headers)
         if self._admin is None:
             return False
         return hmac.compare_digest(_digest(token or ""), self._admin) and token is not None
@@ -224,10 +226,11 @@ class Authenticator:
         return self.tenant(headers)
 
     def require_admin(self, headers: Mapping[str, str]) -> None:
-        """``ClientError`` 401 without a valid key, 403 for a tenant's key."""
+        """``ClientError`` 401 without a valid key, 403 for a tenant's key (however it is
+        sent: ``client_key``)."""
         if self.is_admin(headers):
             return
-        if self._match(bearer(headers)) is not None:
+        if self._match(client_key(headers)) is not None:
             raise ClientError("This endpoint needs the admin key", status=403)
         raise ClientError(
             "Missing or invalid admin key: send 'Authorization: Bearer <admin key>'",
