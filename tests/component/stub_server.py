@@ -2,7 +2,9 @@
 
 Behaviour knobs by environment: STUB_FAIL=1 prints an error and exits 1 at startup;
 STUB_CHILD=1 forks a grandchild (like vLLM's engine core) that writes its pid to
-$STUB_PID_DIR, so tests can check that the whole process group goes away.
+$STUB_PID_DIR, so tests can check that the whole process group goes away; with
+$STUB_PID_DIR set it also leaves a file in its temp dir (as vLLM leaves its ZMQ sockets and
+``vllm_dist_*`` files) and writes that file's path to $STUB_PID_DIR/tmp-<pid>.
 """
 
 import argparse
@@ -10,6 +12,7 @@ import http.server
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 ap = argparse.ArgumentParser()
@@ -24,6 +27,12 @@ pid_dir = os.environ.get("STUB_PID_DIR")
 if pid_dir:
     with open(os.path.join(pid_dir, f"server-{os.getpid()}"), "w") as f:
         f.write(str(os.getpid()))
+if pid_dir:
+    left = os.path.join(tempfile.gettempdir(), f"vllm_dist_stub{os.getpid()}")
+    with open(left, "w") as f:
+        f.write("rendezvous")
+    with open(os.path.join(pid_dir, f"tmp-{os.getpid()}"), "w") as f:
+        f.write(left)
 if os.environ.get("STUB_CHILD") == "1" and pid_dir:
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
     with open(os.path.join(pid_dir, f"child-{child.pid}"), "w") as f:

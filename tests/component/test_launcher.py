@@ -74,6 +74,22 @@ def test_start_waits_for_health_and_stop_kills_process_groups(tmp_path, monkeypa
     cluster.stop()  # idempotent
 
 
+def test_what_a_server_leaves_in_its_temp_dir_goes_with_the_cluster(tmp_path, monkeypatch):
+    """vLLM leaves its engine's ZMQ sockets and ``vllm_dist_*`` files in the temp dir when it
+    is killed; each server's temp dir is the cluster's, removed at stop()."""
+    monkeypatch.setenv("STUB_PID_DIR", str(tmp_path))
+    config = ClusterConfig(num_prefill=1, num_decode=1, model=fake_model(tmp_path),
+                           base_port=free_port_block(2), startup_timeout_s=60)
+    cluster = LocalCluster(config, tmp_path / "run", command=stub_command).start()
+    left = [Path(p.read_text()) for p in tmp_path.glob("tmp-*")]
+    assert len(left) == 2 and all(p.exists() for p in left)
+    assert len({p.parent for p in left}) == 2  # one dir per server
+    assert all(p.parent.parent.name.startswith("kvrelay-vllm-") for p in left)
+    cluster.stop()
+    assert not any(p.exists() for p in left)
+    assert not left[0].parent.parent.exists()
+
+
 def test_startup_failure_names_node_and_shows_log_tail(tmp_path, monkeypatch):
     monkeypatch.setenv("STUB_FAIL", "1")
     config = ClusterConfig(model=fake_model(tmp_path), base_port=free_port_block(2),

@@ -406,9 +406,18 @@ def process_cores(config: ClusterConfig, node: NodeSpec) -> tuple[int, ...] | No
     return tuple(node.cores)
 
 
-def server_env(config: ClusterConfig, node: NodeSpec, base: dict[str, str]) -> dict[str, str]:
-    """Environment of ``node``'s server: core binding, KV cache size, NIXL side channel."""
+def server_env(config: ClusterConfig, node: NodeSpec, base: dict[str, str],
+               scratch_dir: str | None = None) -> dict[str, str]:
+    """Environment of ``node``'s server: core binding, KV cache size, NIXL side channel.
+
+    ``scratch_dir`` (the launcher's, removed when the cluster stops) becomes the server's
+    ``TMPDIR``: vLLM puts its engine's ZMQ sockets (``VLLM_RPC_BASE_PATH``) and its
+    ``vllm_dist_*`` rendezvous files in the temp dir and leaves them behind when it is
+    killed, a few per start, thousands in a day of test runs.
+    """
     env = dict(base)
+    if scratch_dir is not None:
+        env["TMPDIR"] = scratch_dir
     env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = config.host
     env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(node.side_channel_port)
     env["PYTHONUNBUFFERED"] = "1"

@@ -15,12 +15,15 @@ import atexit
 import contextlib
 import ctypes
 import dataclasses
+import getpass
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
+import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -118,6 +121,7 @@ class LocalCluster:
         self.nodes: list[RunningNode] = []
         self.model_path: Path | None = None
         self._log_files: dict[str, IO[bytes]] = {}
+        self._scratch: str | None = None
         self._stopped = False
 
     @property
@@ -143,6 +147,8 @@ class LocalCluster:
         parser = tool_call_parser_for(self.config.tool_call_parser, model_type_of(self.model_path))
         self.config = dataclasses.replace(self.config, tool_call_parser=parser or "none")
         self.run_dir.mkdir(parents=True, exist_ok=True)
+        # short (a ZMQ socket path must fit in 107 bytes), ours, gone at stop()
+        self._scratch = tempfile.mkdtemp(prefix="kvrelay-vllm-")
         atexit.register(self.stop)
         try:
             for spec in plan_nodes(self.config):
@@ -171,6 +177,8 @@ class LocalCluster:
         for f in self._log_files.values():
             f.close()
         self._log_files.clear()
+        if self._scratch is not None:
+            shutil.rmtree(self._scratch, ignore_errors=True)
         atexit.unregister(self.stop)
 
     def respawn(self, node: RunningNode) -> None:
@@ -205,7 +213,16 @@ class LocalCluster:
     def _spawn(self, spec: NodeSpec, model_path: Path) -> RunningNode:
         log_path = self.run_dir / f"{spec.name}.log"
         cmd = self._command(self.config, spec, model_path)
-        env = server_env(self.config, spec, dict(os.environ))
+        base = dict(os.environ)
+        # the server's TMPDIR is our scratch dir; torch's compile cache stays where it was
+        # (its default is under the temp dir), so the next start still finds it
+        base.setdefault("TORCHINDUCTOR_CACHE_DIR", str(
+            Path(tempfile.gettempdir()) / f"torchinductor_{getpass.getuser()}"))
+        scratch = None
+        if self._scratch is not None:
+            scratch = os.path.join(self._scratch, spec.name)
+            os.makedirs(scratch, exist_ok=True)
+        env = server_env(self.config, spec, base, scratch)
         process, log = spawn_supervised(cmd, log_path, env, process_cores(self.config, spec))
         self._log_files[spec.name] = log
         url = f"http://{self.config.host}:{spec.http_port}"
