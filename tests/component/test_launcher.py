@@ -133,7 +133,8 @@ def test_servers_die_when_the_launcher_is_killed(tmp_path):
         print("ready", flush=True)
         time.sleep(600)
     """)
-    env = {**os.environ, "STUB_PID_DIR": str(tmp_path)}
+    # a killed launcher cannot remove its scratch dir: let it make that in tmp_path
+    env = {**os.environ, "STUB_PID_DIR": str(tmp_path), "TMPDIR": str(tmp_path)}
     parent = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env)
     assert parent.stdout is not None
     assert parent.stdout.readline().strip() == b"ready"
