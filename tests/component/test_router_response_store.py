@@ -181,6 +181,30 @@ async def test_misses_are_one_404_and_delete_forgets() -> None:
         assert no_key.status_code == 401
 
 
+async def test_an_expansion_past_the_body_limit_is_refused_not_sent() -> None:
+    """A ``previous_response_id`` expands a small request into the whole stored
+    conversation: held to ``--max-body-bytes`` as a body is, so a chain of large turns cannot
+    make the router build (and P, D and the store receive) bodies of any size."""
+    limit = 20_000
+    async with routed(response_store="memory", max_body_bytes=limit) as r:
+        big = "word " * 1_400  # ~7 kB a turn
+        previous = None
+        for _ in range(2):
+            resp = await r.post("/v1/responses", body_of(big, False, previous))
+            assert resp.status_code == 200, resp.text
+            previous = resp.json()["id"]
+            await r.settle()
+        received = sum(len(e.received) for e in r.cluster.engines)
+        refused = await r.post("/v1/responses", body_of(big, False, previous))
+        assert refused.status_code == 400, refused.text
+        err = refused.json()["error"]
+        assert err["param"] == "previous_response_id" and str(limit) in err["message"]
+        assert sum(len(e.received) for e in r.cluster.engines) == received  # nothing sent
+        # the stored response itself is still there, and a small new turn is served
+        assert (await r.get(f"/v1/responses/{previous}")).status_code == 200
+        assert (await r.post("/v1/responses", body_of("hi", False))).status_code == 200
+
+
 async def test_store_false_keeps_nothing_and_the_store_off_refuses() -> None:
     async with routed(response_store="memory") as r:
         resp = await r.post("/v1/responses", {**body_of(FIRST, False), "store": False})

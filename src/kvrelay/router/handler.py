@@ -55,7 +55,7 @@ class GenerationHandler:
         self._decoder = Decoder(ctx)
         self._stored = StoredResponses(
             ctx.responses, rules=self._id_rules, limits=self._limits,
-            inline_bytes=PARSE_INLINE_BYTES,
+            max_body_bytes=ctx.config.max_body_bytes, inline_bytes=PARSE_INLINE_BYTES,
             on_error=lambda op: ctx.metrics.state_errors.labels(op).inc(),
         ) if ctx.responses is not None else None
 

@@ -10,6 +10,12 @@ is the same history the previous turn's entry was committed under, found id-free
 turn pulls as a re-sent history does. As OpenAI does, ``instructions`` and ``tools`` are the
 request's own (not carried over).
 
+**Bounded like a body.** The expanded request is what P and D receive and what the store
+keeps next, so it is held to ``--max-body-bytes`` as a client's own body is: a stored
+conversation plus the request larger than that is a 400 (``previous_response_id``), never a
+body of any size built from a small request (nor a chain whose stored inputs grow without
+bound).
+
 **Keeping.** A request with ``store`` true or absent (OpenAI's default) gets a router-minted
 id (``response_store.new_response_id``), sent to D as ``request_id``, and its response is
 kept (``response_keeper.KeptResponse``) under the caller's tenant. ``store: false`` keeps
@@ -64,12 +70,14 @@ class StoredResponses:
         *,
         rules: IdRules,
         limits: RequestLimits,
+        max_body_bytes: int,
         inline_bytes: int,
         on_error: Callable[[str], None] | None = None,
     ) -> None:
         self._store = store
         self._rules = rules
         self._limits = limits
+        self._max_body_bytes = max_body_bytes
         self._inline_bytes = inline_bytes
         self._on_error = on_error
 
@@ -91,6 +99,13 @@ class StoredResponses:
         items = own
         if previous is not None:
             stored = await self.get(tenant, previous, "previous_response_id")
+            # an upper bound of the expanded body (the stored response's other fields too)
+            expanded_bytes = stored.num_bytes + len(raw)
+            if expanded_bytes > self._max_body_bytes:
+                raise ClientError(
+                    f"the conversation after previous_response_id is about {expanded_bytes} "
+                    f"bytes, more than the router's body limit of {self._max_body_bytes} "
+                    "bytes: start a new conversation", "previous_response_id")
             items = [*_stored_items(stored), *own]
             if len(items) > self._limits.max_messages:
                 raise ClientError(
