@@ -179,6 +179,14 @@ async def test_misses_are_one_404_and_delete_forgets() -> None:
             assert set(m.json()["error"]) == {"message", "type", "param", "code"}
         no_key = await r.get(f"/v1/responses/{rid}")
         assert no_key.status_code == 401
+        # GET (HEAD) and DELETE are counted under one endpoint, never an id: three GETs
+        # and a DELETE answered 200 above, six misses were GETs or DELETEs (the rest POSTs)
+        metrics = (await r.internal_get("/metrics")).text
+        done = 'kvrelay_router_requests_total{endpoint="/v1/responses/{id}",status="%s"}'
+        assert done % "200" + " 4.0" in metrics
+        assert done % "404" + " 6.0" in metrics
+        assert done % "401" + " 1.0" in metrics
+        assert rid not in metrics
 
 
 async def test_an_expansion_past_the_body_limit_is_refused_not_sent() -> None:

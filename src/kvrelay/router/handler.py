@@ -67,7 +67,8 @@ class GenerationHandler:
         if self._stored is None:
             return []
         return [Route(RESPONSES_PREFIX, frozenset({"GET", "DELETE"}),
-                      ResponseRoutes(self._stored, self._ctx.auth), prefix=True)]
+                      ResponseRoutes(self._stored, self._ctx.auth,
+                                     self._ctx.metrics.request_done), prefix=True)]
 
     async def handle(self, request: Request, endpoint: str) -> None:
         ctx = self._ctx

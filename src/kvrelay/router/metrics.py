@@ -2,7 +2,8 @@
 
 Names (all prefixed ``kvrelay_router_``):
 
-* ``requests_total{endpoint,status}`` – client requests answered, by route and HTTP status.
+* ``requests_total{endpoint,status}`` – client requests answered, by route and HTTP status
+  (``GET`` / ``DELETE /v1/responses/{id}`` as the one endpoint ``/v1/responses/{id}``).
 * ``turn_decisions_total{action,reason}`` – turn policy decisions.
 * ``prompt_tokens_total{source}`` – prompt tokens of routed turns, ``reused`` (pulled or
   reused directly on D) or ``recomputed``.

@@ -55,6 +55,8 @@ from kvrelay.router.response_store import (
 )
 
 RESPONSES_PREFIX = "/v1/responses/"
+RESPONSE_ENDPOINT = "/v1/responses/{id}"
+"""The ``endpoint`` label of ``GET`` / ``DELETE /v1/responses/{id}`` in ``requests_total``."""
 NOT_FOUND = ("No response with this id is stored for this API key (unknown, expired or "
              "deleted)")
 _DECODER = msgspec.json.Decoder()
@@ -173,13 +175,23 @@ def _stored_items(stored: StoredResponse) -> list[Any]:
 
 class ResponseRoutes:
     """``GET`` and ``DELETE /v1/responses/{id}`` (the ``asgi.Handler`` of that prefix):
-    the client's key names the tenant whose response it may see."""
+    the client's key names the tenant whose response it may see. ``done(endpoint, status)``
+    counts each answer under the one endpoint ``RESPONSE_ENDPOINT`` (never the id)."""
 
-    def __init__(self, stored: StoredResponses, auth: Authenticator) -> None:
+    def __init__(self, stored: StoredResponses, auth: Authenticator,
+                 done: Callable[[str, int], None]) -> None:
         self._stored = stored
         self._auth = auth
+        self._done = done
 
     async def __call__(self, request: Request) -> None:
+        status = 500  # counted as such if what follows raises
+        try:
+            status = await self._answer(request)
+        finally:
+            self._done(RESPONSE_ENDPOINT, status)
+
+    async def _answer(self, request: Request) -> int:
         try:
             tenant = self._auth.tenant(request.headers)
             response_id = request.path[len(RESPONSES_PREFIX):]
@@ -188,9 +200,11 @@ class ResponseRoutes:
             if request.method == "GET":
                 stored = await self._stored.get(tenant, response_id, None)
                 await send_response(request.send, 200, stored.response_json)
-                return
+                return 200
             await self._stored.delete(tenant, response_id)
             await send_response(request.send, 200, dumps(
                 {"id": response_id, "object": "response", "deleted": True}))
+            return 200
         except (ClientError, RouterError) as exc:
             await send_response(request.send, exc.status, exc.body(), headers=exc.headers)
+            return exc.status
