@@ -213,6 +213,41 @@ async def test_an_expansion_past_the_body_limit_is_refused_not_sent() -> None:
         assert (await r.post("/v1/responses", body_of("hi", False))).status_code == 200
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_response_the_store_could_not_keep_says_store_false(
+        stream: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A put that fails (Redis down: ``put`` reports it) leaves the client told ``store:
+    false`` in the final response, never holding an id to continue from that was not kept;
+    the next put that works keeps its response (``store: true``)."""
+    async with routed(response_store="memory") as r:
+        store = r.ctx.responses
+        assert store is not None
+        working = store.put
+
+        async def down(tenant: str, response_id: str, stored: StoredResponse) -> bool:
+            return False
+
+        monkeypatch.setattr(store, "put", down)
+        resp = await r.post("/v1/responses", body_of(FIRST, stream))
+        assert resp.status_code == 200, resp.text
+        if stream:
+            events = [json.loads(b.partition("\n")[2][6:]) for b in resp.text.split("\n\n")
+                      if b.strip()]
+            snapshots = [e["response"] for e in events if "response" in e]
+            assert snapshots[0]["store"] is True  # response.created: before D answered
+            final = snapshots[-1]
+            assert events[-1]["type"] in ("response.completed", "response.incomplete")
+        else:
+            final = resp.json()
+        assert final["store"] is False and MINTED.fullmatch(final["id"])
+        assert (await r.get(f"/v1/responses/{final['id']}")).status_code == 404
+        monkeypatch.setattr(store, "put", working)
+        again = await r.post("/v1/responses", body_of(FIRST, stream))
+        kept = final_response(again.text, stream)
+        assert kept["store"] is True
+        assert (await r.get(f"/v1/responses/{kept['id']}")).status_code == 200
+
+
 async def test_store_false_keeps_nothing_and_the_store_off_refuses() -> None:
     async with routed(response_store="memory") as r:
         resp = await r.post("/v1/responses", {**body_of(FIRST, False), "store": False})

@@ -195,7 +195,7 @@ class Decoder:
         try:
             out = scan.feed(first)
             if scan.done:
-                await self._end(turn, node, scan, pending)
+                out = await self._end(turn, node, scan, pending, out)
             await _body(send, out)
             turn.ttft_s = time.perf_counter() - turn.started_s
             ctx.metrics.child(ctx.metrics.ttft, turn.action).observe(turn.ttft_s)
@@ -205,7 +205,7 @@ class Decoder:
                     was_done = scan.done
                     out = scan.feed(events)
                     if scan.done and not was_done:
-                        await self._end(turn, node, scan, pending)
+                        out = await self._end(turn, node, scan, pending, out)
                     await _body(send, out)
             if carry:
                 await _body(send, carry)
@@ -236,16 +236,20 @@ class Decoder:
         await send({"type": "http.response.body", "body": b"", "more_body": False})
 
     async def _end(
-        self, turn: Turn, node: NodeConfig, scan: StreamScanner, pending: PendingTurn
-    ) -> None:
-        """D's stream is complete: the answer (or the error it ended with) settles the turn."""
+        self, turn: Turn, node: NodeConfig, scan: StreamScanner, pending: PendingTurn,
+        out: bytes,
+    ) -> bytes:
+        """D's stream is complete: the answer (or the error it ended with) settles the turn.
+        Returns ``out``, the events still to send (the end among them), with the final
+        snapshot patched again when the store could not keep the response."""
         ctx = self._ctx
         if scan.error is not None:
             ctx.metrics.upstream_error(node.node_id, "error_event", None)
             await self._lose(turn, pending, "error_event")
-            return
-        if turn.request.kept is not None:
-            await turn.request.kept.commit()
+            return out
+        kept = turn.request.kept
+        if kept is not None and not await kept.commit() and kept.lost:
+            out = kept.patch_events(out)
         text, calls = scan.answer()
         answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
         blocks = self._retained(node, scan.params) if scan.params is not None else None
@@ -254,6 +258,7 @@ class Decoder:
             pending, answer, blocks, retained=blocks is not None if scan.params_seen else None,
         )
         self._done(turn, "ok")
+        return out
 
     async def _first_events(
         self, node: NodeConfig, chunks: AsyncIterator[bytes]

@@ -10,7 +10,8 @@ response (``response.created``, ``response.in_progress`` and the final event of 
 the body), and ``commit`` keeps the final one, with the turn's whole input, when it
 ``completed`` or is ``incomplete`` (a failed response is not kept). ``commit`` runs before
 the client gets the final event or the body, so a client that sends its next turn at once
-finds the response.
+finds the response, and so that a response the store could not keep (Redis down, too large)
+says ``store: false`` in its final snapshot: a client never holds an id that was never kept.
 """
 
 from __future__ import annotations
@@ -39,7 +40,7 @@ class KeptResponse:
     ``None`` when the response is not kept (``store: false``, but a ``previous_response_id``
     to show); ``input_items`` is the turn's whole input as sent to P and D."""
 
-    __slots__ = ("_final", "_input_items", "_on_error", "_store", "previous_id",
+    __slots__ = ("_final", "_input_items", "_lost", "_on_error", "_store", "previous_id",
                  "response_id", "tenant")
 
     def __init__(
@@ -59,11 +60,18 @@ class KeptResponse:
         self._input_items = input_items
         self._on_error = on_error
         self._final: dict[str, Any] | None = None
+        self._lost = False
 
     @property
     def keeps(self) -> bool:
-        """Whether the response is kept (``store: true`` with the store on)."""
-        return self._store is not None and self.response_id is not None
+        """Whether the response is kept (``store: true`` with the store on), until ``commit``
+        finds the store could not keep it."""
+        return self._store is not None and self.response_id is not None and not self._lost
+
+    @property
+    def lost(self) -> bool:
+        """``commit`` tried to keep the response and the store did not."""
+        return self._lost
 
     def patch(self, response: dict[str, Any], *, final: bool) -> None:
         """Set the fields the client asked for on a response object (in place); ``final``:
@@ -80,8 +88,18 @@ class KeptResponse:
         """``inner`` (the adapter's scanner) with every snapshot patched."""
         return _KeepingScan(inner, self)
 
+    def patch_events(self, events: bytes) -> bytes:
+        """``events`` (whole SSE events) with every response snapshot among them patched."""
+        if not any(m in events for m in _SNAPSHOTS) and not any(
+                m in events for m in FINAL_EVENTS):
+            return events
+        return b"".join(self._event(e) for e in split_events(events))
+
     async def commit(self) -> bool:
-        """Keep the final response (module docstring); whether it was kept."""
+        """Keep the final response (module docstring); whether it was kept. When the store
+        could not keep it, the final response (the body's object) says ``store: false``
+        and ``keeps`` turns false: a stream's final event is patched again
+        (``patch_events``) before it is sent."""
         final = self._final
         if not self.keeps or final is None or final.get("status") not in _KEPT_STATUSES:
             return False
@@ -92,7 +110,20 @@ class KeptResponse:
             log.info("response store: response not kept (store unavailable or too large)")
             if self._on_error is not None:
                 self._on_error("response_put")
+            self._lost = True
+            final["store"] = False
         return kept
+
+    def _event(self, event: bytes) -> bytes:
+        final = event.startswith(FINAL_EVENTS)
+        if not final and not event.startswith(_SNAPSHOTS):
+            return event
+        found = snapshot_of(event)
+        if found is None:
+            return event
+        head, obj, response = found
+        self.patch(response, final=final)
+        return head + _ENCODER.encode(obj) + b"\n\n"
 
 
 class _KeepingScan:
@@ -122,17 +153,4 @@ class _KeepingScan:
     def feed(self, events: bytes) -> bytes:
         out = self._inner.feed(events)
         self._sync()
-        if any(m in out for m in _SNAPSHOTS) or any(m in out for m in FINAL_EVENTS):
-            out = b"".join(self._event(e) for e in split_events(out))
-        return out
-
-    def _event(self, event: bytes) -> bytes:
-        final = event.startswith(FINAL_EVENTS)
-        if not final and not event.startswith(_SNAPSHOTS):
-            return event
-        found = snapshot_of(event)
-        if found is None:
-            return event
-        head, obj, response = found
-        self._kept.patch(response, final=final)
-        return head + _ENCODER.encode(obj) + b"\n\n"
+        return self._kept.patch_events(out)
