@@ -248,6 +248,29 @@ async def test_a_response_the_store_could_not_keep_says_store_false(
         assert (await r.get(f"/v1/responses/{kept['id']}")).status_code == 200
 
 
+async def test_one_tenant_cannot_push_out_anothers_responses() -> None:
+    """``--response-store-max-mb-per-tenant``: a tenant storing more than its share loses
+    its own oldest responses, never another tenant's (the global bound alone evicted the
+    oldest of all: a flood by one key emptied everyone's conversations)."""
+    async with routed(response_store="memory", response_store_max_mb=2,
+                      response_store_max_mb_per_tenant=1, api_keys=KEYS) as r:
+        a = await r.post("/v1/responses", body_of(FIRST, False), headers=A)
+        assert a.status_code == 200 and a.json()["store"] is True
+        ids = []
+        for i in range(12):  # ~1.8 MB of B's: the whole store's size, twice B's share
+            resp = await r.post("/v1/responses", body_of(f"{i} " + "lorem ipsum " * 12_500,
+                                                         False), headers=B)
+            assert resp.status_code == 200, resp.text
+            ids.append(resp.json()["id"])
+        assert (await r.get(f"/v1/responses/{a.json()['id']}", headers=A)).status_code == 200
+        follow_up = await r.post("/v1/responses", body_of("And?", False, a.json()["id"]),
+                                 headers=A)
+        assert follow_up.status_code == 200
+        b_kept = [(await r.get(f"/v1/responses/{i}", headers=B)).status_code for i in ids]
+        assert b_kept[0] == 404 and b_kept[-1] == 200  # B's own oldest went
+        assert 3 <= b_kept.count(200) <= 7
+
+
 async def test_store_false_keeps_nothing_and_the_store_off_refuses() -> None:
     async with routed(response_store="memory") as r:
         resp = await r.post("/v1/responses", {**body_of(FIRST, False), "store": False})
@@ -374,6 +397,44 @@ async def test_two_replicas_on_redis_share_the_store_and_the_chain_pulls(
         clock.advance(100.0)
         expired = await c.get(f"{urls[1]}/v1/responses/{finals[0]['id']}")
         assert expired.status_code == 404
+
+
+async def test_the_redis_store_bounds_each_tenants_share(redis_server: RedisServer) -> None:
+    """As the memory store: one tenant past its share evicts only its own oldest; the global
+    bound the oldest of all; deletes and expiry give the share back."""
+    clock = ManualClock(1_000_000.0)
+    evicted: list[str] = []
+    store = RedisResponseStore.from_url(redis_server.url, ttl_s=10.0, max_bytes=400,
+                                        max_bytes_per_tenant=250, wall_clock=clock,
+                                        timeout_s=2.0, deployment="shares",
+                                        on_evict=evicted.append)
+    try:
+        item = StoredResponse(b"[" + b"1," * 49 + b"1]", b'{"output":[]}')  # 114 bytes
+        assert await store.put("a", "a1", item)
+        for i in range(5):  # b floods: its share holds two
+            clock.advance(0.1)
+            assert await store.put("b", f"b{i}", item)
+        assert await store.get("a", "a1") == item
+        kept = [await store.get("b", f"b{i}") is not None for i in range(5)]
+        assert kept == [False, False, False, True, True] and evicted == ["capacity"] * 3
+        assert not await store.put("b", "big", StoredResponse(b"x" * 251, b"{}"))
+        clock.advance(0.1)
+        assert await store.put("c", "c1", item)  # 4 x 114 > 400: the oldest of all (a1)
+        assert await store.get("a", "a1") is None and len(evicted) == 4
+        assert await store.delete("b", "b3")
+        clock.advance(0.1)
+        assert await store.put("b", "b5", item)  # b holds two again: nothing evicted
+        assert len(evicted) == 4 and await store.get("b", "b4") == item
+        clock.advance(10.0)  # all expired: the next put drops them and their shares
+        assert await store.put("b", "b6", item) and await store.put("b", "b7", item)
+        assert len(evicted) == 4
+        client = store._client
+        tbytes = await client.hgetall("kvrelay:shares:resp:tbytes")
+        assert {k.decode(): int(v) for k, v in tbytes.items()} == {
+            "kvrelay:shares:resp:tenant:b:order": 2 * item.num_bytes}
+        assert int(await client.get("kvrelay:shares:resp:bytes")) == 2 * item.num_bytes
+    finally:
+        await store.aclose()
 
 
 async def test_the_redis_store_bounds_its_bytes_oldest_first(redis_server: RedisServer) -> None:

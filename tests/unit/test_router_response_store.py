@@ -49,6 +49,31 @@ async def test_memory_store_expires_bounds_and_separates_tenants() -> None:
     assert len(store) == 0 and store.num_bytes == 0
 
 
+async def test_a_tenant_past_its_share_evicts_only_its_own_oldest() -> None:
+    """One tenant's traffic cannot push another's responses out (``max_bytes_per_tenant``):
+    past its share its own oldest go; the global bound still evicts the oldest of all."""
+    clock = ManualClock()
+    evicted: list[str] = []
+    store = InMemoryResponseStore(ttl_s=10.0, max_bytes=200, max_bytes_per_tenant=100,
+                                  clock=clock, on_evict=evicted.append)
+    assert await store.put("a", "a1", ITEM)
+    for i in range(6):  # b floods: 6 x 45 bytes, its share is 100
+        clock.advance(0.1)
+        assert await store.put("b", f"b{i}", ITEM)
+    assert await store.get("a", "a1") == ITEM  # a's response stays
+    assert [await store.get("b", f"b{i}") is not None for i in range(6)] == [False] * 4 + [True] * 2
+    assert evicted == ["capacity"] * 4
+    assert not await store.put("b", "big", StoredResponse(b"x" * 101, b""))  # over a share
+    assert await store.put("a", "a2", ITEM) and await store.put("c", "c1", ITEM)
+    # 5 x 45 = 225 > 200: the oldest of all (a1) goes, and nothing of a tenant's share leaks
+    assert await store.get("a", "a1") is None and len(store) == 4
+    assert store.num_bytes == 4 * ITEM.num_bytes
+    for tenant, rid in (("a", "a2"), ("b", "b4"), ("b", "b5"), ("c", "c1")):
+        assert await store.delete(tenant, rid)
+    assert len(store) == 0 and store.num_bytes == 0
+    assert await store.put("b", "b6", ITEM) and await store.put("b", "b7", ITEM)  # share again
+
+
 async def test_a_put_again_replaces_and_restarts_the_ttl() -> None:
     clock = ManualClock()
     store = InMemoryResponseStore(ttl_s=10.0, max_bytes=1000, clock=clock)

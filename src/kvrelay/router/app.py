@@ -266,15 +266,19 @@ def _default_response_store(
         metrics.responses_evicted.labels(reason).inc()
 
     ttl_s, max_bytes = config.response_store_ttl_s, config.response_store_max_mb << 20
+    per_tenant = config.response_store_max_mb_per_tenant
+    tenant_bytes = per_tenant << 20 if per_tenant is not None else None
     if config.response_store == "redis":
         from kvrelay.router.response_store_redis import RedisResponseStore
 
         assert config.state is not None
         return RedisResponseStore.from_url(
-            config.state, ttl_s=ttl_s, max_bytes=max_bytes, deployment=config.deployment,
+            config.state, ttl_s=ttl_s, max_bytes=max_bytes, max_bytes_per_tenant=tenant_bytes,
+            deployment=config.deployment,
             timeout_s=max(config.state_timeout_ms / 1000.0, RESPONSE_STORE_MIN_TIMEOUT_S),
             on_error=lambda op: metrics.state_errors.labels(op).inc(), on_evict=evicted)
-    return InMemoryResponseStore(ttl_s=ttl_s, max_bytes=max_bytes, clock=clock,
+    return InMemoryResponseStore(ttl_s=ttl_s, max_bytes=max_bytes,
+                                 max_bytes_per_tenant=tenant_bytes, clock=clock,
                                  on_evict=evicted)
 
 

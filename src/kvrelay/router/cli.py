@@ -113,6 +113,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-store-max-mb", type=int, default=None,
                         help="bound on the stored responses, the oldest evicted first "
                              "(default 256)")
+    parser.add_argument("--response-store-max-mb-per-tenant", type=int, default=None,
+                        help="bound on one tenant's stored responses, its own oldest evicted "
+                             "first, so no tenant can push out another's (default: "
+                             "--response-store-max-mb)")
     parser.add_argument("--log-level", default=None,
                         choices=["critical", "error", "warning", "info", "debug"])
     add_security_arguments(parser)
@@ -215,6 +219,8 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "response_store": getattr(args, "response_store", None),
         "response_store_ttl_s": getattr(args, "response_store_ttl_s", None),
         "response_store_max_mb": getattr(args, "response_store_max_mb", None),
+        "response_store_max_mb_per_tenant": getattr(args, "response_store_max_mb_per_tenant",
+                                                    None),
     }
     if side:
         out["side_channels"] = side

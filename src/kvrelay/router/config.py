@@ -147,7 +147,8 @@ class RouterConfig:
     (content: their input and output items) for ``previous_response_id`` and ``GET
     /v1/responses/{id}``: ``off``, ``memory`` (this process) or ``redis`` (in ``state``,
     shared by replicas), each response ``response_store_ttl_s``, at most
-    ``response_store_max_mb`` in all (``router.response_store``).
+    ``response_store_max_mb`` in all and ``response_store_max_mb_per_tenant`` (default: the
+    whole) of one tenant's (``router.response_store``).
 
     ``guard`` says where the exact prefix check runs: ``connector`` (kvrelay's connector on P
     proves every pulled token; the router never tokenizes), ``tokenize`` (stock vLLM on P: the
@@ -233,6 +234,7 @@ class RouterConfig:
     response_store: ResponseStoreMode = "off"
     response_store_ttl_s: float = 3600.0
     response_store_max_mb: int = 256
+    response_store_max_mb_per_tenant: int | None = None
 
     def __post_init__(self) -> None:
         if not self.prefill or not self.decode:
@@ -262,7 +264,8 @@ class RouterConfig:
         if self.tenant_is_one_caller and not self.api_keys:
             raise ConfigError("tenant_is_one_caller needs API keys: without them every "
                               "request is one open tenant")
-        for name in ("max_entries_per_tenant", "max_in_flight_per_tenant"):
+        for name in ("max_entries_per_tenant", "max_in_flight_per_tenant",
+                     "response_store_max_mb_per_tenant"):
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise ConfigError(f"{name} must be >= 1")
@@ -638,6 +641,7 @@ ENV_KEYS = {
     "RESPONSE_STORE": "response_store",
     "RESPONSE_STORE_TTL_S": "response_store_ttl_s",
     "RESPONSE_STORE_MAX_MB": "response_store_max_mb",
+    "RESPONSE_STORE_MAX_MB_PER_TENANT": "response_store_max_mb_per_tenant",
 }
 
 

@@ -13,7 +13,10 @@ same 404. Ids are minted by the router (``new_response_id``: ``resp_`` + 128 ran
 never taken from a client.
 
 **Bounds.** Each response expires ``ttl_s`` after it was stored; the store holds at most
-``max_bytes`` of JSON, the oldest evicted first. ``InMemoryResponseStore`` is one process's;
+``max_bytes`` of JSON, the oldest evicted first, and one tenant at most
+``max_bytes_per_tenant`` (``None``: ``max_bytes``), its own oldest evicted first: so one
+tenant's traffic can push out only its own responses once its share is below the whole
+(``--response-store-max-mb-per-tenant``). ``InMemoryResponseStore`` is one process's;
 ``response_store_redis.RedisResponseStore`` is shared by router replicas.
 """
 
@@ -80,15 +83,20 @@ class InMemoryResponseStore:
 
     def __init__(
         self, *, ttl_s: float, max_bytes: int, clock: Callable[[], float],
+        max_bytes_per_tenant: int | None = None,
         on_evict: Callable[[str], None] | None = None,
     ) -> None:
-        if ttl_s <= 0 or max_bytes < 1:
-            raise ValueError("ttl_s must be positive and max_bytes >= 1")
+        if ttl_s <= 0 or max_bytes < 1 or (max_bytes_per_tenant or 1) < 1:
+            raise ValueError("ttl_s must be positive and max_bytes(_per_tenant) >= 1")
         self._ttl_s = ttl_s
         self._max_bytes = max_bytes
+        self._tenant_max = min(max_bytes_per_tenant or max_bytes, max_bytes)
         self._clock = clock
         self._on_evict = on_evict
         self._items: OrderedDict[tuple[str, str], _Kept] = OrderedDict()
+        # each tenant's ids in the same (age) order, and its bytes
+        self._by_tenant: dict[str, OrderedDict[str, None]] = {}
+        self._tenant_bytes: dict[str, int] = {}
         self._bytes = 0
 
     def __len__(self) -> int:
@@ -107,15 +115,16 @@ class InMemoryResponseStore:
         now = self._clock()
         self._expire(now)
         self._remove((tenant, response_id))
-        if stored.num_bytes > self._max_bytes:
+        if stored.num_bytes > self._tenant_max:
             return False
         self._items[(tenant, response_id)] = _Kept(now + self._ttl_s, stored)
+        self._by_tenant.setdefault(tenant, OrderedDict())[response_id] = None
+        self._tenant_bytes[tenant] = self._tenant_bytes.get(tenant, 0) + stored.num_bytes
         self._bytes += stored.num_bytes
+        while self._tenant_bytes[tenant] > self._tenant_max:
+            self._evict((tenant, next(iter(self._by_tenant[tenant]))))
         while self._bytes > self._max_bytes:
-            key = next(iter(self._items))
-            self._remove(key)
-            if self._on_evict is not None:
-                self._on_evict("capacity")
+            self._evict(next(iter(self._items)))
         return True
 
     async def delete(self, tenant: str, response_id: str) -> bool:
@@ -124,13 +133,26 @@ class InMemoryResponseStore:
 
     async def aclose(self) -> None:
         self._items.clear()
+        self._by_tenant.clear()
+        self._tenant_bytes.clear()
         self._bytes = 0
+
+    def _evict(self, key: tuple[str, str]) -> None:
+        self._remove(key)
+        if self._on_evict is not None:
+            self._on_evict("capacity")
 
     def _remove(self, key: tuple[str, str]) -> bool:
         kept = self._items.pop(key, None)
         if kept is None:
             return False
+        tenant, response_id = key
         self._bytes -= kept.stored.num_bytes
+        self._tenant_bytes[tenant] -= kept.stored.num_bytes
+        ids = self._by_tenant[tenant]
+        del ids[response_id]
+        if not ids:
+            del self._by_tenant[tenant], self._tenant_bytes[tenant]
         return True
 
     def _expire(self, now_s: float) -> None:

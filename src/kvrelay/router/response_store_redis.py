@@ -9,6 +9,10 @@ or a ``GET /v1/responses/{id}`` finds a response whichever replica stored it.
 * ``{ns}:resp:order`` – the kept keys by expiry (one TTL: also by age), ``{ns}:resp:size``
   their sizes, ``{ns}:resp:bytes`` the total: a put drops what expired and then, while the
   total is over ``max_bytes``, the oldest (one script, so replicas never race the count).
+* ``{ns}:resp:tenant:{tenant}:order`` – one tenant's kept keys by expiry,
+  ``{ns}:resp:owner`` each kept key's tenant order key, ``{ns}:resp:tbytes`` each tenant's
+  total: before the global bound, a put drops the tenant's own oldest while it holds more
+  than ``max_bytes_per_tenant``.
 
 Expiry is checked against the wall clock (``wall_clock``; keep the hosts NTP-synced), so an
 expired response is a miss even before Redis deletes it. Each call is bounded by
@@ -40,12 +44,21 @@ GRACE_MS = 60_000
 """Redis keeps an expired response this long past its expiry (a replica whose clock lags
 still sees it expired, never half-deleted)."""
 
-# remove one kept key and its accounting; returns 1 if it was counted
+# remove one kept key and its accounting (its tenant's too); returns 1 if it was counted.
+# KEYS = item, order, sizes, total, owners, tenant totals, the item's tenant order.
 _REMOVE = """
 local function remove(k)
   local n = redis.call('HGET', KEYS[3], k)
+  local owner = redis.call('HGET', KEYS[5], k)
   redis.call('DEL', k)
   redis.call('ZREM', KEYS[2], k)
+  if owner then
+    redis.call('ZREM', owner, k)
+    redis.call('HDEL', KEYS[5], k)
+    if n and redis.call('HINCRBY', KEYS[6], owner, -tonumber(n)) <= 0 then
+      redis.call('HDEL', KEYS[6], owner)
+    end
+  end
   if not n then return 0 end
   redis.call('HDEL', KEYS[3], k)
   redis.call('DECRBY', KEYS[4], n)
@@ -53,18 +66,28 @@ local function remove(k)
 end
 """
 
-# KEYS = item, order, sizes, total; ARGV = in, out, exp ms, size, pexpire ms, max bytes, now ms.
+# ARGV = in, out, exp ms, size, pexpire ms, max bytes, now ms, max bytes per tenant.
 # Returns {kept (1/0), evicted for capacity}.
 _PUT = _REMOVE + """
 remove(KEYS[1])
 for _, k in ipairs(redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[7])) do remove(k) end
-if tonumber(ARGV[4]) > tonumber(ARGV[6]) then return {0, 0} end
+if tonumber(ARGV[4]) > tonumber(ARGV[8]) then return {0, 0} end
 redis.call('HSET', KEYS[1], 'in', ARGV[1], 'out', ARGV[2], 'exp', ARGV[3])
 redis.call('PEXPIRE', KEYS[1], ARGV[5])
 redis.call('ZADD', KEYS[2], ARGV[3], KEYS[1])
 redis.call('HSET', KEYS[3], KEYS[1], ARGV[4])
-local total = redis.call('INCRBY', KEYS[4], ARGV[4])
+redis.call('HSET', KEYS[5], KEYS[1], KEYS[7])
+redis.call('ZADD', KEYS[7], ARGV[3], KEYS[1])
+local mine = redis.call('HINCRBY', KEYS[6], KEYS[7], ARGV[4])
+redis.call('INCRBY', KEYS[4], ARGV[4])
 local evicted = 0
+while mine > tonumber(ARGV[8]) do
+  local old = redis.call('ZRANGE', KEYS[7], 0, 0)[1]
+  if not old or old == KEYS[1] then break end
+  evicted = evicted + remove(old)
+  mine = tonumber(redis.call('HGET', KEYS[6], KEYS[7]) or '0')
+end
+local total = tonumber(redis.call('GET', KEYS[4]) or '0')
 while total > tonumber(ARGV[6]) do
   local old = redis.call('ZRANGE', KEYS[2], 0, 0)[1]
   if not old or old == KEYS[1] then break end
@@ -96,18 +119,21 @@ class RedisResponseStore:
         *,
         ttl_s: float,
         max_bytes: int,
+        max_bytes_per_tenant: int | None = None,
         deployment: str = "default",
         wall_clock: Callable[[], float] = time.time,
         timeout_s: float = 1.0,
         on_error: Callable[[str], None] | None = None,
         on_evict: Callable[[str], None] | None = None,
     ) -> None:
-        if ttl_s <= 0 or max_bytes < 1 or timeout_s <= 0:
-            raise ValueError("ttl_s and timeout_s must be positive and max_bytes >= 1")
+        if ttl_s <= 0 or max_bytes < 1 or timeout_s <= 0 or (max_bytes_per_tenant or 1) < 1:
+            raise ValueError("ttl_s and timeout_s must be positive and max_bytes(_per_tenant)"
+                             " >= 1")
         self._client = client
         self._ns = f"kvrelay:{quote(deployment, safe='')}:resp"
         self._ttl_ms = math.ceil(ttl_s * 1000)
         self._max_bytes = max_bytes
+        self._tenant_max = min(max_bytes_per_tenant or max_bytes, max_bytes)
         self._wall = wall_clock
         self._timeout_s = timeout_s
         self._on_error = on_error
@@ -130,7 +156,8 @@ class RedisResponseStore:
 
     def _keys(self, tenant: str, response_id: str) -> list[str]:
         return [self.key(tenant, response_id), f"{self._ns}:order", f"{self._ns}:size",
-                f"{self._ns}:bytes"]
+                f"{self._ns}:bytes", f"{self._ns}:owner", f"{self._ns}:tbytes",
+                f"{self._ns}:tenant:{quote(tenant, safe='')}:order"]
 
     async def get(self, tenant: str, response_id: str) -> StoredResponse | None:
         try:
@@ -151,7 +178,8 @@ class RedisResponseStore:
             kept, evicted = await self._call("response_put", self._put(
                 keys=self._keys(tenant, response_id),
                 args=[stored.input_json, stored.response_json, now_ms + self._ttl_ms,
-                      stored.num_bytes, self._ttl_ms + GRACE_MS, self._max_bytes, now_ms]))
+                      stored.num_bytes, self._ttl_ms + GRACE_MS, self._max_bytes, now_ms,
+                      self._tenant_max]))
         except (TimeoutError, RedisError, OSError):
             return False
         if self._on_evict is not None:
