@@ -34,6 +34,8 @@ from kvrelay.deploy.prometheus import (
     find_prometheus,
     prometheus_service,
 )
+from kvrelay.router.config import derived_tag_key
+from kvrelay.router.retention import sync_token
 from tests.component.redis_server import RedisServer
 from tests.costs import fixed_costs_flag
 from tests.ports import free_port_block, free_ports
@@ -43,6 +45,7 @@ SCRAPE_INTERVAL_S = 1.0
 ROUNDS = 4
 DATA_DEADLINE_S = 90.0
 GATEWAY_HEADER = "x-gateway-conversation"
+TAG_KEY = "monitoring-test-tag-key"
 RETAINED_QUERY = f"max by (node) ({RETAINED_TOKENS})"
 
 
@@ -68,7 +71,8 @@ class Rig:
             num_blocks_total=256, num_blocks_free=200 - round_, retained_requests=round_ + 1,
             retained_blocks=round_ + 4, retained_tokens=(round_ + 4) * 128,
             releases_total={"pressure": round_, "router": 2 * round_, "expired": 0}))
-        resp = httpx.post(self.internal + RETENTION_PATH, content=body, timeout=10)
+        token = sync_token(derived_tag_key(TAG_KEY), "decode-0")  # as D's decode params say
+        resp = httpx.post(f"{self.internal}{RETENTION_PATH}/{token}", content=body, timeout=10)
         assert resp.status_code == 200, resp.text
 
     def turn(self, messages: list[dict[str, str]], conversation_id: str,
@@ -109,7 +113,7 @@ def rig(tmp_path: Path, redis_server: RedisServer) -> Iterator[Rig]:
                        block_size=128, internal_port=internal_port,
                        extra=["--state", redis_server.url, "--health-interval-s", "1",
                               "--state-timeout-ms", "500", "--fixed-costs", fixed_costs_flag(),
-                              "--gateway-id-header", GATEWAY_HEADER]),
+                              "--gateway-id-header", GATEWAY_HEADER, "--tag-key", TAG_KEY]),
         [f"{router_url}/health"], tmp_path / "router.log", url=router_url)
     # the router's target as `kvrelay up --monitoring` picks it (its internal listener: an
     # open public /metrics leaves out the request-size series, docs/security.md)

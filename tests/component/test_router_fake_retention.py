@@ -108,7 +108,7 @@ def metric(samples: dict[str, float], name: str, **labels: str) -> float:
 
 async def post_sync(r: Routed, body: bytes) -> httpx.Response:
     async with httpx.AsyncClient(trust_env=False, timeout=10.0) as c:
-        return await c.post(r.ctx.retention.url, content=body)
+        return await c.post(r.ctx.retention.url_for("decode-0"), content=body)
 
 
 def follow_up(answer: str) -> list[dict[str, Any]]:
@@ -138,8 +138,10 @@ async def test_decode_requests_tell_a_connector_d_where_to_sync(guard: str) -> N
         params = r.cluster.decode[0].records[-1].request_kv_transfer_params
         assert params is not None
         if guard == "connector":
-            assert params[RETENTION_URL_KEY] == (
-                f"http://127.0.0.1:{r.ctx.config.listen_internal_port}{RETENTION_PATH}")
+            url = params[RETENTION_URL_KEY]
+            assert url == r.ctx.retention.url_for("decode-0")
+            assert url.startswith(
+                f"http://127.0.0.1:{r.ctx.config.listen_internal_port}{RETENTION_PATH}/")
             retain_s = params[RETAIN_S_KEY]
             assert isinstance(retain_s, float)
             assert 0 < retain_s <= ENGINE_CONFIG.decoder_kv_blocks_ttl
@@ -202,6 +204,34 @@ async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_n
             assert (await chat(c, history)).headers["x-kvrelay-reason"] == "pull"
         public = await r.post(RETENTION_PATH, sync_body(r.cluster.decode[0].engine_id))
         assert public.status_code == 404  # the internal listener only
+
+
+async def test_a_sync_not_at_the_url_d_was_given_changes_nothing() -> None:
+    """Whoever reaches the internal listener and knows D's engine id cannot sync as D: a
+    sync must come to the URL the router gave that D (a MAC of its node id). A forged one
+    (bare path, another token, another D's) is the same 404 as an unknown engine: it takes
+    none of D's release orders (which D then never got, keeping dropped turns pinned) and
+    leaves D's numbers as D reported them."""
+    async with routed(engine_config=SILENT_D, kv_recompute_threshold=100_000) as r:
+        history, entry = await one_first_turn(r)
+        async with r.client() as c:  # recomputes: the entry it continued is to be released
+            assert (await chat(c, history)).headers["x-kvrelay-reason"] == "below_threshold"
+        await r.settle()
+        engine = r.cluster.decode[0].engine_id
+        base = f"http://127.0.0.1:{r.ctx.config.listen_internal_port}{RETENTION_PATH}"
+        forged = sync_body(engine, retained_blocks=0, num_blocks_free=128)
+        async with httpx.AsyncClient(trust_env=False, timeout=10.0) as c:
+            for url in (base, base + "/", base + "/" + "0" * 32,
+                        r.ctx.retention.url_for("decode-1"),
+                        r.ctx.retention.url_for("decode-0") + "0"):
+                resp = await c.post(url, content=forged)
+                assert resp.status_code == 404, (url, resp.text)
+        metrics = parse_prometheus((await r.internal_get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_retention_syncs_total",
+                      outcome="bad_token") == 4  # the bare path is no route at all
+        assert r.ctx.retention.snapshot() == {}  # no numbers taken from a forged sync
+        assert await orders_for(r) == [entry.request_id]  # D's own sync gets the order
+        assert r.ctx.retention.snapshot()["decode-0"]["retained_blocks"] == 4
 
 
 def conversation(i: int) -> list[dict[str, Any]]:

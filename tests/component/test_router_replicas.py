@@ -189,7 +189,7 @@ async def post_sync(ctx: RouterContext, engine_id: str,
         released=tuple(Released(rid, cause) for rid, cause in released),  # type: ignore[arg-type]
     ))
     async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
-        resp = await c.post(ctx.retention.url, content=body)
+        resp = await c.post(ctx.retention.url_for("decode-0"), content=body)
     assert resp.status_code == 200, resp.text
     orders: list[str] = resp.json()["release"]
     return orders

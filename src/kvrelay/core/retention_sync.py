@@ -10,7 +10,8 @@ between that connector (and the fake engine) and the router.
 keys through untouched):
 
 * ``kvrelay_retention_url``: where D's connector syncs its retention (``POST``, the router's
-  internal listener, path ``RETENTION_PATH``). The connector remembers the most recent
+  internal listener, path ``RETENTION_PATH`` and a token of that D's: the connector posts to
+  the URL's path as given). The connector remembers the most recent
   ``MAX_SYNC_URLS`` URLs it was given (several router replicas) and syncs with each.
 * ``kvrelay_retain_s`` (float > 0): how long D keeps this turn's blocks; D clamps it to its
   configured TTL (``decoder_kv_blocks_ttl``), never above.

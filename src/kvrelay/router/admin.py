@@ -28,9 +28,10 @@ Who sees what (docs/security.md):
   Without an admin key these routes do not exist (404); no/wrong key 401, a tenant's 403.
 * ``POST /internal/kv-report`` – only on the internal listener: D's reports, at most
   ``core.report.MAX_REPORT_BYTES``, each checked against its turn (``commit``).
-* ``POST /internal/kv-retention`` (``core.retention_sync.RETENTION_PATH``) – only on the
-  internal listener: D's retention syncs, at most ``MAX_SYNC_BYTES``, answered with the
-  release orders for that D (``router.retention``). ``/stats`` shows each D's numbers under
+* ``POST /internal/kv-retention/<token>`` (``core.retention_sync.RETENTION_PATH``) – only
+  on the internal listener: D's retention syncs, at most ``MAX_SYNC_BYTES``, at the URL the
+  router gave that D (``RetentionDesk.url_for``), answered with the release orders for that
+  D (``router.retention``). ``/stats`` shows each D's numbers under
   ``retention``.
 """
 
@@ -258,7 +259,8 @@ def internal_routes(ctx: RouterContext) -> list[Route]:
 
     async def retention(request: Request) -> bytes:
         raw = await read_body(request, MAX_SYNC_BYTES, ctx.config.body_timeout_s)
-        return encode(await ctx.retention.accept(raw))
+        token = request.path[len(RETENTION_PATH) + 1:]
+        return encode(await ctx.retention.accept(raw, token))
 
     async def health(request: Request) -> bytes:
         return dumps({"status": "ok"})
@@ -270,6 +272,7 @@ def internal_routes(ctx: RouterContext) -> list[Route]:
         Route("/metrics", frozenset({"GET"}), metrics),
         Route("/internal/kv-report", frozenset({"POST"}),
               _counted(ctx, "/internal/kv-report", kv_report)),
-        Route(RETENTION_PATH, frozenset({"POST"}), _counted(ctx, RETENTION_PATH, retention)),
+        Route(RETENTION_PATH + "/", frozenset({"POST"}),
+              _counted(ctx, RETENTION_PATH, retention), prefix=True),
         Route("/health", frozenset({"GET"}), _counted(ctx, "/internal/health", health)),
     ]

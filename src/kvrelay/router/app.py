@@ -175,6 +175,7 @@ def create_app(
         read_timeout_s=config.read_timeout_s,
     ))
     nodes = NodeRegistry(config, upstream, index, metrics, clock=clock)
+    tag_key = config.conversation_tag_key()
     ctx = RouterContext(
         config=config,
         clock=clock,
@@ -191,13 +192,14 @@ def create_app(
                            config.metrics_key),
         retention=RetentionDesk(
             index, nodes, metrics, clock, base_url=config.internal_base_url,
+            key=tag_key,
             learned=RetentionTimeConfig(
                 quantile=config.retain_quantile,
                 router_margin_s=config.ttl_safety_margin_s + config.policy.near_expiry_s,
                 min_window_s=config.retain_min_window_s,
             ) if config.learned_retention else None,
         ),
-        tag_key=config.conversation_tag_key(),
+        tag_key=tag_key,
         turn_log=TurnLogWriter(
             config.turn_log, max_bytes=config.turn_log_max_mb << 20,
             backups=config.turn_log_backups,

@@ -133,6 +133,13 @@ class NodeConfig:
         return blocks.with_host(self.side_channel.host, self.side_channel.port)
 
 
+def derived_tag_key(secret: str) -> bytes:
+    """The conversation tag key (and retention sync key, ``router.retention.sync_token``)
+    derived from ``--tag-key``: replicas and restarts given the same secret agree on it."""
+    return hashlib.blake2b(secret.encode("utf-8"), digest_size=TAG_KEY_BYTES,
+                           person=b"kvrelay-tagkey").digest()
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     """Everything the router needs; see ``docs/router.md`` for each knob's meaning.
@@ -363,8 +370,7 @@ class RouterConfig:
         restarts that share it agree on tags), else random for this process."""
         if self.tag_key is None:
             return secrets.token_bytes(TAG_KEY_BYTES)
-        return hashlib.blake2b(self.tag_key.encode("utf-8"), digest_size=TAG_KEY_BYTES,
-                               person=b"kvrelay-tagkey").digest()
+        return derived_tag_key(self.tag_key)
 
     @property
     def id_rules(self) -> IdRules:

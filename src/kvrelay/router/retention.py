@@ -1,13 +1,17 @@
 """D's retention as the router sees it: D's syncs in, the router's release orders out.
 
 kvrelay's connector on D (and the fake engine) POSTs a ``core.retention_sync.RetentionSync``
-to ``RETENTION_PATH`` on the internal listener every ``SYNC_INTERVAL_S`` while it holds
-retained turns, and at once after a release. ``RetentionDesk.accept``:
+to the ``kvrelay_retention_url`` its decode requests carry, ``RETENTION_PATH/<token>`` on the
+internal listener (``url_for``), every ``SYNC_INTERVAL_S`` while it holds retained turns, and
+at once after a release. ``RetentionDesk.accept``:
 
 1. decodes the body (``decode_sync``; a bad one is a 400, never a 5xx) and finds the D it is
    from by its engine id (``NodeRegistry.decode_node_for_engine``: only an engine id this
-   router learned from that D's own answers or checked reports; an unknown one is a 404, so
-   a forged or stale engine id changes nothing);
+   router learned from that D's own answers or checked reports) and by the URL's token, a
+   MAC of that D's node id under the router's key that only decode requests to that D
+   carry: an unknown engine id or a token not that D's is the same 404, so a forged or stale
+   sync changes nothing (it would take D's release orders, keeping D's dropped turns pinned,
+   and overwrite D's numbers). The connector posts to the URL as given (any version);
 2. marks every entry of that D whose request id D released as released
    (``ConversationIndex.mark_released``): it is never claimed again, and the conversation's
    next turn recomputes with reason ``released``;
@@ -28,7 +32,7 @@ retained turns, and at once after a release. ``RetentionDesk.accept``:
    replica that sent it turns), at most ``MAX_ORDERS`` per D, the oldest dropped first.
 
 ``decode_params`` gives a decode request to a D that runs kvrelay's connector
-(``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url``) and, unless
+(``NodeRegistry.manages_retention``) ``kvrelay_retention_url`` (``url_for`` the D) and, unless
 learning is off (``kvrelay route --no-learned-retention``), ``kvrelay_retain_s``: how long
 D keeps the turn, ``core.retention_time.plan_retention`` from the gaps between turns seen
 (``router.retain_times``, fed by ``observe_gap``, per kind: after a tool call, after a
@@ -44,6 +48,8 @@ that ended its kind's way (``RetainTimes.ended``: the share that came back).
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import logging
 from collections import OrderedDict
 from collections.abc import Callable, Mapping
@@ -116,6 +122,14 @@ class DecodeRetention:
     plan: RetainPlan | None = None
 
 
+def sync_token(key: bytes, node_id: str) -> str:
+    """The token of D ``node_id``'s sync URL under the router's ``key`` (its conversation
+    tag key: replicas and restarts given the same ``--tag-key`` agree on it): 128 bits of a
+    keyed BLAKE2b of the node id, in hex."""
+    return hashlib.blake2b(node_id.encode(), key=key[:64], digest_size=16,
+                           person=b"kvrelay-sync").hexdigest()
+
+
 class RetentionDesk:
     """D's syncs and the router's orders for one router app (module docstring).
     ``learned``: how per-turn retention times are learned (``None``: none are sent)."""
@@ -128,17 +142,27 @@ class RetentionDesk:
         clock: Callable[[], float],
         *,
         base_url: str,
+        key: bytes,
         learned: RetentionTimeConfig | None,
     ) -> None:
         self._index = index
         self._nodes = nodes
         self._metrics = metrics
         self._clock = clock
-        self.url = base_url.rstrip("/") + RETENTION_PATH
+        self._base = base_url.rstrip("/") + RETENTION_PATH + "/"
+        self._key = key
         self._learned = learned
         self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
         self._curves: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
+
+    def url_for(self, node_id: str) -> str:
+        """Where D ``node_id`` syncs with this router: ``RETENTION_PATH/<token>``, the token a
+        MAC of the node id (module docstring)."""
+        return self._base + self._token(node_id)
+
+    def _token(self, node_id: str) -> str:
+        return sync_token(self._key, node_id)
 
     def observe_gap(self, req: TurnRequest, gap_s: float, kind: GapKind = "user") -> None:
         """A turn arrived ``gap_s`` after the turn it continues ended (``kind``: how that
@@ -151,7 +175,7 @@ class RetentionDesk:
         if not self._nodes.manages_retention(node.node_id):
             return DecodeRetention(None, node.ttl_s)
         if self._learned is None:
-            return DecodeRetention({RETENTION_URL_KEY: self.url}, node.ttl_s)
+            return DecodeRetention({RETENTION_URL_KEY: self.url_for(node.node_id)}, node.ttl_s)
         state = self.latest(node.node_id)
         req = turn.request
         plan = plan_retention(
@@ -163,7 +187,8 @@ class RetentionDesk:
         self._metrics.child(self._metrics.retain_decisions, decided.reason).inc()
         self._metrics.retain_seconds.observe(decided.retain_s)
         turn.retain_s = decided.retain_s
-        keys: dict[str, object] = {RETENTION_URL_KEY: self.url, RETAIN_S_KEY: decided.retain_s}
+        keys: dict[str, object] = {RETENTION_URL_KEY: self.url_for(node.node_id),
+                                   RETAIN_S_KEY: decided.retain_s}
         if decided.curve is not None:
             keys[RETURN_CURVE_KEY] = list(msgspec.structs.astuple(decided.curve))
         return DecodeRetention(keys, decided.retain_s, plan)
@@ -207,16 +232,21 @@ class RetentionDesk:
             return None
         return state
 
-    async def accept(self, raw: bytes) -> RetentionOrders:
-        """Handle one sync body (module docstring); ``ClientError`` 400 / 404."""
+    async def accept(self, raw: bytes, token: str) -> RetentionOrders:
+        """Handle one sync body posted to ``url_for`` a D (``token``: the URL's last part;
+        module docstring); ``ClientError`` 400 / 404."""
         try:
             sync = decode_sync(raw)
         except RetentionSyncError as exc:
             self._metrics.child(self._metrics.retention_syncs, "invalid").inc()
             raise ClientError(str(exc)) from None
         node_id = self._nodes.decode_node_for_engine(sync.engine_id)
+        outcome = "unknown_engine"
+        if node_id is not None and not hmac.compare_digest(
+                token.encode(), self._token(node_id).encode()):
+            node_id, outcome = None, "bad_token"
         if node_id is None:
-            self._metrics.child(self._metrics.retention_syncs, "unknown_engine").inc()
+            self._metrics.child(self._metrics.retention_syncs, outcome).inc()
             raise ClientError("no decode node of this router runs that engine", status=404)
         self._metrics.child(self._metrics.retention_syncs, "ok").inc()
         self._latest[node_id] = DRetention(node_id, sync, self._clock())
