@@ -206,12 +206,13 @@ async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_n
         assert public.status_code == 404  # the internal listener only
 
 
-async def test_a_sync_not_at_the_url_d_was_given_changes_nothing() -> None:
+async def test_a_sync_not_at_the_url_d_was_given_takes_no_orders() -> None:
     """Whoever reaches the internal listener and knows D's engine id cannot sync as D: a
-    sync must come to the URL the router gave that D (a MAC of its node id). A forged one
-    (bare path, another token, another D's) is the same 404 as an unknown engine: it takes
-    none of D's release orders (which D then never got, keeping dropped turns pinned) and
-    leaves D's numbers as D reported them."""
+    sync not at the URL the router gave that D (a MAC of its node id; the bare path,
+    another token, another D's) takes none of D's release orders (which D would then never
+    get, keeping dropped turns pinned) and leaves D's numbers as D reported them. It is
+    still heard where it can only make entries recompute (D's URL may predate a router
+    restart): its releases mark entries released, its asks are answered."""
     async with routed(engine_config=SILENT_D, kv_recompute_threshold=100_000) as r:
         history, entry = await one_first_turn(r)
         async with r.client() as c:  # recomputes: the entry it continued is to be released
@@ -225,13 +226,21 @@ async def test_a_sync_not_at_the_url_d_was_given_changes_nothing() -> None:
                         r.ctx.retention.url_for("decode-1"),
                         r.ctx.retention.url_for("decode-0") + "0"):
                 resp = await c.post(url, content=forged)
-                assert resp.status_code == 404, (url, resp.text)
+                assert resp.status_code == 200, (url, resp.text)
+                assert resp.json()["release"] == [] and "curves" not in resp.json()
         metrics = parse_prometheus((await r.internal_get("/metrics")).text)
-        assert metric(metrics, "kvrelay_router_retention_syncs_total",
-                      outcome="bad_token") == 4  # the bare path is no route at all
+        assert metric(metrics, "kvrelay_router_retention_syncs_total", outcome="bad_token") == 5
         assert r.ctx.retention.snapshot() == {}  # no numbers taken from a forged sync
         assert await orders_for(r) == [entry.request_id]  # D's own sync gets the order
         assert r.ctx.retention.snapshot()["decode-0"]["retained_blocks"] == 4
+        # a stale URL's release still marks the entry released: it is never pulled
+        second, live = await one_first_turn(r)
+        async with httpx.AsyncClient(trust_env=False, timeout=10.0) as c:
+            resp = await c.post(base, content=sync_body(
+                engine, released=((live.request_id, "pressure"),)))
+        assert resp.status_code == 200
+        async with r.client() as c:
+            assert (await chat(c, second)).headers["x-kvrelay-reason"] == "released"
 
 
 def conversation(i: int) -> list[dict[str, Any]]:

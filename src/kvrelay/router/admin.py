@@ -259,7 +259,7 @@ def internal_routes(ctx: RouterContext) -> list[Route]:
 
     async def retention(request: Request) -> bytes:
         raw = await read_body(request, MAX_SYNC_BYTES, ctx.config.body_timeout_s)
-        token = request.path[len(RETENTION_PATH) + 1:]
+        token = request.path[len(RETENTION_PATH) + 1:]  # "" for the bare path
         return encode(await ctx.retention.accept(raw, token))
 
     async def health(request: Request) -> bytes:
@@ -272,6 +272,7 @@ def internal_routes(ctx: RouterContext) -> list[Route]:
         Route("/metrics", frozenset({"GET"}), metrics),
         Route("/internal/kv-report", frozenset({"POST"}),
               _counted(ctx, "/internal/kv-report", kv_report)),
+        Route(RETENTION_PATH, frozenset({"POST"}), _counted(ctx, RETENTION_PATH, retention)),
         Route(RETENTION_PATH + "/", frozenset({"POST"}),
               _counted(ctx, RETENTION_PATH, retention), prefix=True),
         Route("/health", frozenset({"GET"}), _counted(ctx, "/internal/health", health)),

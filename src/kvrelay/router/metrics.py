@@ -33,9 +33,9 @@ Names (all prefixed ``kvrelay_router_``):
   ``d_free_blocks{node}``, ``d_total_blocks{node}`` (gauges) and
   ``d_releases_total{node,cause}`` (D's count since it started: ``pressure``, ``router``,
   ``expired``); the router's side: ``retention_syncs_total{outcome}`` (``ok``,
-  ``invalid``, ``unknown_engine``, ``bad_token``: not at the URL the router gave that D),
-  ``retention_releases_seen_total{node,cause}`` (releases
-  the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
+  ``invalid``, ``unknown_engine``, ``bad_token``: not at the URL the router gave that D,
+  heard only in its releases and asks), ``retention_releases_seen_total{node,cause}``
+  (releases the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
   released), ``release_orders_total{node}`` (orders delivered to D, or sent through P to a
   stock D: ``router.stock_release``),
   ``release_requests_total{node,answer}`` (turns D asked to free: ``dropped``, or

@@ -7,11 +7,13 @@ at once after a release. ``RetentionDesk.accept``:
 
 1. decodes the body (``decode_sync``; a bad one is a 400, never a 5xx) and finds the D it is
    from by its engine id (``NodeRegistry.decode_node_for_engine``: only an engine id this
-   router learned from that D's own answers or checked reports) and by the URL's token, a
-   MAC of that D's node id under the router's key that only decode requests to that D
-   carry: an unknown engine id or a token not that D's is the same 404, so a forged or stale
-   sync changes nothing (it would take D's release orders, keeping D's dropped turns pinned,
-   and overwrite D's numbers). The connector posts to the URL as given (any version);
+   router learned from that D's own answers or checked reports; an unknown one is a 404)
+   and checks the URL's token, a MAC of that D's node id under the router's key that only
+   decode requests to that D carry. A sync without it (``bad_token``: forged, or D's URL
+   from before a restart without ``--tag-key`` or from an older router) is heard only in
+   what can make entries recompute (2 and 4): it takes none of D's release orders (which
+   would keep D's dropped turns pinned) and its numbers are not kept (3). The connector
+   posts to the URL as given (any version);
 2. marks every entry of that D whose request id D released as released
    (``ConversationIndex.mark_released``): it is never claimed again, and the conversation's
    next turn recomputes with reason ``released``;
@@ -233,28 +235,31 @@ class RetentionDesk:
         return state
 
     async def accept(self, raw: bytes, token: str) -> RetentionOrders:
-        """Handle one sync body posted to ``url_for`` a D (``token``: the URL's last part;
-        module docstring); ``ClientError`` 400 / 404."""
+        """Handle one sync body posted to ``url_for`` a D (``token``: the URL's last part,
+        ``""`` for the bare path; module docstring); ``ClientError`` 400 / 404. A sync with a
+        token not that D's (a router restarted without ``--tag-key``, an older router's bare
+        URL, or a forger) is still heard where it can only make entries recompute, what D
+        must be able to do whatever URL it holds: its releases mark entries released and its
+        asks (``releasing``) are answered; but it takes no release orders or curves and its
+        numbers are not D's (``bad_token``)."""
         try:
             sync = decode_sync(raw)
         except RetentionSyncError as exc:
             self._metrics.child(self._metrics.retention_syncs, "invalid").inc()
             raise ClientError(str(exc)) from None
         node_id = self._nodes.decode_node_for_engine(sync.engine_id)
-        outcome = "unknown_engine"
-        if node_id is not None and not hmac.compare_digest(
-                token.encode(), self._token(node_id).encode()):
-            node_id, outcome = None, "bad_token"
         if node_id is None:
-            self._metrics.child(self._metrics.retention_syncs, outcome).inc()
+            self._metrics.child(self._metrics.retention_syncs, "unknown_engine").inc()
             raise ClientError("no decode node of this router runs that engine", status=404)
-        self._metrics.child(self._metrics.retention_syncs, "ok").inc()
-        self._latest[node_id] = DRetention(node_id, sync, self._clock())
+        trusted = hmac.compare_digest(token.encode(), self._token(node_id).encode())
+        self._metrics.child(self._metrics.retention_syncs, "ok" if trusted else "bad_token").inc()
+        if trusted:
+            self._latest[node_id] = DRetention(node_id, sync, self._clock())
         if sync.released:
             marked = await self._index.mark_released(node_id, sync.engine_id, sync.released)
             for cause in RELEASE_CAUSES:
                 n = sum(1 for r in sync.released if r.cause == cause)
-                if n:
+                if n and trusted:
                     self._metrics.child(self._metrics.releases_seen, node_id, cause).inc(n)
             if marked:
                 self._metrics.child(self._metrics.entries_released, node_id).inc(marked)
@@ -266,6 +271,8 @@ class RetentionDesk:
             for answer, n in (("dropped", len(dropped)), ("reading", reading)):
                 if n:
                     self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
+        if not trusted:
+            return RetentionOrders(dropped=dropped)
         orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
