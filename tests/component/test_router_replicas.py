@@ -13,6 +13,7 @@ from typing import Any
 import httpx
 
 from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.client.sse import sse_events
 from kvrelay.core.retention_sync import Released, RetentionSync, encode
 from kvrelay.fakevllm import FakeCluster, FakeEngineConfig, ManualClock
 from kvrelay.fakevllm.server import HttpServer
@@ -21,7 +22,7 @@ from kvrelay.router.config import RouterConfig
 from kvrelay.router.state import RouterContext
 from tests.component.redis_server import RedisServer
 from tests.component.router_fake import ENGINE_CONFIG
-from tests.component.router_rig import lookup
+from tests.component.router_rig import lookup, stream_text
 from tests.costs import fixed
 from tests.ports import free_ports
 
@@ -155,6 +156,35 @@ async def test_concurrent_follow_ups_on_two_replicas_pull_once(
         assert actions == [("pull", "pull"), ("recompute", "no_entry")]
         assert len([rec for rec in p.records if rec.plan == "pull"]) == 1
         assert not any(rec.read_freed_blocks for rec in p.records)
+
+
+async def test_a_fast_follow_up_of_a_streamed_turn_on_the_other_replica_pulls(
+    redis_server: RedisServer,
+) -> None:
+    """vLLM 0.32 puts no params on a stream's last chunk: the streamed turn's entry is
+    written when D's report reaches the replica that served it (~0.1 s later). A follow-up
+    sent at once to the other replica found no entry and recomputed; the serving replica
+    announces the entry in Redis, so the other one waits for it as the serving one would.
+    (D reports 1 s after the stream's end here, so the follow-up surely comes first.)"""
+    async with replicas(redis_server, engine_config=replace(ENGINE_CONFIG,
+                                                            report_delay_s=1.0)) as r:
+        for i in range(3):
+            messages: list[dict[str, Any]] = [
+                {"role": "user", "content": f"Streamed conversation {i}. " + FIRST}]
+            body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True}
+            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+                resp = await c.post(r.urls[0] + "/v1/chat/completions", json=body)
+            assert resp.status_code == 200
+            text = stream_text(sse_events(resp.text))
+            assert r.ctxs[0].desk.pending_of(None) == 1  # D's report is not in yet
+            messages += [{"role": "assistant", "content": text},
+                         {"role": "user", "content": "And Asia?"}]
+            action, reason, _ = await r.turn(1, messages, None)
+            assert (action, reason) == ("pull", "pull")
+        await r.settle()
+        # a turn that found nothing announced does not wait: a new conversation
+        assert (await r.turn(1, [{"role": "user", "content": "New. " + FIRST}], None))[:2] \
+            == ("recompute", "no_entry")
 
 
 async def test_redis_outage_recomputes_then_pulls_resume(redis_server: RedisServer) -> None:

@@ -28,8 +28,12 @@ tool's run time or not at all). A D whose connector says it keeps turns the stoc
 (``RemoteBlocks.retention == "stock"``: one TTL, orders ignored) holds the turn its TTL
 whatever it was told: the entry keeps that TTL and nothing is ordered.
 
-The client's response never waits for any of this. A later turn that continues this one
-waits for it (``wait_for``), bounded by ``report_wait_s``.
+The client's response never waits for the report. A later turn that continues this one
+waits for it (``wait_for``), bounded by ``report_wait_s``; so that a later turn another
+replica serves does too, a chat-family turn whose report is awaited is announced in a
+shared index (``ConversationIndex.announce``, one write before the client gets the
+response's end; withdrawn when it settles), and that replica looks again until the entry
+is there (``plan``).
 """
 
 from __future__ import annotations
@@ -118,6 +122,7 @@ class PendingTurn:
     response_done_s: float | None = None
     report_received: bool = False
     awaits_report: bool = True
+    announced: EntryRef | None = None
     outcome: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
@@ -172,6 +177,7 @@ class ReportDesk:
         self._by_anchor: dict[tuple[bytes, bytes], set[PendingTurn]] = {}
         self._by_scope: dict[bytes, set[PendingTurn]] = {}
         self._settled: OrderedDict[str, None] = OrderedDict()
+        self._withdrawals: set[asyncio.Task[None]] = set()
 
     def __len__(self) -> int:
         return len(self._by_turn)
@@ -288,6 +294,19 @@ class ReportDesk:
             p.timer = asyncio.get_running_loop().call_later(
                 self._timeout, self.settle, p, "report_timeout"
             )
+            await self._announce(p)
+
+    async def _announce(self, p: PendingTurn) -> None:
+        """Tell other replicas (a shared index) that ``p``'s entry is on its way, so that a
+        follow-up one of them serves waits for it (``index.announce``; chat-family turns)."""
+        if p.anchor is not None or p.slot is None:
+            return
+        ref = EntryRef(p.identity.scope, p.identity.anchor, p.slot.slot())
+        await self._index.announce(ref, self._timeout)
+        if p.outcome is None:
+            p.announced = ref
+        else:  # settled while the announcement was on its way
+            await self._index.withdraw(ref)
 
     async def accept_reports(self, raw: bytes) -> list[str]:
         """Handle one ``/internal/kv-report`` body (one report or a batch); returns each
@@ -355,6 +374,10 @@ class ReportDesk:
         while len(self._settled) > _SETTLED_MEMORY:
             self._settled.popitem(last=False)
         self._metrics.child(self._metrics.turn_entries, outcome).inc()
+        if p.announced is not None:
+            task = asyncio.get_running_loop().create_task(self._index.withdraw(p.announced))
+            self._withdrawals.add(task)
+            task.add_done_callback(self._withdrawals.discard)
         p.settled.set()
         for callback in p.on_settle:
             callback(p)

@@ -30,6 +30,12 @@ Contracts:
   the ref D still holds (interchangeable: the caller decides again on what it got), else
   ``None``. Of any number of concurrent claims of N entries at most N succeed, each with a
   different entry. A pull is sent only after a claim; a released entry is never claimed.
+* ``announce(ref, ttl_s)`` / ``withdraw(ref)`` / ``announced(identity)``: an entry for
+  ``ref`` is on its way (its turn's answer is out, D's report is awaited by the replica
+  that served it, at most ``ttl_s``), so a follow-up another replica serves waits for it as
+  the serving replica's own does (``commit.ReportDesk``) instead of missing it; chat-family
+  refs only (a probe with a continuation). One process's index has nothing to share: its
+  desk knows (``InMemoryIndex`` announces nothing).
 * ``drop(ref, entry=None)`` (``None``: every entry of the ref), ``drop_scope`` (an explicit
   conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many.
 * Release orders: every entry the index removes but a claimed one (a pull consumes it), a
@@ -171,6 +177,12 @@ class ConversationIndex(Protocol):
     ) -> tuple[str, ...]: ...
 
     async def read_done(self, node_id: str, request_id: str) -> None: ...
+
+    async def announce(self, ref: EntryRef, ttl_s: float) -> None: ...
+
+    async def withdraw(self, ref: EntryRef) -> None: ...
+
+    async def announced(self, identity: RequestIdentity) -> bool: ...
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]: ...
 
@@ -509,6 +521,15 @@ class InMemoryIndex:
             if (node_id, request_id) not in self._reading:
                 free.append(request_id)
         return tuple(free)
+
+    async def announce(self, ref: EntryRef, ttl_s: float) -> None:
+        return None  # this process's ReportDesk knows its pending turns
+
+    async def withdraw(self, ref: EntryRef) -> None:
+        return None
+
+    async def announced(self, identity: RequestIdentity) -> bool:
+        return False
 
     async def read_done(self, node_id: str, request_id: str) -> None:
         read = (node_id, request_id)

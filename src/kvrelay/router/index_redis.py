@@ -42,6 +42,10 @@ load balancer picks, and pulls from the D the entry names.
   ``take_releases`` pops the due ones (at most its ``limit`` looked at per call, in the
   same script as the queue), skips those gone, released, ordered or of another
   engine, and orders the others once (``ord``).
+* ``{ns}:p:{scope}:{anchor}:{slot}`` – an entry announced for that ref (``announce``: its
+  turn's D report is awaited by the replica that served it), PX the report timeout, deleted
+  when the turn settles (``withdraw``); ``announced`` is one ``EXISTS`` over a chat
+  request's refs, asked only when its lookup found nothing.
 
 A chat lookup is one round trip (one script probes every anchor in order). A completions
 lookup is at most three, each bounded whatever the scope holds: which of the request's
@@ -618,6 +622,10 @@ class RedisIndex:
     def ref_key(self, ref: EntryRef) -> str:
         return f"{self._ns}:r:{self._ref_tail(ref)}"
 
+    def pending_key(self, ref: EntryRef) -> str:
+        """An entry for ``ref`` is on its way (``announce``)."""
+        return f"{self._ns}:p:{self._ref_tail(ref)}"
+
     def _scope_key(self, scope: bytes) -> str:
         return f"{self._ns}:s:{scope.hex()}"
 
@@ -827,6 +835,20 @@ class RedisIndex:
         result = await self._quiet("release", self._release_requested(
             keys=[self._request_key(node_id, i) for i in ids], args=[engine_id]), None)
         return tuple(ids[int(i) - 1] for i in result or ())
+
+    async def announce(self, ref: EntryRef, ttl_s: float) -> None:
+        await self._quiet("announce", self._client.set(
+            self.pending_key(ref), "1", px=max(1, math.ceil(ttl_s * 1000))), None)
+
+    async def withdraw(self, ref: EntryRef) -> None:
+        await self._quiet("announce", self._client.delete(self.pending_key(ref)), None)
+
+    async def announced(self, identity: RequestIdentity) -> bool:
+        keys = [self.pending_key(EntryRef(identity.scope, p.anchor, p.continuation.slot()))
+                for p in identity.probes if p.continuation is not None]
+        if not keys or identity.text is not None:
+            return False
+        return bool(await self._quiet("announced", self._client.exists(*keys), 0))
 
     async def read_done(self, node_id: str, request_id: str) -> None:
         await self._quiet("release", self._client.delete(

@@ -4,8 +4,12 @@
    ``report_wait_s`` (``ReportDesk.pending_for``).
 2. Look up the entry the request continues (``ConversationIndex.lookup``: digests only, no
    tokenization). An index that cannot answer makes the turn a recompute
-   (``state_unavailable``). An entry's engine id is shown to the node registry
-   (``observe_entry``): with replicas it may be news of a D restart.
+   (``state_unavailable``). No entry, but one announced by another replica (a shared
+   index: a streamed turn that replica served and whose D report it awaits,
+   ``ConversationIndex.announce``): look again until it is there, at most
+   ``report_wait_s``, as for a pending turn of this replica's (step 1). An entry's engine id
+   is shown to the node registry (``observe_entry``): with replicas it may be news of a D
+   restart.
 3. Pick the P (least outstanding prefill work). When that P cannot prove a pull itself
    (stock vLLM), get the prompt's exact ids from its ``/tokenize`` and let the policy run
    the guard; otherwise decide from estimates (``core.policy.Prompt``). An API whose prompt
@@ -18,6 +22,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 import msgspec
@@ -35,6 +40,9 @@ from kvrelay.router.turn import Turn
 from kvrelay.router.upstream import UpstreamError
 
 log = logging.getLogger("kvrelay.router")
+
+ANNOUNCED_POLL_S = 0.01
+"""How often a turn waiting for an entry another replica announced looks again."""
 
 
 class _Tokens(msgspec.Struct):
@@ -60,6 +68,8 @@ class Planner:
         index_down = False
         try:
             found = await ctx.index.lookup(req.identity)
+            if found is None and not pending:
+                found = await self._wait_announced(req)
         except IndexUnavailable:
             index_down = True
         p = ctx.nodes.choose_prefill()
@@ -129,6 +139,24 @@ class Planner:
         await ctx.index.put(found.ref, claimed, tenant=req.tenant)
         await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
         return found, self._decide(None, prompt, p)
+
+    async def _wait_announced(self, req: TurnRequest) -> Found | None:
+        """No entry, but another replica announced one on its way (a streamed turn whose D
+        report it awaits, ``index.announce``): look again every ``ANNOUNCED_POLL_S`` until
+        the entry is there or no longer announced, at most ``report_wait_s``, as this
+        replica waits for its own pending turns."""
+        ctx = self._ctx
+        if not await ctx.index.announced(req.identity):
+            return None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + ctx.config.report_wait_s
+        while loop.time() < deadline:
+            await asyncio.sleep(ANNOUNCED_POLL_S)
+            found = await ctx.index.lookup(req.identity)
+            if found is not None or not await ctx.index.announced(req.identity):
+                return found
+        log.info("turn continues one another replica announced; its entry did not come")
+        return None
 
     def _decide(self, found: Found | None, prompt: Prompt, p: NodeConfig) -> TurnDecision:
         ctx = self._ctx
