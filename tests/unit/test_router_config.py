@@ -201,3 +201,68 @@ def test_bad_costs_are_config_errors(costs: object) -> None:
 def test_bad_learn_costs_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="learn_costs"):
         build_config({"prefill": [P], "decode": [D], "learn_costs": "maybe"})
+
+
+NODES = {"prefill": [P], "decode": [D]}
+
+
+def test_a_quoted_boolean_means_what_it_says_and_junk_is_an_error() -> None:
+    """A TOML ``direct_enabled = "false"`` (a string) was truthy: the direct action turned
+    on. Every boolean setting, in every layer, is read as its word or refused."""
+    for value in ("false", "no", "off", "0", False):
+        cfg = build_config(NODES, {"direct_enabled": value, "learned_retention": value})
+        assert cfg.policy.direct_enabled is False and cfg.learned_retention is False
+    cfg = build_config(NODES, {"policy": {"direct_enabled": "true"}})
+    assert cfg.policy.direct_enabled is True
+    for key in ("direct_enabled", "learned_retention", "learn_costs"):
+        with pytest.raises(ConfigError, match=f"{key} must be true or false"):
+            build_config(NODES, {key: "enabled"})
+    with pytest.raises(ConfigError, match="KVRELAY_LEARNED_RETENTION must be true or false"):
+        settings_from_env({"KVRELAY_LEARNED_RETENTION": "enabled"})
+    with pytest.raises(ConfigError, match="KVRELAY_DIRECT must be true or false"):
+        settings_from_env({"KVRELAY_DIRECT": "ture"})
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"port": 8000.5}, "port must be an integer"),
+    ({"max_in_flight": True}, "max_in_flight must be an integer"),
+    ({"ttl_s": "480s"}, "ttl_s must be a number"),
+    ({"ttl_s": float("inf")}, "ttl_s must be a finite number"),
+    ({"pull_cost_factor": "nan"}, "pull_cost_factor must be a finite number"),
+    ({"report_wait_s": float("nan")}, "report_wait_s must be a finite number"),
+    ({"log_level": 5}, "log_level must be a string"),
+    ({"log_level": "verbose"}, "log_level must be one of"),
+    ({"side_channels": 5}, "side_channels must be a table"),
+    ({"policy": {"bogus": 1}}, r"unknown policy setting\(s\) \['bogus'\]"),
+    ({"policy": {"kv_recompute_threshold": "abc"}}, "kv_recompute_threshold must be an int"),
+    ({"near_expiry_s": 1000.0}, "near_expiry_s .* must be below decode-0's ttl_s"),
+    ({"turn_log": "/no/such/dir/turns.jsonl"}, "turn_log: no directory"),
+    ({"decode": ["http://d0:8101/v1"]}, "no path"),
+    ({"prefill": ["http://user@p0:8100"]}, "node URL must be"),
+])
+def test_a_bad_setting_is_an_error_that_names_it(settings: dict[str, object],
+                                                 message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config(NODES, settings)
+
+
+def test_an_env_variable_of_the_wrong_type_is_named() -> None:
+    for name, value in (("KVRELAY_PORT", "abc"), ("KVRELAY_MAX_ENTRIES", "1e6"),
+                        ("KVRELAY_REPORT_WAIT_S", "soon"), ("KVRELAY_TTL_S", "nan")):
+        with pytest.raises(ConfigError, match=name):
+            settings_from_env({name: value})
+    assert settings_from_env({"KVRELAY_PORT": "8080"})["port"] == 8080
+
+
+def test_a_port_in_use_or_a_bad_host_is_a_listen_error_not_a_traceback() -> None:
+    from kvrelay.router.server import ListenError, bind
+
+    first = bind("127.0.0.1", 0)
+    try:
+        port = first.getsockname()[1]
+        with pytest.raises(ListenError, match=rf"cannot listen on 127\.0\.0\.1:{port}"):
+            bind("127.0.0.1", port)
+    finally:
+        first.close()
+    with pytest.raises(ListenError, match=r"cannot listen on 999\.1\.1\.1:"):
+        bind("999.1.1.1", 0)

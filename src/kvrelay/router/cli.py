@@ -241,7 +241,7 @@ def config_from_args(args: argparse.Namespace, environ: dict[str, str] | None = 
 
 def _route(args: argparse.Namespace) -> int:
     from kvrelay.router.config import ConfigError
-    from kvrelay.router.server import serve
+    from kvrelay.router.server import ListenError, serve
 
     try:
         config = config_from_args(args)
@@ -253,5 +253,9 @@ def _route(args: argparse.Namespace) -> int:
                else "a free port, logged once bound")
     print(f"kvrelay router on http://{config.host}:{config.port} (reports on "
           f"{reports}, prefix guard {config.guard}) -> {nodes}", flush=True)
-    serve(config)
+    try:
+        serve(config)
+    except ListenError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     return 0

@@ -13,6 +13,7 @@ role reaches this node's NIXL side channel; when set, the router rewrites ``remo
 from __future__ import annotations
 
 import hashlib
+import math
 import os
 import secrets
 import tomllib
@@ -99,6 +100,10 @@ class SideChannel:
         return cls(host, port)
 
 
+_LOG_LEVELS = ("critical", "error", "warning", "info", "debug")
+"""``log_level``'s values (``kvrelay route --log-level``'s choices)."""
+
+
 @dataclass(frozen=True)
 class NodeConfig:
     """One vLLM server. ``ttl_s`` is D's ``decoder_kv_blocks_ttl`` (ignored for P);
@@ -116,12 +121,19 @@ class NodeConfig:
         if not self.node_id:
             raise ConfigError("node id must be non-empty")
         parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ConfigError(f"node URL must be http(s)://host[:port], got {self.url!r}")
+        if parts.scheme not in ("http", "https") or not parts.hostname \
+                or parts.path.strip("/") or parts.query or parts.fragment or "@" in parts.netloc:
+            # a path (the usual OpenAI base URL ends in /v1) would make every node "down"
+            raise ConfigError(f"node URL must be http(s)://host[:port] (no path: the router "
+                              f"adds /v1/...), got {self.url!r}")
+        try:
+            parts.port  # noqa: B018 (a bad port raises)
+        except ValueError:
+            raise ConfigError(f"node URL has a bad port: {self.url!r}") from None
         if self.url.endswith("/"):
             object.__setattr__(self, "url", self.url.rstrip("/"))
-        if self.ttl_s <= 0:
-            raise ConfigError(f"{self.node_id}: ttl_s must be positive")
+        if not self.ttl_s > 0 or not math.isfinite(self.ttl_s):
+            raise ConfigError(f"{self.node_id}: ttl_s must be a positive finite number")
         if self.block_size is not None and self.block_size < 1:
             raise ConfigError(f"{self.node_id}: block_size must be >= 1")
 
@@ -302,6 +314,16 @@ class RouterConfig:
         for node in self.decode:
             if not 0 <= self.ttl_safety_margin_s < node.ttl_s:
                 raise ConfigError(f"ttl_safety_margin_s must be in [0, {node.node_id}'s ttl_s)")
+            if self.ttl_safety_margin_s + self.policy.near_expiry_s >= node.ttl_s:
+                raise ConfigError(
+                    f"near_expiry_s ({self.policy.near_expiry_s:g}) plus ttl_safety_margin_s "
+                    f"({self.ttl_safety_margin_s:g}) must be below {node.node_id}'s ttl_s "
+                    f"({node.ttl_s:g}): every entry would be too near expiry to pull")
+        if self.log_level.lower() not in _LOG_LEVELS:
+            raise ConfigError(f"log_level must be one of {', '.join(_LOG_LEVELS)}, got "
+                              f"{self.log_level!r}")
+        if self.turn_log is not None and not Path(self.turn_log).parent.is_dir():
+            raise ConfigError(f"turn_log: no directory {str(Path(self.turn_log).parent)!r}")
         if not self.tenant:
             raise ConfigError("tenant must be non-empty")
         check_security(self)  # keys and limits (ValueError)
@@ -408,8 +430,10 @@ class RouterConfig:
         )
 
 
-_POLICY_KEYS = {f.name for f in fields(PolicyConfig)}
-_AFFINITY_KEYS = {f.name for f in fields(AffinityConfig)}
+_POLICY_FIELDS = {f.name: f for f in fields(PolicyConfig)}
+_AFFINITY_FIELDS = {f.name: f for f in fields(AffinityConfig)}
+_POLICY_KEYS = set(_POLICY_FIELDS)
+_AFFINITY_KEYS = set(_AFFINITY_FIELDS)
 _SCALAR_KEYS = {
     f.name: f for f in fields(RouterConfig) if f.name not in ("prefill", "decode", "policy",
                                                              "affinity")
@@ -443,7 +467,10 @@ def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
                     raise ConfigError(f"{key} must be a table")
                 (policy if key == "policy" else affinity).update(value)
             elif key == "side_channels":
-                side.update({str(k): str(v) for k, v in dict(value).items()})
+                if not isinstance(value, Mapping):
+                    raise ConfigError("side_channels must be a table of node URL or id = "
+                                      "\"host[:port]\"")
+                side.update({str(k): str(v) for k, v in value.items()})
             elif key in _POLICY_KEYS:
                 policy[key] = value
             elif key in _AFFINITY_KEYS:
@@ -452,15 +479,21 @@ def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
                 merged[key] = value
             else:
                 raise ConfigError(f"unknown router setting {key!r}")
-    default_ttl = float(merged.pop("ttl_s", DEFAULT_DECODER_KV_BLOCKS_TTL_S))
+    default_ttl = _typed("ttl_s", merged.pop("ttl_s", DEFAULT_DECODER_KV_BLOCKS_TTL_S), "float")
     default_bs = merged.pop("block_size", None)
-    default_bs = int(default_bs) if default_bs is not None else None
+    default_bs = _typed("block_size", default_bs, "int") if default_bs is not None else None
     prefill = _nodes("prefill", merged.pop("prefill", []), side, default_ttl, default_bs)
     decode = _nodes("decode", merged.pop("decode", []), side, default_ttl, default_bs)
     used = {n.url for n in (*prefill, *decode)} | {n.node_id for n in (*prefill, *decode)}
     unknown = sorted(set(side) - used)
     if unknown:
         raise ConfigError(f"side channel given for unknown node(s): {unknown}")
+    for table, known, name in ((policy, _POLICY_FIELDS, "policy"),
+                               (affinity, _AFFINITY_FIELDS, "affinity")):
+        unknown = sorted(set(table) - set(known))
+        if unknown:
+            raise ConfigError(f"unknown {name} setting(s) {unknown}")
+        table.update({k: _typed(k, v, _kind_of(k)) for k, v in table.items()})
     try:
         scalars = {k: _coerce(k, v) for k, v in merged.items()}
         scalars["api_keys"] = parse_api_keys(keys)
@@ -499,12 +532,9 @@ def _nodes(
         url = str(table["url"]).strip().rstrip("/")
         node_id = str(table.get("id") or f"{role}-{i}")
         channel = table.get("side_channel") or side.get(url) or side.get(node_id)
-        try:
-            ttl = float(table.get("ttl_s", default_ttl))
-            bs = table.get("block_size", default_block_size)
-            bs = int(bs) if bs is not None else None
-        except (TypeError, ValueError):
-            raise ConfigError(f"{role}[{i}]: ttl_s and block_size must be numbers") from None
+        ttl = _typed(f"{role}[{i}].ttl_s", table.get("ttl_s", default_ttl), "float")
+        bs = table.get("block_size", default_block_size)
+        bs = _typed(f"{role}[{i}].block_size", bs, "int") if bs is not None else None
         out.append(NodeConfig(
             node_id=node_id,
             role=role,
@@ -517,27 +547,51 @@ def _nodes(
 
 
 def _coerce(key: str, value: Any) -> Any:
-    """Env/flag strings to the field's type (TOML values are already typed)."""
-    kind = _SCALAR_KEYS[key].type
+    """A setting's value (an env or flag string, or a TOML value) as its field's type."""
     if key == "costs":
         return parse_cost_lines(value)
-    if key == "learn_costs":
-        return _flag(key, value)
     if key in ("session_headers", "gateway_id_headers"):
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(h, str) for h in items):
             raise ConfigError(f"{key} must be a list of header names")
         return tuple(h.strip().lower() for h in items if h.strip())
-    if key == "tenant_is_one_caller":
+    return _typed(key, value, _kind_of(key))
+
+
+def _kind_of(key: str) -> str:
+    """The annotation of setting ``key`` (a ``RouterConfig``, policy or affinity field, or
+    the default ``ttl_s`` / ``block_size``); ``""`` for others (taken as they come)."""
+    for table in (_SCALAR_KEYS, _POLICY_FIELDS, _AFFINITY_FIELDS):
+        if key in table:
+            return str(table[key].type)
+    return {"ttl_s": "float", "block_size": "int"}.get(key, "")
+
+
+def _typed(key: str, value: Any, kind: str) -> Any:
+    """``value`` as a field of type ``kind`` (its annotation), from a string (env, flag) or a
+    TOML value; ``ConfigError`` naming ``key`` otherwise. A quoted TOML boolean
+    (``"false"``) is read as the word says, never as a truthy string; numbers are finite."""
+    if kind == "bool":
         return _flag(key, value)
-    if not isinstance(value, str) or kind in ("str", "str | None", "GuardMode",
-                                              "IdPrecedence", "MetricsListener",
-                                              "ResponseStoreMode"):
-        return value
     if kind in ("int", "int | None"):
-        return int(value)
-    if kind == "float":
-        return float(value)
+        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+            return int(value)
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise ConfigError(f"{key} must be an integer, got {value!r}")
+    if kind in ("float", "float | None"):
+        try:
+            if isinstance(value, bool) or not isinstance(value, int | float | str):
+                raise ValueError
+            number = float(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a number, got {value!r}") from None
+        if not math.isfinite(number):
+            raise ConfigError(f"{key} must be a finite number, got {value!r}")
+        return number
+    if kind in ("str", "str | None", "GuardMode", "IdPrecedence", "MetricsListener",
+                "ResponseStoreMode") and not isinstance(value, str):
+        raise ConfigError(f"{key} must be a string, got {value!r}")
     return value
 
 
@@ -659,18 +713,11 @@ def settings_from_env(environ: Mapping[str, str] | None = None) -> dict[str, Any
         value = env.get(ENV_PREFIX + suffix)
         if value is None or value == "":
             continue
-        if key in ("direct_enabled", "learned_retention"):
-            out[key] = value.strip().lower() in ("1", "true", "yes", "on")
-        elif suffix == "FIXED_COSTS":  # fixed: given and never learned
+        if suffix == "FIXED_COSTS":  # fixed: given and never learned
             out["costs"] = value
             out.setdefault("learn_costs", "false")
-        elif key in ("kv_recompute_threshold", "block_size"):
-            out[key] = _number(suffix, value, int)
-        elif key in ("near_expiry_s", "pull_cost_factor", "ttl_s", "retain_quantile",
-                     "retain_min_window_s", "response_store_ttl_s"):
-            out[key] = _number(suffix, value, float)
-        else:
-            out[key] = value
+        else:  # typed here so that an error names the variable
+            out[key] = _typed(ENV_PREFIX + suffix, value, _kind_of(key))
     return out
 
 
@@ -682,9 +729,3 @@ def settings_from_toml(path: str | Path) -> dict[str, Any]:
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
 
-
-def _number(name: str, value: str, kind: type[int] | type[float]) -> int | float:
-    try:
-        return kind(value)
-    except ValueError:
-        raise ConfigError(f"{ENV_PREFIX}{name} must be a number, got {value!r}") from None

@@ -127,12 +127,22 @@ class RouterServer(uvicorn.Server):
         return True
 
 
+class ListenError(RuntimeError):
+    """The router cannot listen where it was told (port in use, no such address)."""
+
+
 def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on ``host:port``; ``ListenError`` saying why not."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind((host, port))
-    sock.listen(4096)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(4096)
+    except OSError as exc:
+        sock.close()
+        why = exc.strerror or str(exc)
+        raise ListenError(f"cannot listen on {host}:{port}: {why}") from None
     sock.set_inheritable(True)
     return sock
 
