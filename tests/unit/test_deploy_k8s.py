@@ -7,6 +7,7 @@ with vLLM's and kvrelay's own argument parsers."""
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 from typing import Any
 
@@ -298,7 +299,7 @@ def test_liveness_and_the_scrape_need_no_metrics_key(capsys):
     internal``), the router's liveness probe and Prometheus still get it: both ask the
     internal listener, which serves /metrics complete to whoever reaches it. On the public
     port the probe would get 401 or 404 and restart every replica in a loop."""
-    docs = render(capsys, "--router-arg=--metrics-key=prom-secret",
+    docs = render(capsys, "--router-secret", "kvrelay-router-keys",  # KVRELAY_METRICS_KEY
                   "--router-arg=--metrics-listener=internal")
     check_deployment(docs)
     router = container(by_kind(docs, "Deployment")["kvrelay-router"])
@@ -312,3 +313,37 @@ def test_liveness_and_the_scrape_need_no_metrics_key(capsys):
         "the public router Service is not scraped"
     assert [p["targetPort"] for p in services["kvrelay-router-metrics"]["spec"]["ports"]] \
         == ["internal"]
+
+
+def test_keys_come_from_the_router_secret_never_from_args(capsys):
+    """Replicas need one tag key (docs/router.md, "Several replicas") and a production
+    router API keys: they come from a Secret as ``KVRELAY_*`` env; a key in ``--router-arg``
+    (the pod's args, visible to whoever reads the pod spec) is refused."""
+    docs = render(capsys, "--router-replicas", "2", "--router-secret", "kv-keys")
+    router = container(by_kind(docs, "Deployment")["kvrelay-router"])
+    assert router["envFrom"] == [{"secretRef": {"name": "kv-keys"}}]
+    assert not any("key" in a for a in router["args"])
+    assert "envFrom" not in container(engine(docs, "decode"))  # the keys are the router's
+    plain = container(by_kind(render(capsys), "Deployment")["kvrelay-router"])
+    assert "envFrom" not in plain
+    for flag in ("--api-key=t:k", "--admin-key=root", "--tag-key=" + "x" * 20,
+                 "--metrics-key=m"):
+        with pytest.raises(DeployConfigError, match="router Secret"):
+            from_settings({"router_args": [flag]})
+
+
+@pytest.mark.parametrize(("arg", "message"), [
+    ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+    ("--max-in-flight=many", "invalid int value"),
+    ("--port=9000", "--port is set by the manifest; use --router-port"),
+    ("--drain-timeout-s=600", "use --drain-timeout-s"),
+    ("--state=redis://elsewhere:6379/0", "use --redis-url"),
+])
+def test_router_args_are_checked_with_the_routers_own_parser(arg, message):
+    """An extra router argument the router would refuse (its pod crash-loops) or one that
+    overrides what the manifest derives ports, probes and the grace period from is an
+    error at render time, not a deployment that never becomes ready."""
+    with pytest.raises(DeployConfigError, match=re.escape(message)):
+        from_settings({"router_args": [arg]})
+    assert from_settings({"router_args": ["--max-in-flight=64"]}).router_args == (
+        "--max-in-flight=64",)

@@ -103,6 +103,8 @@ def add_k8s_arguments(parser: argparse.ArgumentParser) -> None:
     opt("--redis-image", str, "image of the deployed Redis")
     opt("--hf-token-secret", str, "Secret holding HF_TOKEN for gated models")
     opt("--drain-timeout-s", int, "router drain on SIGTERM")
+    opt("--router-secret", str, "Secret whose keys are the router's environment: "
+        "KVRELAY_TAG_KEY (same for every replica), KVRELAY_API_KEYS, KVRELAY_ADMIN_KEY, ...")
     for flag, help_text in (
         ("--engine-arg", "one extra vLLM argument for P and D (repeatable)"),
         ("--prefill-engine-arg", "one extra vLLM argument for P (repeatable)"),
@@ -143,6 +145,10 @@ def _k8s(args: argparse.Namespace) -> int:
     except DeployConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if config.router_secret is None:
+        print("note: no --router-secret: the router serves without API keys, and its "
+              f"{config.router_replicas} replica(s) tag conversations each with a key of its "
+              "own (turn logs, /stats); docs/deploy.md, \"Keys\"", file=sys.stderr)
     _write(to_yaml(render(config)), args.output)
     return 0
 

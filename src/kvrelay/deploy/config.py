@@ -8,12 +8,14 @@ error rather than a silently ignored setting.
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import NoReturn
 
 #: Kubernetes object names (DNS-1035 label): the StatefulSets' pod DNS names derive from them.
 _NAME = re.compile(r"^[a-z]([-a-z0-9]{0,38}[a-z0-9])?$")
@@ -78,6 +80,10 @@ class DeployConfig:
     prefill_engine_args: tuple[str, ...] = ()
     decode_engine_args: tuple[str, ...] = ()
     router_args: tuple[str, ...] = ()
+    #: Secret whose keys become the router's environment (``KVRELAY_TAG_KEY``,
+    #: ``KVRELAY_API_KEYS``, ``KVRELAY_ADMIN_KEY``, ``KVRELAY_METRICS_KEY``, ...): keys never
+    #: in the pod's args, where anyone who can read the pod spec (or ``ps``) sees them.
+    router_secret: str | None = None
     service_monitor: bool = True
     #: Extra labels for the ServiceMonitor (``release=prometheus`` for kube-prometheus-stack).
     service_monitor_labels: tuple[str, ...] = ()
@@ -104,6 +110,8 @@ class DeployConfig:
         if self.ttl_s <= 0 or self.block_size <= 0 or self.kv_recompute_threshold < 0:
             raise DeployConfigError("ttl_s and block_size must be positive, "
                                     "kv_recompute_threshold not negative")
+        check_router_args(self.router_args)
+
 
     @property
     def router_internal_port(self) -> int:
@@ -116,6 +124,47 @@ class DeployConfig:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model
+
+ROUTER_FLAGS_OWNED = {
+    "--host": "--router-port", "--port": "--router-port", "--internal-host": "--internal-port",
+    "--internal-port": "--internal-port", "--internal-url": "--internal-port",
+    "--state": "--redis-url", "--deployment": "--name", "--ttl-s": "--ttl-s",
+    "--block-size": "--block-size", "--kv-recompute-threshold": "--kv-recompute-threshold",
+    "--drain-timeout-s": "--drain-timeout-s", "--prefill": "--prefill",
+    "--decode": "--decode",
+}
+"""``kvrelay route`` flags the manifest sets from its own settings (and the setting to use):
+given again in ``router_args`` they would part from the ports, probes, Services and grace
+period the manifest derives from the setting (the router's last value wins)."""
+
+ROUTER_FLAGS_SECRET = ("--api-key", "--admin-key", "--tag-key", "--metrics-key")
+"""Keys: in the router Secret (``router_secret``), never in the pod's args."""
+
+
+class _RouteArgs(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        raise DeployConfigError(f"router_args: {message}")
+
+
+def check_router_args(args: tuple[str, ...]) -> None:
+    """``DeployConfigError`` unless ``args`` are ``kvrelay route`` arguments (checked with its
+    own parser) that the manifest does not set itself and that carry no key."""
+    from kvrelay.router.cli import add_route_arguments
+
+    for arg in args:
+        flag = arg.split("=", 1)[0]
+        if flag in ROUTER_FLAGS_OWNED:
+            raise DeployConfigError(
+                f"router_args: {flag} is set by the manifest; use {ROUTER_FLAGS_OWNED[flag]}")
+        if flag in ROUTER_FLAGS_SECRET:
+            raise DeployConfigError(
+                f"router_args: {flag} would put a key in the pod's args; put "
+                f"KVRELAY_{flag[2:].upper().replace('-', '_')}"
+                f"{'S' if flag == '--api-key' else ''} in the router Secret (router_secret)")
+    parser = _RouteArgs(prog="kvrelay route", add_help=False)
+    add_route_arguments(parser)
+    parser.parse_args(list(args))
+
 
 
 def _check_port(key: str, port: int) -> None:

@@ -279,6 +279,10 @@ def _router_deployment(config: DeployConfig) -> Manifest:
             {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
             {"name": "PYTHONUNBUFFERED", "value": "1"},
         ],
+        # the keys (a tag key shared by the replicas, API, admin, metrics keys) come from a
+        # Secret the operator creates, never in the args (docs/deploy.md, "Keys")
+        **({"envFrom": [{"secretRef": {"name": config.router_secret}}]}
+           if config.router_secret else {}),
         "ports": [
             {"name": "http", "containerPort": config.router_port, "protocol": "TCP"},
             {"name": "internal", "containerPort": config.router_internal_port,
