@@ -124,6 +124,11 @@ def test_turn_log_records_become_turns(tmp_path):
      '"hash_ids": 3}\n', "hash_ids"),
     ('{"something": 1}\n', "unknown record"),
     ("", "empty"),
+    # Python's json reads NaN / Infinity; a trace's numbers are finite and plausible
+    ('{"chat_id": 1, "timestamp": NaN, "input_length": 5, "output_length": 1}\n',
+     "line 1: NaN is not a number"),
+    ('{"chat_id": 1, "timestamp": 0, "input_length": 1e30, "output_length": 1}\n',
+     r"line 1: .*length 1e\+30 is not in"),
 ])
 def test_bad_files_name_the_file_and_line(tmp_path, content, message):
     path = tmp_path / "bad.jsonl"
@@ -138,3 +143,14 @@ def test_csv_without_the_needed_columns_is_refused(tmp_path):
     path.write_text("a,b\n1,2\n")
     with pytest.raises(TraceFormatError, match="CSV header"):
         list(read_turns(path))
+
+
+def test_a_csv_timestamp_must_be_finite_and_a_bom_is_no_error(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("timestamp,input_length,output_length\ninf,5,1\n")
+    with pytest.raises(TraceFormatError, match="not a finite number"):
+        list(read_turns(bad))
+    bom = tmp_path / "bom.jsonl"  # as Windows tools write UTF-8
+    bom.write_bytes(b"\xef\xbb\xbf" + json.dumps(chat(1, -1, 0)).encode() + b"\n")
+    assert detect_format(bom) == "chat"
+    assert [t.input_tokens for t in read_turns(bom)] == [100]

@@ -121,8 +121,12 @@ class SynthSpec:
     def __post_init__(self) -> None:
         if self.conversations < 1 or self.turns_mean < 1 or self.max_turns < 1:
             raise ValueError("need conversations >= 1, turns_mean >= 1 and max_turns >= 1")
-        if self.conversations_per_s <= 0 or self.block_tokens < 1:
-            raise ValueError("conversations_per_s and block_tokens must be positive")
+        if not 0 < self.conversations_per_s < math.inf or self.block_tokens < 1:  # NaN too
+            raise ValueError("conversations_per_s must be a positive finite number and "
+                             "block_tokens positive")
+        for name in ("length_sigma", "decode_s_per_token"):
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number")
         if min(self.system_tokens, self.user_tokens, self.output_tokens) < 1:
             raise ValueError("token sizes must be >= 1")
         if self.length_sigma < 0 or self.decode_s_per_token < 0:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import json
+import math
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -78,7 +79,7 @@ def detect_format(path: Path) -> TraceFormat:
         with path.open("rb") as f:
             for raw in f:
                 if raw.strip():
-                    first = json.loads(raw)
+                    first = json.loads(raw.removeprefix(_BOM))  # Windows tools write one
                     break
             else:
                 raise TraceFormatError(f"{path}: the file is empty")
@@ -119,7 +120,7 @@ def read_turns(
     if kind not in FORMATS:
         raise TraceFormatError(f"unknown format {fmt!r}; choose from {FORMATS}")
     try:
-        f = path.open("r", encoding="utf-8", newline="" if kind == "csv" else None)
+        f = path.open("r", encoding="utf-8-sig", newline="" if kind == "csv" else None)
     except OSError as exc:
         raise TraceFormatError(f"{path}: cannot read: {exc}") from exc
     with f:
@@ -175,7 +176,7 @@ def _counted(f: IO[str], on_bytes: OnBytes | None) -> Iterator[str]:
 def _json_lines(
     path: Path, f: IO[str], on_bytes: OnBytes | None
 ) -> Iterator[tuple[int, Any]]:
-    decode = json.JSONDecoder().raw_decode
+    decode = json.JSONDecoder(parse_constant=_not_a_number).raw_decode
     number = 0
     try:
         for number, line in enumerate(_counted(f, on_bytes), start=1):
@@ -187,6 +188,8 @@ def _json_lines(
                 yield number, value
     except json.JSONDecodeError as exc:
         raise TraceFormatError(f"{path}: line {number} is not JSON: {exc}") from exc
+    except _NotANumber as exc:
+        raise TraceFormatError(f"{path}: line {number}: {exc} is not a number") from exc
     except UnicodeDecodeError as exc:
         raise TraceFormatError(f"{path}: line {number + 1} is not UTF-8: {exc}") from exc
 
@@ -235,6 +238,8 @@ def _records(
             unit = DEFAULT_TIME_UNIT_S[schema]
         try:
             at_s = float(data["timestamp"]) * unit
+            if not math.isfinite(at_s):
+                raise ValueError(f"timestamp {data['timestamp']!r} is not a finite number")
             input_tokens = _count(data["input_length"])
             output_tokens = _count(data["output_length"])
             hash_ids = _hash_ids(data.get("hash_ids"))
@@ -331,11 +336,26 @@ def _parse_id_list(cell: str) -> list[int]:
     return [int(x) for x in cell.replace(";", " ").replace(",", " ").split()]
 
 
+MAX_TOKENS = 1 << 32
+"""No prompt or answer is this long: a larger length is a broken record, not a turn."""
+
+
 def _count(value: object) -> int:
-    n = int(float(value))  # type: ignore[arg-type]
-    if n < 0:
-        raise ValueError(f"negative length {value!r}")
-    return n
+    number = float(value)  # type: ignore[arg-type]
+    if not 0 <= number < MAX_TOKENS:  # NaN too
+        raise ValueError(f"length {value!r} is not in [0, {MAX_TOKENS})")
+    return int(number)
+
+
+_BOM = b"\xef\xbb\xbf"
+
+
+class _NotANumber(ValueError):
+    """JSON's non-standard ``NaN`` / ``Infinity`` (Python's ``json`` accepts them)."""
+
+
+def _not_a_number(name: str) -> float:
+    raise _NotANumber(name)
 
 
 def _hash_ids(value: object) -> list[int] | None:
