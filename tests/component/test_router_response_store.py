@@ -179,6 +179,10 @@ async def test_misses_are_one_404_and_delete_forgets() -> None:
             assert set(m.json()["error"]) == {"message", "type", "param", "code"}
         no_key = await r.get(f"/v1/responses/{rid}")
         assert no_key.status_code == 401
+        # retrieve(..., stream=True): no stream of a stored response, said (the SDK would
+        # read no events from a JSON answer and say nothing)
+        streamed = await r.get(f"/v1/responses/{second.json()['id']}?stream=true", headers=A)
+        assert streamed.status_code == 400 and streamed.json()["error"]["param"] == "stream"
         # GET (HEAD) and DELETE are counted under one endpoint, never an id: three GETs
         # and a DELETE answered 200 above, six misses were GETs or DELETEs (the rest POSTs)
         metrics = (await r.internal_get("/metrics")).text
@@ -280,6 +284,10 @@ async def test_store_false_keeps_nothing_and_the_store_off_refuses() -> None:
         assert (await r.get(f"/v1/responses/{response['id']}")).status_code == 404
         bad = await r.post("/v1/responses", {**body_of(FIRST, False), "store": "yes"})
         assert bad.status_code == 400 and bad.json()["error"]["param"] == "store"
+    async with routed(response_store="memory") as r:  # no Conversations API either way
+        conv = await r.post("/v1/responses", {**body_of(FIRST, False), "conversation": "c1"})
+        assert conv.status_code == 400 and "previous_response_id" in conv.text
+        assert "keeps no responses" not in conv.text
     async with routed() as r:
         refused = await r.post("/v1/responses", body_of("x", False, "resp_1"))
         assert refused.status_code == 400

@@ -32,6 +32,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable, Mapping
 from typing import Any
+from urllib.parse import parse_qs
 
 import msgspec
 
@@ -152,6 +153,13 @@ class StoredResponses:
             raise ClientError(NOT_FOUND, status=404)
 
 
+def _asks_stream(request: Request) -> bool:
+    """``GET /v1/responses/{id}?stream=true`` (the SDK's ``retrieve(..., stream=True)``):
+    answered with JSON, the SDK would read no events and say nothing."""
+    query = parse_qs(request.scope.get("query_string", b"").decode("latin-1"))
+    return any(v.strip().lower() not in ("", "false", "0") for v in query.get("stream", ()))
+
+
 def _input_items(value: object, *, required: bool) -> list[Any]:
     """The request's own input as items (a string is one user message); a value the adapter
     refuses is left for it to refuse (``required``: no previous response to add to)."""
@@ -198,6 +206,9 @@ class ResponseRoutes:
             if not response_id or "/" in response_id:
                 raise ClientError("Not found", status=404)
             if request.method == "GET":
+                if _asks_stream(request):
+                    raise ClientError("stream is not supported when retrieving a stored "
+                                      "response: GET it without stream", "stream")
                 stored = await self._stored.get(tenant, response_id, None)
                 await send_response(request.send, 200, stored.response_json)
                 return 200

@@ -114,13 +114,16 @@ class ResponsesAdapter:
         optional(body, "instructions", str)
         stream = bool(optional(body, "stream", bool))
         optional(body, "store", bool)
-        for name in ("previous_response_id", "conversation"):
-            if body.get(name) is not None:
-                raise ClientError(
-                    f"{name} is not supported: the P/D router keeps no responses. Send the "
-                    "whole conversation in `input` every turn, with `store: false`"
-                    + (" (or run the router with --response-store)"
-                       if name == "previous_response_id" else ""), name)
+        if body.get("previous_response_id") is not None:  # the store expands it before this
+            raise ClientError(
+                "previous_response_id is not supported: the P/D router keeps no responses. "
+                "Send the whole conversation in `input` every turn, with `store: false` (or "
+                "run the router with --response-store)", "previous_response_id")
+        if body.get("conversation") is not None:
+            raise ClientError(
+                "conversation (the Conversations API) is not supported by the P/D router: "
+                "send the whole conversation in `input` every turn (or chain turns with "
+                "previous_response_id on a router run with --response-store)", "conversation")
         if optional(body, "background", bool):
             raise ClientError("background responses are not supported by the P/D router",
                               "background")
