@@ -266,3 +266,11 @@ def test_a_port_in_use_or_a_bad_host_is_a_listen_error_not_a_traceback() -> None
         first.close()
     with pytest.raises(ListenError, match=r"cannot listen on 999\.1\.1\.1:"):
         bind("999.1.1.1", 0)
+
+
+def test_a_node_listed_twice_or_an_empty_header_name_is_refused() -> None:
+    with pytest.raises(ConfigError, match="listed twice"):
+        build_config({"prefill": [P], "decode": [D, D + "/"]})
+    with pytest.raises(ConfigError, match="empty header name"):
+        build_config(NODES, {"session_headers": [""]})
+    assert build_config(NODES, {"session_headers": []}).session_headers == ()

@@ -71,9 +71,13 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each tenant key is held by one caller: its ids are bound "
                              "(an edited history continues the id's latest entry)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
-    parser.add_argument("--kv-recompute-threshold", type=int, default=None)
-    parser.add_argument("--near-expiry-s", type=float, default=None)
-    parser.add_argument("--pull-cost-factor", type=float, default=None)
+    parser.add_argument("--kv-recompute-threshold", type=int, default=None,
+                        help="reusable spans shorter than this (tokens) are recomputed; as "
+                             "vLLM's kv_recompute_threshold (default 64)")
+    parser.add_argument("--near-expiry-s", type=float, default=None,
+                        help="an entry this close to D's expiry is not pulled (default 15)")
+    parser.add_argument("--pull-cost-factor", type=float, default=None,
+                        help="> 1 biases the cost model towards recompute (default 1.0)")
     parser.add_argument("--fixed-costs", default=None, metavar="KEY=SECONDS,...",
                         help="fixed cost lines, never learned from timings: "
                              "prefill_s_per_token, prefill_fixed_s, pull_s_per_token, "
@@ -90,8 +94,11 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="share of returning follow-ups the learned retention time "
                              "waits for, per kind of turn end, with a log-normal fit of "
                              "the tail (default 0.997)")
-    parser.add_argument("--report-wait-s", type=float, default=None)
-    parser.add_argument("--health-interval-s", type=float, default=None)
+    parser.add_argument("--report-wait-s", type=float, default=None,
+                        help="how long a turn waits for the D report of the turn it continues "
+                             "(default 1.0)")
+    parser.add_argument("--health-interval-s", type=float, default=None,
+                        help="seconds between health checks of every node (default 5)")
     parser.add_argument("--max-entries", type=int, default=None,
                         help="conversation entries kept, least recently used evicted "
                              "first (default 100000; env KVRELAY_MAX_ENTRIES)")
@@ -118,7 +125,8 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "first, so no tenant can push out another's (default: "
                              "--response-store-max-mb)")
     parser.add_argument("--log-level", default=None,
-                        choices=["critical", "error", "warning", "info", "debug"])
+                        choices=["critical", "error", "warning", "info", "debug"],
+                        help="default info")
     add_security_arguments(parser)
 
 

@@ -484,6 +484,10 @@ def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
     default_bs = _typed("block_size", default_bs, "int") if default_bs is not None else None
     prefill = _nodes("prefill", merged.pop("prefill", []), side, default_ttl, default_bs)
     decode = _nodes("decode", merged.pop("decode", []), side, default_ttl, default_bs)
+    urls = [n.url for n in (*prefill, *decode)]
+    twice = sorted({u for u in urls if urls.count(u) > 1})
+    if twice:
+        raise ConfigError(f"node URL(s) listed twice: {twice}")
     used = {n.url for n in (*prefill, *decode)} | {n.node_id for n in (*prefill, *decode)}
     unknown = sorted(set(side) - used)
     if unknown:
@@ -554,7 +558,10 @@ def _coerce(key: str, value: Any) -> Any:
         items = value.split(",") if isinstance(value, str) else value
         if not isinstance(items, list | tuple) or not all(isinstance(h, str) for h in items):
             raise ConfigError(f"{key} must be a list of header names")
-        return tuple(h.strip().lower() for h in items if h.strip())
+        if any(not h.strip() for h in items):
+            raise ConfigError(f"{key}: an empty header name (an empty list, [], turns them "
+                              "off)")
+        return tuple(h.strip().lower() for h in items)
     return _typed(key, value, _kind_of(key))
 
 
