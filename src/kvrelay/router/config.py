@@ -432,8 +432,6 @@ class RouterConfig:
 
 _POLICY_FIELDS = {f.name: f for f in fields(PolicyConfig)}
 _AFFINITY_FIELDS = {f.name: f for f in fields(AffinityConfig)}
-_POLICY_KEYS = set(_POLICY_FIELDS)
-_AFFINITY_KEYS = set(_AFFINITY_FIELDS)
 _SCALAR_KEYS = {
     f.name: f for f in fields(RouterConfig) if f.name not in ("prefill", "decode", "policy",
                                                              "affinity")
@@ -471,9 +469,9 @@ def build_config(*layers: Mapping[str, Any]) -> RouterConfig:
                     raise ConfigError("side_channels must be a table of node URL or id = "
                                       "\"host[:port]\"")
                 side.update({str(k): str(v) for k, v in value.items()})
-            elif key in _POLICY_KEYS:
+            elif key in _POLICY_FIELDS:
                 policy[key] = value
-            elif key in _AFFINITY_KEYS:
+            elif key in _AFFINITY_FIELDS:
                 affinity[key] = value
             elif key in _SCALAR_KEYS or key in ("prefill", "decode", "ttl_s", "block_size"):
                 merged[key] = value
@@ -735,4 +733,3 @@ def settings_from_toml(path: str | Path) -> dict[str, Any]:
             return tomllib.load(f)
     except (OSError, tomllib.TOMLDecodeError) as exc:
         raise ConfigError(f"cannot read config file {path}: {exc}") from exc
-
