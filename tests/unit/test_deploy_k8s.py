@@ -334,6 +334,9 @@ def test_keys_come_from_the_router_secret_never_from_args(capsys):
 
 @pytest.mark.parametrize(("arg", "message"), [
     ("--no-such-flag", "unrecognized arguments: --no-such-flag"),
+    # abbreviations the router would take: a key in the args, another port
+    ("--api-k=t:secret", "unrecognized arguments: --api-k=t:secret"),
+    ("--po=9000", "unrecognized arguments: --po=9000"),
     ("--max-in-flight=many", "invalid int value"),
     ("--port=9000", "--port is set by the manifest; use --router-port"),
     ("--drain-timeout-s=600", "use --drain-timeout-s"),
@@ -347,3 +350,19 @@ def test_router_args_are_checked_with_the_routers_own_parser(arg, message):
         from_settings({"router_args": [arg]})
     assert from_settings({"router_args": ["--max-in-flight=64"]}).router_args == (
         "--max-in-flight=64",)
+
+
+@pytest.mark.parametrize(("args", "message"), [
+    (["--ttl-s", "20"], "near_expiry_s (15) plus ttl_safety_margin_s (10) must be below"),
+    (["--router-arg=--max-in-flight=0"], "max_in_flight must be >= 1"),
+    (["--router-arg=--tenant-is-one-caller"], "tenant_is_one_caller needs API keys"),
+])
+def test_routers_that_would_refuse_their_settings_are_not_rendered(capsys, args, message):
+    """The config each router replica builds from its arguments is built when rendering:
+    a value it refuses is an error here, not replicas that exit at start and crash-loop."""
+    assert main(["deploy", "k8s", *args]) == 2
+    err = capsys.readouterr().err
+    assert "the router would refuse its settings" in err and message in err
+    # the Secret's keys count as present: what needs them renders with one
+    assert main(["deploy", "k8s", "--router-arg=--tenant-is-one-caller",
+                 "--router-secret", "keys"]) == 0

@@ -274,3 +274,22 @@ def test_a_node_listed_twice_or_an_empty_header_name_is_refused() -> None:
     with pytest.raises(ConfigError, match="empty header name"):
         build_config(NODES, {"session_headers": [""]})
     assert build_config(NODES, {"session_headers": []}).session_headers == ()
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"internal_url": "ftp://x"}, "internal_url must be http"),
+    ({"internal_url": "notaurl"}, "internal_url must be http"),
+    ({"report_timeout_s": 0}, "report_timeout_s must be positive"),
+    ({"decode": [{"url": D, "side_channel": 5}]}, r"decode\[0\]\.side_channel must be"),
+    ({"report_wait_s": 10**400}, "report_wait_s must be a number"),
+])
+def test_settings_that_would_leave_the_router_inert_are_refused(
+        settings: dict[str, object], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        build_config(NODES, settings)
+
+
+@pytest.mark.parametrize("value", ["--5", "+-5", "\u00b2", "\u0663", "1_000"])
+def test_an_integer_is_ascii_digits(value: str) -> None:
+    with pytest.raises(ConfigError, match="KVRELAY_PORT must be an integer"):
+        settings_from_env({"KVRELAY_PORT": value})

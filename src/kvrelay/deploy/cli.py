@@ -142,6 +142,7 @@ def _k8s(args: argparse.Namespace) -> int:
 
     try:
         config = config_from_args(args)
+        docs = render(config)
     except DeployConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
@@ -149,7 +150,7 @@ def _k8s(args: argparse.Namespace) -> int:
         print("note: no --router-secret: the router serves without API keys, and its "
               f"{config.router_replicas} replica(s) tag conversations each with a key of its "
               "own (turn logs, /stats); docs/deploy.md, \"Keys\"", file=sys.stderr)
-    _write(to_yaml(render(config)), args.output)
+    _write(to_yaml(docs), args.output)
     return 0
 
 

@@ -161,7 +161,9 @@ def check_router_args(args: tuple[str, ...]) -> None:
                 f"router_args: {flag} would put a key in the pod's args; put "
                 f"KVRELAY_{flag[2:].upper().replace('-', '_')}"
                 f"{'S' if flag == '--api-key' else ''} in the router Secret (router_secret)")
-    parser = _RouteArgs(prog="kvrelay route", add_help=False)
+    # no abbreviations: `--po=9000` or `--api-k=...` would pass the checks above, and the
+    # router (which takes them) would listen elsewhere or show a key in its args
+    parser = _RouteArgs(prog="kvrelay route", add_help=False, allow_abbrev=False)
     add_route_arguments(parser)
     parser.parse_args(list(args))
 

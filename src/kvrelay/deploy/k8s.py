@@ -21,10 +21,11 @@ Pure: ``render(config)`` returns the manifests, ``to_yaml`` prints them.
 
 from __future__ import annotations
 
+import argparse
 import json
 
 from kvrelay.cluster.config import KvTransferSettings, Role
-from kvrelay.deploy.config import DeployConfig
+from kvrelay.deploy.config import DeployConfig, DeployConfigError
 from kvrelay.deploy.jsontypes import JsonValue, Manifest
 
 #: Label on the Services Prometheus scrapes (the ServiceMonitor selects it).
@@ -32,7 +33,9 @@ METRICS_LABEL = "kvrelay.io/metrics"
 
 
 def render(config: DeployConfig) -> list[Manifest]:
-    """Every manifest of the deployment, in an order ``kubectl apply -f`` handles."""
+    """Every manifest of the deployment, in an order ``kubectl apply -f`` handles;
+    ``DeployConfigError`` if its routers would refuse to start (``check_router_config``)."""
+    check_router_config(config)
     docs: list[Manifest] = []
     if config.redis_url is None:
         docs += [_redis_deployment(config), _redis_service(config)]
@@ -211,6 +214,24 @@ def _engine_statefulset(config: DeployConfig, role: Role) -> Manifest:
 
 
 # -- router ----------------------------------------------------------------------------------
+
+
+def check_router_config(config: DeployConfig) -> None:
+    """Build the config every router replica will build from its arguments (as ``kvrelay
+    route`` does), so that a value it refuses (a TTL too short for its margins, a bad
+    ``--router-arg`` value) is an error when rendering, not replicas that exit at start-up
+    and crash-loop. The Secret's environment is not known here: with ``router_secret`` the
+    replicas are taken to have API keys (settings that need them are judged so)."""
+    from kvrelay.router.cli import add_route_arguments, config_from_args
+    from kvrelay.router.config import ConfigError
+
+    parser = argparse.ArgumentParser(prog="kvrelay route", add_help=False, allow_abbrev=False)
+    add_route_arguments(parser)
+    env = {"KVRELAY_API_KEYS": "render-check:" + "0" * 32} if config.router_secret else {}
+    try:
+        config_from_args(parser.parse_args(router_args(config)), env)
+    except ConfigError as exc:
+        raise DeployConfigError(f"the router would refuse its settings: {exc}") from None
 
 
 def router_args(config: DeployConfig) -> list[str]:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import math
 import os
+import re
 import secrets
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -296,6 +297,14 @@ class RouterConfig:
             raise ConfigError(str(exc)) from None
         if self.turn_log_max_mb < 1 or self.turn_log_backups < 0:
             raise ConfigError("turn_log_max_mb must be >= 1 and turn_log_backups >= 0")
+        if self.report_timeout_s <= 0:
+            raise ConfigError("report_timeout_s must be positive (0 would give up on every "
+                              "streamed turn's D report at once)")
+        if self.internal_url is not None:
+            parts = urlsplit(self.internal_url)
+            if parts.scheme not in ("http", "https") or not parts.netloc:
+                raise ConfigError(f"internal_url must be http(s)://host[:port], got "
+                                  f"{self.internal_url!r}")
         for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} cannot be negative")
@@ -534,6 +543,9 @@ def _nodes(
         url = str(table["url"]).strip().rstrip("/")
         node_id = str(table.get("id") or f"{role}-{i}")
         channel = table.get("side_channel") or side.get(url) or side.get(node_id)
+        if channel is not None and not isinstance(channel, str):
+            raise ConfigError(f"{role}[{i}].side_channel must be \"host[:port]\", got "
+                              f"{channel!r}")
         ttl = _typed(f"{role}[{i}].ttl_s", table.get("ttl_s", default_ttl), "float")
         bs = table.get("block_size", default_block_size)
         bs = _typed(f"{role}[{i}].block_size", bs, "int") if bs is not None else None
@@ -563,6 +575,11 @@ def _coerce(key: str, value: Any) -> Any:
     return _typed(key, value, _kind_of(key))
 
 
+_INTEGER = re.compile(r"[+-]?[0-9]{1,18}")
+"""An integer setting's text: ASCII digits (``int()`` would also take other scripts' digits
+and ``_``), at most 18 of them."""
+
+
 def _kind_of(key: str) -> str:
     """The annotation of setting ``key`` (a ``RouterConfig``, policy or affinity field, or
     the default ``ttl_s`` / ``block_size``); ``""`` for others (taken as they come)."""
@@ -579,7 +596,7 @@ def _typed(key: str, value: Any, kind: str) -> Any:
     if kind == "bool":
         return _flag(key, value)
     if kind in ("int", "int | None"):
-        if isinstance(value, str) and value.strip().lstrip("+-").isdigit():
+        if isinstance(value, str) and _INTEGER.fullmatch(value.strip()):
             return int(value)
         if isinstance(value, int) and not isinstance(value, bool):
             return value
@@ -589,7 +606,7 @@ def _typed(key: str, value: Any, kind: str) -> Any:
             if isinstance(value, bool) or not isinstance(value, int | float | str):
                 raise ValueError
             number = float(value)
-        except ValueError:
+        except (ValueError, OverflowError):
             raise ConfigError(f"{key} must be a number, got {value!r}") from None
         if not math.isfinite(number):
             raise ConfigError(f"{key} must be a finite number, got {value!r}")

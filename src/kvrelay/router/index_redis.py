@@ -837,6 +837,8 @@ class RedisIndex:
         return tuple(ids[int(i) - 1] for i in result or ())
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None:
+        if self._failing:  # Redis is not answering: no replica could read it; don't wait
+            return
         await self._quiet("announce", self._client.set(
             self.pending_key(ref), "1", px=max(1, math.ceil(ttl_s * 1000))), None)
 
