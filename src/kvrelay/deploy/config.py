@@ -149,8 +149,6 @@ class _RouteArgs(argparse.ArgumentParser):
 def check_router_args(args: tuple[str, ...]) -> None:
     """``DeployConfigError`` unless ``args`` are ``kvrelay route`` arguments (checked with its
     own parser) that the manifest does not set itself and that carry no key."""
-    from kvrelay.router.cli import add_route_arguments
-
     for arg in args:
         flag = arg.split("=", 1)[0]
         if flag in ROUTER_FLAGS_OWNED:
@@ -161,11 +159,18 @@ def check_router_args(args: tuple[str, ...]) -> None:
                 f"router_args: {flag} would put a key in the pod's args; put "
                 f"KVRELAY_{flag[2:].upper().replace('-', '_')}"
                 f"{'S' if flag == '--api-key' else ''} in the router Secret (router_secret)")
-    # no abbreviations: `--po=9000` or `--api-k=...` would pass the checks above, and the
-    # router (which takes them) would listen elsewhere or show a key in its args
+    route_parser().parse_args(list(args))
+
+
+def route_parser() -> argparse.ArgumentParser:
+    """``kvrelay route``'s arguments, its errors a ``DeployConfigError``, no abbreviations
+    (``--po=9000`` or ``--api-k=...`` would pass ``check_router_args``' checks, and the
+    router, which takes them, would listen elsewhere or show a key in its args)."""
+    from kvrelay.router.cli import add_route_arguments
+
     parser = _RouteArgs(prog="kvrelay route", add_help=False, allow_abbrev=False)
     add_route_arguments(parser)
-    parser.parse_args(list(args))
+    return parser
 
 
 

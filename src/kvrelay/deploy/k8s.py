@@ -21,11 +21,10 @@ Pure: ``render(config)`` returns the manifests, ``to_yaml`` prints them.
 
 from __future__ import annotations
 
-import argparse
 import json
 
 from kvrelay.cluster.config import KvTransferSettings, Role
-from kvrelay.deploy.config import DeployConfig, DeployConfigError
+from kvrelay.deploy.config import DeployConfig, DeployConfigError, route_parser
 from kvrelay.deploy.jsontypes import JsonValue, Manifest
 
 #: Label on the Services Prometheus scrapes (the ServiceMonitor selects it).
@@ -222,14 +221,12 @@ def check_router_config(config: DeployConfig) -> None:
     ``--router-arg`` value) is an error when rendering, not replicas that exit at start-up
     and crash-loop. The Secret's environment is not known here: with ``router_secret`` the
     replicas are taken to have API keys (settings that need them are judged so)."""
-    from kvrelay.router.cli import add_route_arguments, config_from_args
+    from kvrelay.router.cli import config_from_args
     from kvrelay.router.config import ConfigError
 
-    parser = argparse.ArgumentParser(prog="kvrelay route", add_help=False, allow_abbrev=False)
-    add_route_arguments(parser)
     env = {"KVRELAY_API_KEYS": "render-check:" + "0" * 32} if config.router_secret else {}
     try:
-        config_from_args(parser.parse_args(router_args(config)), env)
+        config_from_args(route_parser().parse_args(router_args(config)), env)
     except ConfigError as exc:
         raise DeployConfigError(f"the router would refuse its settings: {exc}") from None
 
