@@ -248,8 +248,10 @@ class Decoder:
             await self._lose(turn, pending, "error_event")
             return out
         kept = turn.request.kept
-        if kept is not None and not await kept.commit() and kept.lost:
-            out = kept.patch_events(out)
+        if kept is not None:
+            await kept.commit()
+            if kept.lost:
+                out = kept.patch_events(out)
         text, calls = scan.answer()
         answer = self._answer(turn, text, calls, scan.prompt_token_ids, scan.output_token_ids)
         blocks = self._retained(node, scan.params) if scan.params is not None else None

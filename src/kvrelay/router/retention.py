@@ -153,6 +153,7 @@ class RetentionDesk:
         self._clock = clock
         self._base = base_url.rstrip("/") + RETENTION_PATH + "/"
         self._key = key
+        self._urls: dict[str, str] = {}  # url_for's, per node: one MAC per node, not per turn
         self._learned = learned
         self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
@@ -161,7 +162,10 @@ class RetentionDesk:
     def url_for(self, node_id: str) -> str:
         """Where D ``node_id`` syncs with this router: ``RETENTION_PATH/<token>``, the token a
         MAC of the node id (module docstring)."""
-        return self._base + self._token(node_id)
+        url = self._urls.get(node_id)
+        if url is None:
+            url = self._urls[node_id] = self._base + self._token(node_id)
+        return url
 
     def _token(self, node_id: str) -> str:
         return sync_token(self._key, node_id)
