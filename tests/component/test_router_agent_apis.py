@@ -431,3 +431,30 @@ async def test_d_dying_mid_stream_ends_with_the_apis_error_event(api: str) -> No
         async with r.client() as c:
             again = await c.post(PATHS[api], json=first_body(api, False))
         assert again.status_code == 200
+
+
+async def test_a_streamed_tool_use_cut_before_its_arguments_is_found_again() -> None:
+    """A forced call cut by ``max_tokens`` before its first argument streams a ``tool_use``
+    block with no ``input_json_delta``; the SDK keeps its start ``input: {}`` and re-sends
+    it, and the follow-up with the ``tool_result`` pulls (it recomputed, ``no_entry``)."""
+    async with routed() as r:
+        client = anthropic.AsyncAnthropic(base_url=r.url, api_key="unused", max_retries=0)
+        body: dict[str, Any] = {"model": "tiny", "max_tokens": 8, "tools": [WEATHER],
+                                "tool_choice": {"type": "tool", "name": "get_weather"},
+                                "messages": [{"role": "user", "content": FIRST}]}
+        try:
+            async with client.messages.stream(**body) as stream:
+                deltas = [e async for e in stream if e.type == "content_block_delta"]
+                message = await stream.get_final_message()
+            assert deltas == [] and message.stop_reason == "max_tokens"
+            content = [b.model_dump(exclude_none=True) for b in message.content]
+            assert [(b["type"], b["input"]) for b in content] == [("tool_use", {})]
+            await r.settle()
+            body["messages"] = [*body["messages"], {"role": "assistant", "content": content},
+                                {"role": "user", "content": [{
+                                    "type": "tool_result", "tool_use_id": content[0]["id"],
+                                    "content": "3 C, rain"}]}]
+            await client.messages.create(**{**body, "tool_choice": {"type": "auto"}})
+            assert (await r.last_decision())["reason"] == "pull"
+        finally:
+            await client.close()

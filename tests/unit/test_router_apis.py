@@ -197,3 +197,27 @@ def test_a_cut_responses_stream_numbers_its_error_after_the_last_event() -> None
     error = json.loads(cut.split(b"data: ")[1])
     assert error == {"type": "error", "code": "502", "param": None, "sequence_number": 23,
                      "message": "the decode node failed mid-stream"}
+
+
+def test_a_streamed_tool_use_cut_before_its_arguments_digests_as_the_sdk_rebuilds_it() -> None:
+    """A forced call cut by ``max_tokens`` streams ``content_block_start`` (``input: {}``) and
+    no ``input_json_delta``; the SDK keeps ``input: {}`` and re-sends it, so the streamed
+    answer must digest as that block does (it digested as empty arguments and never met)."""
+    block = {"type": "tool_use", "id": "toolu_1", "name": "get_weather", "input": {}}
+    events = [
+        ("message_start", {"type": "message_start", "message": {
+            "id": "msg_1", "type": "message", "role": "assistant", "content": [],
+            "usage": {"input_tokens": 50, "output_tokens": 0}}}),
+        ("content_block_start", {"type": "content_block_start", "index": 0,
+                                 "content_block": block}),
+        ("content_block_stop", {"type": "content_block_stop", "index": 0}),
+        ("message_delta", {"type": "message_delta", "delta": {"stop_reason": "max_tokens"},
+                           "usage": {"output_tokens": 40}}),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    raw = "".join(f"event: {k}\ndata: {json.dumps(v, separators=(',', ':'))}\n\n"
+                  for k, v in events).encode()
+    scan = MessagesScan(Rewrite(cached_tokens=None))
+    scan.feed(raw)
+    assert scan.answer()[1][0].arguments == "{}"
+    assert answer_digest(*scan.answer()) == answer_digest(*content_answer([block]))

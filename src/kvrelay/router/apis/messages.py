@@ -279,6 +279,7 @@ class _Block(msgspec.Struct):
     type: str = ""
     name: str | None = None
     text: str | None = None
+    input: msgspec.Raw = msgspec.Raw()  # a tool_use block's start input, kept as sent
 
 
 class _Delta(msgspec.Struct):
@@ -307,6 +308,7 @@ class MessagesScan:
         self._batch_bytes = 0
         self._text: list[str] = []
         self._tools: dict[int, list[list[str]]] = {}
+        self._start_inputs: dict[int, str] = {}
         self.done = False
         self.error: object = None
         self.params: object = None
@@ -330,8 +332,13 @@ class MessagesScan:
         return b"event: error\ndata: " + anthropic_error_json(status, message) + b"\n\n"
 
     def answer(self) -> tuple[str, list[ToolCall]]:
+        """The streamed answer as the client rebuilds it: a ``tool_use`` block's input is its
+        ``input_json_delta`` pieces joined or, when the stream sent none (a call cut by
+        ``max_tokens`` before its first argument), the block's start ``input`` (``{}``), which
+        is what the SDKs keep and re-send."""
         self._parse_batch()
-        calls = [ToolCall("".join(n), "".join(a)) for _, (n, a) in sorted(self._tools.items())]
+        calls = [ToolCall("".join(n), "".join(a) or self._start_inputs.get(i, ""))
+                 for i, (n, a) in sorted(self._tools.items())]
         return "".join(self._text), calls
 
     def _event(self, event: bytes) -> bytes:
@@ -373,6 +380,8 @@ class MessagesScan:
             block, delta = parsed.content_block, parsed.delta
             if block is not None and block.type == "tool_use":
                 self._tools.setdefault(parsed.index, [[], []])[0].append(block.name or "")
+                if len(block.input):
+                    self._start_inputs[parsed.index] = bytes(block.input).decode("utf-8")
             elif block is not None and block.type == "text" and block.text:
                 self._text.append(block.text)
             if delta is None:
