@@ -198,3 +198,31 @@ def test_supervisor_restarts_a_killed_node_and_leaves_the_others_alone(tmp_path,
     finally:
         cluster.stop()
     assert wait_dead(pids_in(tmp_path, "child")) == []
+
+
+def test_up_refuses_a_router_config_before_any_engine_starts(monkeypatch, capsys):
+    """``kvrelay up --ttl-s 20``: the router refuses a TTL below near-expiry + margin (15 +
+    10 s). ``up`` asks the router (``kvrelay route --check-config``) before it starts vLLM,
+    so the error comes in seconds and no engine is started (it came after vLLM's startup,
+    from the router's log)."""
+    import kvrelay.cluster.cli as cluster_cli
+    from kvrelay.cli import build_parser
+
+    started: list[object] = []
+    monkeypatch.setattr(cluster_cli, "LocalCluster", lambda *a: started.append(a))
+    args = build_parser().parse_args(["up", "--ttl-s", "20"])
+    assert args.func(args) == 2
+    err = capsys.readouterr().err
+    assert "router refuses its configuration" in err and "ttl_s (20)" in err
+    assert started == []
+
+
+def test_the_router_check_passes_a_valid_config_and_names_a_bad_router_arg():
+    from kvrelay.cluster.launcher import check_router
+
+    config = ClusterConfig(decoder_kv_blocks_ttl_s=120)
+    check_router(config, 8000, ["--max-entries", "100"])  # valid: returns
+    with pytest.raises(ClusterStartError, match="max_in_flight"):
+        check_router(config, 8000, ["--max-in-flight=0"])
+    with pytest.raises(ClusterStartError, match="--check-config"):
+        check_router(config, 8000, ["--check-config"])

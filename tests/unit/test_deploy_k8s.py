@@ -341,6 +341,7 @@ def test_keys_come_from_the_router_secret_never_from_args(capsys):
     ("--port=9000", "--port is set by the manifest; use --router-port"),
     ("--drain-timeout-s=600", "use --drain-timeout-s"),
     ("--state=redis://elsewhere:6379/0", "use --redis-url"),
+    ("--check-config", "would make every replica exit"),
 ])
 def test_router_args_are_checked_with_the_routers_own_parser(arg, message):
     """An extra router argument the router would refuse (its pod crash-loops) or one that

@@ -16,6 +16,7 @@ from kvrelay.cluster.launcher import (
     LocalCluster,
     ServiceProcess,
     ServiceStartError,
+    check_router,
     start_router,
 )
 from kvrelay.cluster.supervisor import GaveUp, NodeUnit, ServiceUnit, Supervised, Supervisor
@@ -89,6 +90,12 @@ def router_scrape_targets(router: ServiceProcess) -> list[ScrapeTarget]:
 
 def _up(args: argparse.Namespace) -> int:
     config = cluster_config_from_args(args)
+    if not args.no_router:
+        try:
+            check_router(config, args.router_port, args.router_arg)
+        except ClusterStartError as exc:
+            print(f"error: {exc}", file=sys.stderr)
+            return 2
     cluster = LocalCluster(config, args.run_dir)
     print(f"starting {config.num_prefill} P + {config.num_decode} D on {config.model!r}; "
           f"logs in {cluster.run_dir}", flush=True)

@@ -342,6 +342,35 @@ class ServiceProcess:
             time.sleep(0.2)
 
 
+def _router_command(config: ClusterConfig, prefill_urls: list[str], decode_urls: list[str],
+                    port: int, extra: list[str]) -> list[str]:
+    return router_command(
+        prefill_urls, decode_urls, host=config.host, port=port,
+        ttl_s=config.decoder_kv_blocks_ttl_s, block_size=block_size_of(config),
+        kv_recompute_threshold=config.kv_recompute_threshold, python=config.python,
+        extra=extra, learned_retention=config.retention != "stock",
+    )
+
+
+def check_router(config: ClusterConfig, port: int, extra: list[str]) -> None:
+    """Raise ``ClusterStartError`` with the router's own error unless the router that
+    ``start_router`` would start accepts its configuration (``kvrelay route --check-config``,
+    in a child process: the cluster does not import the router). Run before the engines
+    start, so that a bad ``--router-arg`` or a ``--ttl-s`` the router refuses is told in
+    seconds, not after vLLM's minute of startup."""
+    if "--check-config" in extra:
+        raise ClusterStartError("--router-arg=--check-config would make the router exit")
+    urls = {role: [f"http://{config.host}:{n.http_port}" for n in plan_nodes(config)
+                   if n.role == role] for role in ("prefill", "decode")}
+    cmd = _router_command(config, urls["prefill"], urls["decode"], port, extra)
+    done = subprocess.run([*cmd, "--check-config"], capture_output=True, text=True,
+                          timeout=120, check=False)
+    if done.returncode != 0:
+        lines = (done.stderr or done.stdout).strip().splitlines()
+        raise ClusterStartError(f"the router refuses its configuration: "
+                                f"{lines[-1] if lines else f'exit {done.returncode}'}")
+
+
 def start_router(
     config: ClusterConfig, cluster: LocalCluster, port: int, extra: list[str]
 ) -> ServiceProcess:
@@ -349,12 +378,8 @@ def start_router(
     With ``--retention stock`` D keeps every turn its TTL whatever it is told, so the router
     learns no retention times (``--no-learned-retention``): its entries last as long as D's
     blocks do."""
-    cmd = router_command(
-        [n.url for n in cluster.prefill], [n.url for n in cluster.decode],
-        host=config.host, port=port, ttl_s=config.decoder_kv_blocks_ttl_s,
-        block_size=block_size_of(config), kv_recompute_threshold=config.kv_recompute_threshold,
-        python=config.python, extra=extra, learned_retention=config.retention != "stock",
-    )
+    cmd = _router_command(config, [n.url for n in cluster.prefill],
+                          [n.url for n in cluster.decode], port, extra)
     url = f"http://{config.host}:{port}"
     return ServiceProcess("router", cmd, [f"{url}/health"], cluster.run_dir / "router.log",
                           url=url).start()

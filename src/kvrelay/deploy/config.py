@@ -154,6 +154,9 @@ def check_router_args(args: tuple[str, ...]) -> None:
         if flag in ROUTER_FLAGS_OWNED:
             raise DeployConfigError(
                 f"router_args: {flag} is set by the manifest; use {ROUTER_FLAGS_OWNED[flag]}")
+        if flag == "--check-config":
+            raise DeployConfigError("router_args: --check-config would make every replica "
+                                    "exit after checking its config")
         if flag in ROUTER_FLAGS_SECRET:
             raise DeployConfigError(
                 f"router_args: {flag} would put a key in the pod's args; put "

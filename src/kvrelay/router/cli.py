@@ -71,6 +71,10 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                         help="each tenant key is held by one caller: its ids are bound "
                              "(an edited history continues the id's latest entry)")
     parser.add_argument("--config", default=None, metavar="FILE", help="TOML config file")
+    parser.add_argument("--check-config", action="store_true",
+                        help="build the configuration from the file, KVRELAY_* variables and "
+                             "flags, say whether it is valid and exit (0 valid, 2 not) "
+                             "without listening")
     parser.add_argument("--kv-recompute-threshold", type=int, default=None,
                         help="reusable spans shorter than this (tokens) are recomputed; as "
                              "vLLM's kv_recompute_threshold (default 64)")
@@ -256,6 +260,9 @@ def _route(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if args.check_config:
+        print("config ok", flush=True)
+        return 0
     nodes = ", ".join(f"{n.node_id}={n.url}" for n in config.nodes)
     reports = (config.report_url if config.listen_internal_port != 0
                else "a free port, logged once bound")
