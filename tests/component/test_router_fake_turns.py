@@ -379,6 +379,37 @@ async def test_edited_reply_with_its_id_pulls_only_the_unedited_prefix(guard: st
         assert resp.json()["choices"][0]["message"]["content"] == await r.recompute(body)
 
 
+def image_part(data: str) -> dict[str, Any]:
+    return {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{data}"}}
+
+
+async def test_a_swapped_image_under_a_bound_id_never_pulls_the_old_images_kv() -> None:
+    """Under a bound id, a history whose image was swapped (same size: the engine's
+    placeholder tokens are equal, so the guard's token proof passes) must not continue the
+    id's latest entry: it recomputes. The history as sent, image unchanged, still pulls
+    (probe 5, finding 1: the swap pulled image A's KV for image B)."""
+    bound = {"x-gw-session": "img"}
+    async with routed(gateway_id_headers=("x-gw-session",)) as r:
+        first: list[Any] = [{"role": "user", "content": [
+            {"type": "text", "text": FIRST * 3}, image_part("QUFBQQ==")]}]
+        async with r.client() as c:
+            reply = (await c.post("/v1/chat/completions", headers=bound, json={
+                "messages": first, "max_tokens": 64})).json()
+            await r.settle()
+            answer = {"role": "assistant", "content": reply["choices"][0]["message"]["content"]}
+            swapped = [{"role": "user", "content": [first[0]["content"][0],
+                                                    image_part("QkJCQg==")]}]
+            resp = await c.post("/v1/chat/completions", headers=bound, json={
+                "messages": [*swapped, answer, {"role": "user", "content": "and now?"}],
+                "max_tokens": 8})
+            assert resp.headers["x-kvrelay-action"] == "recompute"
+            assert resp.headers["x-kvrelay-reason"] == "no_entry"
+            resp = await c.post("/v1/chat/completions", headers=bound, json={
+                "messages": [*first, answer, {"role": "user", "content": "and now?"}],
+                "max_tokens": 8})
+            assert resp.headers["x-kvrelay-reason"] == "pull"
+
+
 @pytest.mark.parametrize("guard", GUARDS)
 @pytest.mark.parametrize(("wrong_at", "proven"), [(5, 0), (2 * BLOCK + 5, 2 * BLOCK)])
 async def test_a_wrong_fingerprint_costs_reuse_never_correctness(

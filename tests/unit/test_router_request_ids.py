@@ -55,3 +55,37 @@ def test_id_settings_are_checked() -> None:
                         "tenant_is_one_caller": "yes", "api_keys": "a:K"})
     assert isinstance(cfg, RouterConfig)
     assert cfg.id_rules == IdRules(cfg.session_headers, ("x-gw", "x-user"), "client", True)
+
+
+IMAGE = "data:image/png;base64,iVBORw0KGgo="
+
+
+@pytest.mark.parametrize(("endpoint", "body"), [
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "text": "what is this?"},
+        {"type": "image_url", "image_url": {"url": IMAGE}}]}]}),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}),
+    ("responses", {"input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "what is this?"},
+        {"type": "input_image", "image_url": IMAGE}]}]}),
+    ("messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [
+        {"type": "tool_result", "tool_use_id": "t", "content": [  # nested in a tool result
+            {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                         "data": "iVBORw0KGgo="}}]}]}]}),
+])
+def test_a_history_with_media_never_continues_a_bound_ids_latest_entry(
+    endpoint: str, body: dict[str, object],
+) -> None:
+    """The engine renders equal-sized images as equal placeholder token ids, so the guard's
+    token proof cannot tell image A's KV from image B's: a bound id's history that holds
+    media continues only an entry its digests match (probe 5, finding 1)."""
+    rules = IdRules(("x-session-id",), ("x-gw",))
+    raw = json.dumps({"model": "m", **body}).encode()
+    req = parse_request(endpoint, raw, {"x-gw": "g"}, "t", rules)
+    assert req.identity.scope == scope_of("t", "g", bound=True)
+    assert req.identity.explicit is False
+    text_only = json.dumps({"model": "m", "max_tokens": 8, "messages": MESSAGES}
+                           if endpoint != "responses" else {"model": "m", "input": "hi"})
+    assert parse_request(endpoint, text_only.encode(), {"x-gw": "g"}, "t",
+                         rules).identity.explicit is True

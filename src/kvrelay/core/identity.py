@@ -48,6 +48,11 @@ much of it is still equal, and that length is only ever about the caller's own t
 for an id anyone can send (it would tell a guesser how much of another's conversation
 matches, and take the entry) and never without an id: the tenant's scope holds every
 conversation, and that would be stealing.
+Never either for a history that holds media (an image, audio, a file: the adapters'
+``carries_media``): the engine renders a media part as placeholder token ids that are equal
+for equal-sized media, so the guard's token proof would pass another image's KV. A media
+history continues only an entry whose digests it matches (the media's bytes or URL are
+in them).
 """
 
 from __future__ import annotations

@@ -33,7 +33,14 @@ import msgspec
 from kvrelay.core.identity import RequestIdentity, identify, scope_of
 from kvrelay.router.apis import ADAPTERS
 from kvrelay.router.apis.base import ApiAdapter, ApiRequest
-from kvrelay.router.apis.fields import JsonObject, check_id, encode, load_json, optional
+from kvrelay.router.apis.fields import (
+    JsonObject,
+    carries_media,
+    check_id,
+    encode,
+    load_json,
+    optional,
+)
 from kvrelay.router.errors import ClientError
 from kvrelay.router.request_limits import RequestLimits
 from kvrelay.router.response_keeper import KeptResponse
@@ -178,7 +185,7 @@ def request_from_body(
         endpoint=endpoint,
         body=body,
         tenant=tenant,
-        identity=identify(scope, api.history, explicit=bound),
+        identity=identify(scope, api.history, explicit=bound and not carries_media(body)),
         has_id=conversation_id is not None,
         api=api,
     )

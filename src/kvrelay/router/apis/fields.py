@@ -116,3 +116,29 @@ def message_text(content: object) -> str:
 
 def ints(values: list[object]) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
+
+
+MEDIA_PART_TYPES = frozenset({
+    "image_url", "input_audio", "audio_url", "video_url", "file", "image_embeds",  # chat
+    "audio_embeds", "image_pil",
+    "input_image", "input_file",  # Responses (and input_audio)
+    "image", "document",  # Messages (also inside a tool_result's content)
+})
+"""Content part types that carry media (images, audio, video, files) in any API's history."""
+
+
+def carries_media(body: Mapping[str, Any]) -> bool:
+    """Whether a body's history (``messages``, or the Responses ``input``) holds a media part
+    at any depth. The engine renders a media part as placeholder tokens that are equal for
+    equal-sized media, so a token-id proof does not tell two images apart (see
+    ``core.identity``: such a history never continues an entry it does not match)."""
+    stack: list[Any] = [body.get("messages"), body.get("input")]
+    while stack:
+        value = stack.pop()
+        if isinstance(value, dict):
+            if value.get("type") in MEDIA_PART_TYPES:
+                return True
+            stack.extend(v for v in value.values() if isinstance(v, (dict, list)))
+        elif isinstance(value, list):
+            stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return False
