@@ -172,9 +172,20 @@ async def test_misses_are_one_404_and_delete_forgets() -> None:
         misses += [await r.get(f"/v1/responses/{second.json()['id']}", headers=A),
                    await r.post("/v1/responses", body_of("more", False,
                                                          second.json()["id"]), headers=A)]
-        assert all(m.status_code == 404 for m in misses), [m.text for m in misses]
-        messages = {m.json()["error"]["message"] for m in misses}
-        assert len(messages) == 1
+        # GET/DELETE: one 404 whatever the miss; previous_response_id: OpenAI's 400
+        # previous_response_not_found (clients read the code and re-send the whole input),
+        # its message one per id whatever the miss (another tenant's, deleted, expired)
+        gets = [m for m in misses if m.request.method != "POST"]
+        posts = [m for m in misses if m.request.method == "POST"]
+        assert all(m.status_code == 404 for m in gets), [m.text for m in gets]
+        assert len({m.json()["error"]["message"] for m in gets}) == 1
+        assert all(m.status_code == 400 for m in posts), [m.text for m in posts]
+        for m in posts:
+            error = m.json()["error"]
+            assert (error["code"], error["param"]) == ("previous_response_not_found",
+                                                       "previous_response_id")
+            asked = json.loads(m.request.content)["previous_response_id"]
+            assert error["message"] == f"Previous response with id '{asked}' not found."
         for m in misses:
             assert set(m.json()["error"]) == {"message", "type", "param", "code"}
         no_key = await r.get(f"/v1/responses/{rid}")
@@ -291,6 +302,7 @@ async def test_store_false_keeps_nothing_and_the_store_off_refuses() -> None:
     async with routed() as r:
         refused = await r.post("/v1/responses", body_of("x", False, "resp_1"))
         assert refused.status_code == 400
+        assert refused.json()["error"]["code"] == "previous_response_not_found"
         assert "store: false" in refused.json()["error"]["message"]
         kept = await r.post("/v1/responses", body_of(FIRST, False))
         assert not kept.json().get("store")

@@ -47,16 +47,18 @@ def error_type(status: int) -> str:
     return phrase.replace(" ", "").replace("-", "") + "Error"
 
 
-def error_body(status: int, message: str, param: str | None = None) -> dict[str, object]:
-    """``{"error": {"message", "type", "param", "code"}}`` for ``status``."""
-    return {
-        "error": {"message": message, "type": error_type(status), "param": param, "code": status}
-    }
+def error_body(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> dict[str, object]:
+    """``{"error": {"message", "type", "param", "code"}}`` for ``status``; ``code`` is the
+    status unless an error OpenAI names gives its own (``previous_response_not_found``)."""
+    return {"error": {"message": message, "type": error_type(status), "param": param,
+                      "code": status if code is None else code}}
 
 
-def error_json(status: int, message: str, param: str | None = None) -> bytes:
+def error_json(status: int, message: str, param: str | None = None,
+               code: str | None = None) -> bytes:
     """The encoded OpenAI-style error body."""
-    return dumps(error_body(status, message, param))
+    return dumps(error_body(status, message, param, code))
 
 
 _ANTHROPIC_TYPES: Mapping[int, str] = {
@@ -114,15 +116,17 @@ class ClientError(Exception):
         param: str | None = None,
         status: int = 400,
         headers: Mapping[str, str] | None = None,
+        code: str | None = None,
     ) -> None:
         super().__init__(message)
         self.message = message
         self.param = param
         self.status = status
         self.headers = dict(headers or {})
+        self.code = code
 
     def body(self) -> bytes:
-        return error_json(self.status, self.message, self.param)
+        return error_json(self.status, self.message, self.param, self.code)
 
 
 class RouterError(Exception):

@@ -21,10 +21,12 @@ id (``response_store.new_response_id``), sent to D as ``request_id``, and its re
 kept (``response_keeper.KeptResponse``) under the caller's tenant. ``store: false`` keeps
 nothing.
 
-**Misses.** An unknown, expired, deleted or another tenant's id is the same 404 in OpenAI's
-error shape (no oracle: the message does not say which); a store that cannot answer is a
-503. Without the store none of this is routed: ``previous_response_id`` is a 400
-(``apis.responses``) and ``/v1/responses/{id}`` a 404.
+**Misses.** An unknown, expired, deleted or another tenant's id is one answer whichever it
+is (no oracle: the message does not say which): as ``previous_response_id``, OpenAI's 400
+``previous_response_not_found`` (clients that read the code re-send the whole input); on
+``/v1/responses/{id}``, a 404. A store that cannot answer is a 503. Without the store none
+of this is routed: ``previous_response_id`` is the same 400 with a message saying the store
+is off (``apis.responses``), and ``/v1/responses/{id}`` a 404.
 """
 
 from __future__ import annotations
@@ -60,6 +62,10 @@ RESPONSE_ENDPOINT = "/v1/responses/{id}"
 """The ``endpoint`` label of ``GET`` / ``DELETE /v1/responses/{id}`` in ``requests_total``."""
 NOT_FOUND = ("No response with this id is stored for this API key (unknown, expired or "
              "deleted)")
+PREVIOUS = "previous_response_id"
+PREVIOUS_NOT_FOUND = "previous_response_not_found"
+"""OpenAI's 400 for a ``previous_response_id`` it does not hold: clients (Codex, gateways)
+read this code and send the whole input instead."""
 _DECODER = msgspec.json.Decoder()
 
 
@@ -137,6 +143,10 @@ class StoredResponses:
                 stored = await self._store.get(tenant, response_id)
             except ResponseStoreUnavailable:
                 raise RouterError(503, "the response store is unavailable") from None
+        if stored is None and param == PREVIOUS:
+            shown = f" '{response_id}'" if len(response_id) <= MAX_RESPONSE_ID_CHARS else ""
+            raise ClientError(f"Previous response with id{shown} not found.", PREVIOUS,
+                              code=PREVIOUS_NOT_FOUND)
         if stored is None:
             raise ClientError(NOT_FOUND, param, status=404)
         return stored

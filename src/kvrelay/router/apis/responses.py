@@ -118,7 +118,8 @@ class ResponsesAdapter:
             raise ClientError(
                 "previous_response_id is not supported: the P/D router keeps no responses. "
                 "Send the whole conversation in `input` every turn, with `store: false` (or "
-                "run the router with --response-store)", "previous_response_id")
+                "run the router with --response-store)", "previous_response_id",
+                code="previous_response_not_found")  # OpenAI's: clients re-send the input
         if body.get("conversation") is not None:
             raise ClientError(
                 "conversation (the Conversations API) is not supported by the P/D router: "
