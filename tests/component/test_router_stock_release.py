@@ -7,10 +7,12 @@ connector takes its orders in its sync's answer: no P request is sent for it."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.fakevllm import FakeEngine
 from kvrelay.router.stock_release import LEASE_WINDOW_S, StockReleases
-from tests.component.router_fake import STOCK_CONFIG, routed, until
+from tests.component.router_fake import ENGINE_CONFIG, STOCK_CONFIG, routed, until
 from tests.component.test_router_fake_retention_sync import chat, conversation, follow_up
 
 
@@ -80,3 +82,29 @@ async def test_release_prompts_stay_within_their_lease_budget() -> None:
             r.clock.advance(1)
             assert await releases.run_once() == 1
             await until(lambda: len(held(d)) == 1, "D freed the second evicted turn")
+
+
+async def test_a_kvrelay_connector_keeping_turns_the_stock_way_gets_its_orders_through_p() -> None:
+    """kvrelay's connector with stock retention (``kvrelay up --retention stock``) ignores
+    orders in its sync's answer: an entry the router evicts is freed through P, as on
+    stock vLLM (it stayed pinned until D's TTL: probe 6, finding 5)."""
+    config = replace(ENGINE_CONFIG, kvrelay_retention=False)
+    async with routed(engine_config=config, max_entries=1) as r:
+        d = r.cluster.decode[0]
+        d_id = r.ctx.config.decode[0].node_id
+        async with r.client() as c:
+            first = await chat(c, conversation(1))
+            await r.settle()
+            found = await r.find({"model": "tiny",
+                                  "messages": follow_up(conversation(1), first)})
+            assert found is not None and found.entry.blocks.retention == "stock"
+            assert r.ctx.nodes.manages_retention(d_id) and not r.ctx.nodes.takes_orders(d_id)
+            second = await chat(c, conversation(2))
+            await r.settle()
+            kept = await r.find({"model": "tiny",
+                                 "messages": follow_up(conversation(2), second)})
+            assert kept is not None
+            assert held(d) == {found.entry.request_id, kept.entry.request_id}
+            assert await r.ctx.stock_releases.run_once() == 1
+            await until(lambda: held(d) == {kept.entry.request_id},
+                        "D freed the evicted entry's turn")

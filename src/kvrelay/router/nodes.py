@@ -64,6 +64,9 @@ class _Node:
     retains: bool | None = None
     """Whether D runs kvrelay's connector (its params carry ``kvrelay_guard``); ``None``
     until D's first answer."""
+    keeps_stock: bool = False
+    """Whether D's connector keeps turns the stock way (``kvrelay_retention: stock``: one
+    TTL, the router's orders ignored)."""
     param_streams: frozenset[str] = frozenset()
     block_size: int | None = None
     outstanding_requests: int = 0
@@ -176,6 +179,12 @@ class NodeRegistry:
         return mode == "connector" or (mode == "auto" and self._nodes[node_id].retains
                                        is not False)
 
+    def takes_orders(self, node_id: str) -> bool:
+        """Whether D takes the router's release orders in its sync's answer: it manages
+        retention and its connector does not keep turns the stock way (a stock-keeping D,
+        like a stock vLLM one, has its orders carried out through P: ``stock_release``)."""
+        return self.manages_retention(node_id) and not self._nodes[node_id].keeps_stock
+
     def decode_node_for_engine(self, engine_id: str) -> str | None:
         """The D whose current engine id (``trusted_identity``) is ``engine_id``, if any."""
         for node_id in self._order:
@@ -221,6 +230,7 @@ class NodeRegistry:
         node = self._nodes[node_id]
         node.fingerprints = blocks.fingerprint is not None
         node.retains = blocks.guard_version is not None
+        node.keeps_stock = blocks.retention == "stock"
         if node.engine_id is None and node.report_identity is None:
             node.report_identity = (blocks.engine_id, blocks.host, blocks.port)
 
@@ -244,6 +254,7 @@ class NodeRegistry:
         else:
             node.fingerprints = blocks.fingerprint is not None
             node.retains = blocks.guard_version is not None
+            node.keeps_stock = blocks.retention == "stock"
             node.side_channel = (blocks.host, blocks.port)
             if blocks.block_size is not None and node.config.block_size is None:
                 node.block_size = blocks.block_size

@@ -277,7 +277,9 @@ class RetentionDesk:
                     self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
         if not trusted:
             return RetentionOrders(dropped=dropped)
-        orders = await self._index.take_releases(node_id, sync.engine_id)
+        orders: tuple[str, ...] = ()
+        if self._nodes.takes_orders(node_id):  # a stock-keeping D's go through P
+            orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
         curves = self._take_curves(node_id, sync.engine_id)

