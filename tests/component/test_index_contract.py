@@ -542,6 +542,32 @@ async def test_d_may_free_what_it_asks_for_unless_a_p_leg_reads_it(
     assert await index.claim(pulled, entry("d0", "A", request="gone")) is None
 
 
+async def test_a_spent_read_ends_after_its_grace(made: tuple[ConversationIndex, Clock]) -> None:
+    """A P leg that ended without proof (an error answer, a timeout) keeps the read for
+    ``grace_s`` more, then D may free the turn (a read kept open for good made D's asks
+    under pressure wait for D's TTL: probe 6, finding 2). Redis times the grace on its own
+    clock, the memory index on the router's: both move here."""
+    index, clock = made
+    ref = stored_at(TURN1, "spent")
+    await index.put(ref, entry("d0", "A", request="spent"), tenant="t")
+    assert await index.claim(ref, entry("d0", "A", request="spent")) is not None
+    await index.read_spent("d0", "spent", 0.5)
+    assert await index.release_requested("d0", "A", ["spent"]) == ()
+    clock.now += 0.6
+    assert await until_free(index, "spent") == ("spent",)
+
+
+async def until_free(index: ConversationIndex, request_id: str) -> tuple[str, ...]:
+    """``release_requested`` until it frees ``request_id`` (a Redis key's PX runs on Redis's
+    own clock, not the test's), at most 2 s."""
+    for _ in range(200):
+        free = await index.release_requested("d0", "A", [request_id])
+        if free:
+            return free
+        await asyncio.sleep(0.01)
+    return ()
+
+
 @pytest.mark.parametrize("kind", ["memory", "redis"])
 async def test_completions_lookup_work_does_not_grow_with_the_entries_of_a_block(
     request: pytest.FixtureRequest, kind: str,

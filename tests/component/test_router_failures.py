@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from kvrelay.client.sse import sse_events
+from kvrelay.core.consequences import SPENT_READ_GRACE_S
 from tests.component.router_mock import MockCluster
 from tests.component.router_rig import Chat, Rig, assert_no_internal_fields
 
@@ -83,6 +84,8 @@ async def test_a_pull_p_may_have_read_is_recomputed_on_another_p(fault: Any) -> 
     try:
         chat = Chat(rig, "c")
         await chat.turn(LONG)
+        first = await chat.entry()
+        assert first is not None
         p0, p1 = rig.cluster.node("prefill-0"), rig.cluster.node("prefill-1")
         p0.faults.append(fault)
         resp, _ = await chat.turn("next")
@@ -99,6 +102,12 @@ async def test_a_pull_p_may_have_read_is_recomputed_on_another_p(fault: Any) -> 
         entry = await chat.entry()
         assert entry is not None and entry.turn == 2 and len(rig.ctx.index) == 1
         assert rig.ctx.metrics.retries.labels("prefill")._value.get() == 1
+        # the failed pull's read of turn 1 stays open for the grace, then D may free it
+        # (it stayed open for good: D's asks under pressure waited for D's TTL)
+        asked = (first.decode_node_id, first.decode_engine_id, [first.request_id])
+        assert await rig.ctx.index.release_requested(*asked) == ()
+        rig.clock.advance(SPENT_READ_GRACE_S)
+        assert await rig.ctx.index.release_requested(*asked) == (first.request_id,)
     finally:
         await rig.close()
 

@@ -9,6 +9,9 @@ The router's handler only carries these out; the rules live here, next to ``deci
   retried once on another D; P's params may be sent again only if D provably never
   started (connection refused, HTTP 503), else P must compute again first: vLLM does not
   refuse a second read of freed blocks, it would silently read reused memory.
+* ``SPENT_READ_GRACE_S``: how long a pull's read of D's blocks counts as under way after
+  P's call ended without proof that P read nothing more (an error answer, a timeout, a
+  reset, the client gone).
 * ``learn_prefill``: which sample teaches which cost: a pull that P served from D's KV
   teaches the pull line (the time left after the predicted P call for the suffix, its
   fixed cost included); anything else teaches the prefill line.
@@ -74,6 +77,15 @@ def prefill_retry(kind: FailureKind, status: int | None, attempt: int) -> bool:
     pull only when P never received it (``params_spent`` is false): otherwise P may have
     read D's retained blocks, which frees them, and the retry recomputes."""
     return attempt == 0 and not client_fault(kind, status)
+
+
+SPENT_READ_GRACE_S = 10.0
+"""A pull whose P call ended without proof (``params_spent``) may still be reading D's
+blocks: P's request is dead (it answered, or vLLM aborts a request whose connection closed,
+at its next step), but a read under way ends within one transfer, and until the abort
+lands a prefill that used the blocks could still fill P's prefix cache. So D is not told
+it may free them for this long after the call ended; then it may (a read kept open for
+good made D's asks under pressure wait for D's TTL)."""
 
 
 def params_spent(kind: FailureKind, status: int | None) -> bool:

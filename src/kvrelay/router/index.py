@@ -69,8 +69,10 @@ Contracts:
   (``RELEASING``; a release D reports later names the cause) so no claim can take them, and
   returns the ids D may free now: those no P leg is reading. A claim counts as a read of the
   claimed entry's D request id until ``read_done(node_id, request_id)`` (the P leg ended
-  and P provably read nothing more; a networked index lets an unfinished one lapse after
-  ``READ_TTL_S``).
+  and P provably read nothing more), or until ``grace_s`` after ``read_spent(node_id,
+  request_id, grace_s)`` (the P leg ended without that proof: an error answer, a timeout;
+  ``core.consequences.SPENT_READ_GRACE_S``); a networked index lets one never ended lapse
+  after ``READ_TTL_S`` (a router that died mid-pull).
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
@@ -177,6 +179,8 @@ class ConversationIndex(Protocol):
     ) -> tuple[str, ...]: ...
 
     async def read_done(self, node_id: str, request_id: str) -> None: ...
+
+    async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None: ...
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None: ...
 
@@ -354,6 +358,8 @@ class InMemoryIndex:
         self._due: dict[str, list[_Due]] = {}
         self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._reading: dict[tuple[str, str], int] = {}
+        self._lapsing: list[tuple[float, str, str]] = []
+        """Spent reads by when their grace ends (``read_spent``)."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -515,6 +521,7 @@ class InMemoryIndex:
     async def release_requested(
         self, node_id: str, engine_id: str, request_ids: Iterable[str]
     ) -> tuple[str, ...]:
+        self._lapse()
         free: list[str] = []
         for request_id in request_ids:
             self._mark(node_id, engine_id, request_id, RELEASING)
@@ -531,7 +538,20 @@ class InMemoryIndex:
     async def announced(self, identity: RequestIdentity) -> bool:
         return False
 
+    async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None:
+        heapq.heappush(self._lapsing, (self._clock() + grace_s, node_id, request_id))
+
+    def _lapse(self) -> None:
+        """End the spent reads whose grace is over (``read_spent``)."""
+        now = self._clock()
+        while self._lapsing and self._lapsing[0][0] <= now:
+            _, node_id, request_id = heapq.heappop(self._lapsing)
+            self._end_read(node_id, request_id)
+
     async def read_done(self, node_id: str, request_id: str) -> None:
+        self._end_read(node_id, request_id)
+
+    def _end_read(self, node_id: str, request_id: str) -> None:
         read = (node_id, request_id)
         left = self._reading.get(read, 0) - 1
         if left > 0:
@@ -606,6 +626,7 @@ class InMemoryIndex:
         """Purge entries expired more than ``expired_retention_s`` ago; returns the count."""
         now = self._clock()
         self._next_sweep = now + self._sweep_interval
+        self._lapse()
         stale = [
             key for key, item in self._items.items()
             if now >= item.entry.expires_at_s + self._retention

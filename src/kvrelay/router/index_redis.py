@@ -27,7 +27,8 @@ load balancer picks, and pulls from the D the entry names.
   least recently used.
 * ``{ns}:q:{node_id}:{request_id}`` – D's request id to its entry's key (``mark_released``;
   ``!engine<TAB>cause`` for a release that came before the entry), and ``...:r`` while a
-  claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``).
+  claimed entry's P leg reads it (``release_requested``, ``read_done``; PX ``READ_TTL_S``,
+  or the grace ``read_spent`` sets).
 * ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
   every entry the index drops but a claim, a released one, an ordered one (``ord``) and
   ``drop_node``/``drop_engine`` queues one in the same script, so whichever replica D syncs
@@ -855,6 +856,11 @@ class RedisIndex:
     async def read_done(self, node_id: str, request_id: str) -> None:
         await self._quiet("release", self._client.delete(
             self._request_key(node_id, request_id) + ":r"), None)
+
+    async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None:
+        await self._quiet("release", self._client.pexpire(
+            self._request_key(node_id, request_id) + ":r", max(1, math.ceil(grace_s * 1000))),
+            None)
 
     async def take_releases(
         self, node_id: str, engine_id: str, limit: int = MAX_ORDERS

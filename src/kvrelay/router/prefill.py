@@ -11,8 +11,10 @@ to the cost estimates (``core.consequences.learn_prefill``) unless ``learn_costs
 (fixed costs: no decision then depends on how fast this machine was).
 
 The claimed entry's read ends with the pull (``ConversationIndex.read_done``): when P
-answered, or never received it; a pull P may still be reading (a timeout, a reset, the
-client gone) stays a read in progress, so D is not told it may free those blocks.
+answered it, or never received it. A pull P may still be reading (an error answer, a
+timeout, a reset, the client gone) stays a read in progress for
+``core.consequences.SPENT_READ_GRACE_S`` more (``read_spent``), so D is not told it may
+free those blocks until P's dead request can no longer use them, and then is.
 
 A failed P call is retried once on another P (the same one if it is the only P). A pull
 that P never received (connection refused, or a 503) is retried as the same pull, since
@@ -27,7 +29,12 @@ from dataclasses import dataclass
 
 import msgspec
 
-from kvrelay.core.consequences import learn_prefill, params_spent, prefill_retry
+from kvrelay.core.consequences import (
+    SPENT_READ_GRACE_S,
+    learn_prefill,
+    params_spent,
+    prefill_retry,
+)
 from kvrelay.core.guard import loaded_outcome
 from kvrelay.core.params import (
     KVParamsError,
@@ -93,6 +100,9 @@ class Prefiller:
         finally:
             if claimed is not None and not spent:
                 await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
+            elif claimed is not None:
+                await ctx.index.read_spent(claimed.decode_node_id, claimed.request_id,
+                                           SPENT_READ_GRACE_S)
 
     def _pull_params(self, turn: Turn) -> dict[str, object]:
         """D's retained params as the policy sent them, addressed as P reaches D."""
