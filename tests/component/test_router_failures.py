@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from kvrelay.client.sse import sse_events
-from kvrelay.core.consequences import SPENT_READ_GRACE_S
+from kvrelay.core.consequences import ANSWERED_READ_GRACE_S, SPENT_READ_GRACE_S
 from tests.component.router_mock import MockCluster
 from tests.component.router_rig import Chat, Rig, assert_no_internal_fields
 
@@ -104,9 +104,12 @@ async def test_a_pull_p_may_have_read_is_recomputed_on_another_p(fault: Any) -> 
         assert rig.ctx.metrics.retries.labels("prefill")._value.get() == 1
         # the failed pull's read of turn 1 stays open for the grace, then D may free it
         # (it stayed open for good: D's asks under pressure waited for D's TTL)
+        # (P answered: 1 s; no answer: 10 s, until P has surely aborted the request)
+        grace_s = ANSWERED_READ_GRACE_S if isinstance(fault, tuple) else SPENT_READ_GRACE_S
         asked = (first.decode_node_id, first.decode_engine_id, [first.request_id])
+        rig.clock.advance(grace_s - 0.1)
         assert await rig.ctx.index.release_requested(*asked) == ()
-        rig.clock.advance(SPENT_READ_GRACE_S)
+        rig.clock.advance(0.2)
         assert await rig.ctx.index.release_requested(*asked) == (first.request_id,)
     finally:
         await rig.close()

@@ -27,6 +27,7 @@ from kvrelay.core.retention_sync import (
     encode,
 )
 from kvrelay.core.return_curve import ReturnCurve
+from kvrelay.router.app import create_app
 from kvrelay.router.request import IdRules, parse_request
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
 
@@ -185,13 +186,15 @@ async def test_a_release_d_syncs_makes_the_next_turn_recompute_released() -> Non
                       reason="released") == 1
 
 
-async def test_a_sync_from_an_unknown_engine_or_malformed_is_a_4xx_and_changes_nothing(
+async def test_a_sync_from_an_unknown_engine_changes_nothing_a_malformed_one_is_a_400(
 ) -> None:
+    """A sync of an engine no D ran is heard where it can only make that engine's entries
+    recompute (none here); D's own entries are untouched."""
     async with routed(engine_config=SILENT_D) as r:
         history, entry = await one_first_turn(r)
         forged = await post_sync(r, sync_body("not-an-engine", released=(
             (entry.request_id, "pressure"),)))
-        assert forged.status_code == 404 and forged.json()["error"]["message"]
+        assert forged.status_code == 200 and forged.json().get("release", []) == []
         for bad in (b"{", b"[]", b'{"engine_id": "x"}',
                     sync_body(r.cluster.decode[0].engine_id).replace(b'"block_size":16',
                                                                       b'"block_size":-1')):
@@ -523,3 +526,33 @@ async def test_a_stock_d_keeps_every_turn_its_ttl_so_the_entry_does_too() -> Non
             ENGINE_CONFIG.decoder_kv_blocks_ttl)
         r.clock.advance(60.0)  # past the tools' time: the entry is still there
         assert await orders_for(r) == []
+
+
+@pytest.mark.parametrize("same_key", [True, False])
+async def test_a_restarted_router_answers_ds_asks_before_any_answer_of_ds(
+    same_key: bool,
+) -> None:
+    """A router restarted (with the same ``--tag-key``, or without one) knows no engine of
+    D until D answers it; D's asks under pressure must still be answered, or the request
+    waiting for D's blocks, the one that would bring that answer, waits for D's TTL (they
+    were a 404: probe 6, finding 1). With D's token the sync is D's and teaches D's engine;
+    without, it is heard on every D where it can only make entries recompute."""
+    key = "k" * 32
+    async with routed(engine_config=SILENT_D, tag_key=key) as r:
+        _, entry = await one_first_turn(r)
+        d = r.cluster.decode[0]
+        token = r.ctx.retention.url_for("decode-0").rsplit("/", 1)[1]
+        config = replace(r.ctx.config, tag_key=key if same_key else "n" * 32)
+        restarted = create_app(config, clock=r.clock)
+        try:
+            ask = encode(RetentionSync(
+                engine_id=d.engine_id, block_size=16, bytes_per_block=4096,
+                num_blocks_total=128, num_blocks_free=0, retained_requests=1,
+                retained_blocks=4, retained_tokens=64, releasing=(entry.request_id,)))
+            orders = await restarted.ctx.retention.accept(ask, token)
+            assert orders.dropped == (entry.request_id,)
+            knows = restarted.ctx.nodes.trusted_identity("decode-0")[0]
+            assert knows == (d.engine_id if same_key else None)
+            assert (restarted.ctx.retention.latest("decode-0") is not None) is same_key
+        finally:
+            await restarted.ctx.upstream.aclose()

@@ -5,11 +5,14 @@ from __future__ import annotations
 import pytest
 
 from kvrelay.core.consequences import (
+    ANSWERED_READ_GRACE_S,
+    SPENT_READ_GRACE_S,
     decode_retry,
     entry_fate,
     learn_prefill,
     params_spent,
     prefill_retry,
+    spent_read_grace_s,
 )
 from kvrelay.core.costs import CostEstimates
 from kvrelay.core.policy import TurnDecision
@@ -45,6 +48,14 @@ def test_retries() -> None:
     assert decode_retry("timeout", None, 1) == "none"
     assert decode_retry("status", 404, 0) == "none"
     assert not params_spent("connect", None) and params_spent("protocol", None)
+
+
+def test_a_spent_read_is_held_briefly_after_an_answer_longer_after_none() -> None:
+    """P answered (an error): its request is over, 1 s covers a transfer still landing.
+    No answer (timeout, reset): until vLLM has surely aborted it, 10 s. Never for good."""
+    assert spent_read_grace_s("status") == ANSWERED_READ_GRACE_S == 1.0
+    for kind in ("timeout", "closed", "protocol"):
+        assert spent_read_grace_s(kind) == SPENT_READ_GRACE_S == 10.0  # type: ignore[arg-type]
 
 
 def test_a_pull_teaches_the_transfer_cost_a_recompute_the_prefill_rate() -> None:

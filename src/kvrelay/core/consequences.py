@@ -9,9 +9,9 @@ The router's handler only carries these out; the rules live here, next to ``deci
   retried once on another D; P's params may be sent again only if D provably never
   started (connection refused, HTTP 503), else P must compute again first: vLLM does not
   refuse a second read of freed blocks, it would silently read reused memory.
-* ``SPENT_READ_GRACE_S``: how long a pull's read of D's blocks counts as under way after
-  P's call ended without proof that P read nothing more (an error answer, a timeout, a
-  reset, the client gone).
+* ``spent_read_grace_s``: how long a pull's read of D's blocks counts as under way after
+  P's call ended without proof that P read nothing more (an error answer: briefly; a
+  timeout, a reset, the client gone: until P has surely aborted it).
 * ``learn_prefill``: which sample teaches which cost: a pull that P served from D's KV
   teaches the pull line (the time left after the predicted P call for the suffix, its
   fixed cost included); anything else teaches the prefill line.
@@ -80,12 +80,22 @@ def prefill_retry(kind: FailureKind, status: int | None, attempt: int) -> bool:
 
 
 SPENT_READ_GRACE_S = 10.0
-"""A pull whose P call ended without proof (``params_spent``) may still be reading D's
-blocks: P's request is dead (it answered, or vLLM aborts a request whose connection closed,
-at its next step), but a read under way ends within one transfer, and until the abort
-lands a prefill that used the blocks could still fill P's prefix cache. So D is not told
-it may free them for this long after the call ended; then it may (a read kept open for
-good made D's asks under pressure wait for D's TTL)."""
+"""A pull whose P call ended without an answer (a timeout, a reset, the client gone) may
+still be reading D's blocks: vLLM aborts a request whose connection closed at its next step,
+and until that lands a prefill that used the blocks could still fill P's prefix cache. So D
+is not told it may free them for this long after the call ended; then it may (a read kept
+open for good made D's asks under pressure wait for D's TTL)."""
+
+ANSWERED_READ_GRACE_S = 1.0
+"""The same after P *answered* the pull with an error: its request is over, so nothing of
+it uses D's blocks any more; a transfer it started and abandoned may still be landing in
+its own freed blocks for a moment."""
+
+
+def spent_read_grace_s(kind: FailureKind) -> float:
+    """How long a spent pull (``params_spent``) still counts as reading D's blocks after the
+    P call failed this way."""
+    return ANSWERED_READ_GRACE_S if kind == "status" else SPENT_READ_GRACE_S
 
 
 def params_spent(kind: FailureKind, status: int | None) -> bool:

@@ -34,6 +34,7 @@ from kvrelay.core.consequences import (
     learn_prefill,
     params_spent,
     prefill_retry,
+    spent_read_grace_s,
 )
 from kvrelay.core.guard import loaded_outcome
 from kvrelay.core.params import (
@@ -75,6 +76,7 @@ class Prefiller:
             node = ctx.nodes.choose_prefill()
         claimed = turn.found.entry if pull and turn.found is not None else None
         spent = False
+        grace_s = 0.0  # how long a spent read may still be under way (spent_read_grace_s)
         try:
             if node is None:
                 raise RouterError(503, "no prefill node is up")
@@ -83,7 +85,8 @@ class Prefiller:
                 try:
                     return await self._once(turn, node, params, pull=pull)
                 except UpstreamError as exc:
-                    spent = spent or (pull and params_spent(exc.kind, exc.status))
+                    if pull and params_spent(exc.kind, exc.status):
+                        spent, grace_s = True, max(grace_s, spent_read_grace_s(exc.kind))
                     await ctx.nodes.request_failed(exc)
                     if not prefill_retry(exc.kind, exc.status, attempt):
                         raise exc.to_router_error("prefill") from exc
@@ -94,7 +97,8 @@ class Prefiller:
                         pull = False
                         turn.refused = "prefill_failed"
                 except BaseException:
-                    spent = spent or pull  # cancelled mid-pull: P may still be reading
+                    if pull:  # cancelled mid-pull: P may still be reading
+                        spent, grace_s = True, SPENT_READ_GRACE_S
                     raise
             raise AssertionError("unreachable")
         finally:
@@ -102,7 +106,7 @@ class Prefiller:
                 await ctx.index.read_done(claimed.decode_node_id, claimed.request_id)
             elif claimed is not None:
                 await ctx.index.read_spent(claimed.decode_node_id, claimed.request_id,
-                                           SPENT_READ_GRACE_S)
+                                           grace_s)
 
     def _pull_params(self, turn: Turn) -> dict[str, object]:
         """D's retained params as the policy sent them, addressed as P reaches D."""

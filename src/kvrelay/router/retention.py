@@ -7,13 +7,16 @@ at once after a release. ``RetentionDesk.accept``:
 
 1. decodes the body (``decode_sync``; a bad one is a 400, never a 5xx) and finds the D it is
    from by its engine id (``NodeRegistry.decode_node_for_engine``: only an engine id this
-   router learned from that D's own answers or checked reports; an unknown one is a 404)
-   and checks the URL's token, a MAC of that D's node id under the router's key that only
-   decode requests to that D carry. A sync without it (``bad_token``: forged, or D's URL
-   from before a restart without ``--tag-key`` or from an older router) is heard only in
-   what can make entries recompute (2 and 4): it takes none of D's release orders (which
-   would keep D's dropped turns pinned) and its numbers are not kept (3). The connector
-   posts to the URL as given (any version);
+   router learned from that D's own answers or checked reports) or, before this router
+   learned any engine of that D (a restart), by the URL's token, a MAC of that D's node id
+   under the router's key that only decode requests to that D carry: such a sync is D's,
+   and its engine id becomes D's. It then checks the token. A sync without it
+   (``bad_token``: forged, or D's URL from before a restart without ``--tag-key`` or from
+   an older router) is heard only in what can make entries recompute (2 and 4): it takes
+   none of D's release orders (which would keep D's dropped turns pinned) and its numbers
+   are not kept (3). One this router cannot name at all (unknown engine, no D's token) is
+   heard the same way on every D (``unknown_engine``), so that D can still free turns under
+   pressure. The connector posts to the URL as given (any version);
 2. marks every entry of that D whose request id D released as released
    (``ConversationIndex.mark_released``): it is never claimed again, and the conversation's
    next turn recomputes with reason ``released``;
@@ -253,17 +256,47 @@ class RetentionDesk:
             raise ClientError(str(exc)) from None
         node_id = self._nodes.decode_node_for_engine(sync.engine_id)
         if node_id is None:
-            self._metrics.child(self._metrics.retention_syncs, "unknown_engine").inc()
-            raise ClientError("no decode node of this router runs that engine", status=404)
+            node_id = self._node_of_token(token)
+            if node_id is not None and self._nodes.trusted_identity(node_id)[0] is None:
+                # D itself (its URL's MAC) before any answer of D's reached this router (a
+                # restarted router): its engine is D's current one. A D whose engine this
+                # router knows learns of another from D's answers, not from a sync.
+                self._nodes.observe_engine(node_id, sync.engine_id)
+        if node_id is None or self._nodes.trusted_identity(node_id)[0] != sync.engine_id:
+            return await self._heard_unknown(sync)
         trusted = hmac.compare_digest(token.encode(), self._token(node_id).encode())
         self._metrics.child(self._metrics.retention_syncs, "ok" if trusted else "bad_token").inc()
         if trusted:
             self._latest[node_id] = DRetention(node_id, sync, self._clock())
+        dropped = await self._heard(node_id, sync, count_causes=trusted)
+        if not trusted:
+            return RetentionOrders(dropped=dropped)
+        orders: tuple[str, ...] = ()
+        if self._nodes.takes_orders(node_id):  # a stock-keeping D's go through P
+            orders = await self._index.take_releases(node_id, sync.engine_id)
+        if orders:
+            self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
+        curves = self._take_curves(node_id, sync.engine_id)
+        return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET)
+
+    def _node_of_token(self, token: str) -> str | None:
+        """The D whose sync token ``token`` is, if any."""
+        for state in self._nodes.states():
+            if state.role == "decode" and hmac.compare_digest(
+                    token.encode(), self._token(state.node_id).encode()):
+                return state.node_id
+        return None
+
+    async def _heard(self, node_id: str, sync: RetentionSync, *,
+                     count_causes: bool) -> tuple[str, ...]:
+        """What any sync of D ``node_id`` is heard in, whoever sent it (it can only make
+        entries recompute): its releases mark entries released, its asks are answered with
+        the ids no P leg is reading."""
         if sync.released:
             marked = await self._index.mark_released(node_id, sync.engine_id, sync.released)
             for cause in RELEASE_CAUSES:
                 n = sum(1 for r in sync.released if r.cause == cause)
-                if n and trusted:
+                if n and count_causes:
                     self._metrics.child(self._metrics.releases_seen, node_id, cause).inc(n)
             if marked:
                 self._metrics.child(self._metrics.entries_released, node_id).inc(marked)
@@ -275,15 +308,24 @@ class RetentionDesk:
             for answer, n in (("dropped", len(dropped)), ("reading", reading)):
                 if n:
                     self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
-        if not trusted:
-            return RetentionOrders(dropped=dropped)
-        orders: tuple[str, ...] = ()
-        if self._nodes.takes_orders(node_id):  # a stock-keeping D's go through P
-            orders = await self._index.take_releases(node_id, sync.engine_id)
-        if orders:
-            self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
-        curves = self._take_curves(node_id, sync.engine_id)
-        return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET)
+        return dropped
+
+    async def _heard_unknown(self, sync: RetentionSync) -> RetentionOrders:
+        """A sync whose D this router cannot name: an engine no answer of a D showed it and a
+        token no D's (a router restarted without ``--tag-key``: D still posts to the old
+        URL). Its turns are another router's, or this one's before it restarted; it is
+        heard, in what can only make entries recompute, on every D: releases mark entries
+        of that engine released, and asks are answered with the ids no P leg reads on any
+        D (D's request ids are unique). A 404 here left D unable to free anything under
+        pressure until the turns' TTL, while the request waiting for the blocks was the
+        one that would have told this router D's engine."""
+        self._metrics.child(self._metrics.retention_syncs, "unknown_engine").inc()
+        free: set[str] | None = None
+        for state in self._nodes.states():
+            if state.role == "decode":
+                dropped = await self._heard(state.node_id, sync, count_causes=False)
+                free = set(dropped) if free is None else free & set(dropped)
+        return RetentionOrders(dropped=tuple(i for i in sync.releasing if i in (free or ())))
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """``/stats``' ``retention``: per D, its latest numbers (D's own counts)."""
