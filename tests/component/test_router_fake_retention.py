@@ -22,6 +22,7 @@ from kvrelay.core.retention_sync import (
     RETENTION_PATH,
     RETENTION_URL_KEY,
     RETURN_CURVE_KEY,
+    STALE_SYNC_S,
     Released,
     RetentionSync,
     encode,
@@ -556,3 +557,33 @@ async def test_a_restarted_router_answers_ds_asks_before_any_answer_of_ds(
             assert (restarted.ctx.retention.latest("decode-0") is not None) is same_key
         finally:
             await restarted.ctx.upstream.aclose()
+
+
+async def test_a_sync_that_said_d_holds_turns_goes_stale_and_idle_ds_read_zero() -> None:
+    """D syncs every SYNC_INTERVAL_S while it holds turns: a sync that said it holds some and
+    was not followed for STALE_SYNC_S is not D's numbers any more (a restarted D posts
+    nowhere until a decode request reaches it; its dead engine's 3 turns showed for good:
+    probe 6, finding 7). One that said D holds none stands. The router's own
+    ``retained_tokens`` reads 0 for a D without live entries (the series vanished: finding
+    9)."""
+    async with routed(engine_config=SILENT_D) as r:
+        d = r.cluster.decode[0]
+        await one_first_turn(r)
+        assert (await post_sync(r, sync_body(d.engine_id, retained_blocks=4))).status_code == 200
+        assert "decode-0" in (await r.get("/stats")).json()["retention"]
+        r.clock.advance(STALE_SYNC_S - 0.1)
+        assert r.ctx.retention.latest("decode-0") is not None
+        r.clock.advance(0.2)
+        assert r.ctx.retention.latest("decode-0") is None
+        assert "decode-0" not in (await r.get("/stats")).json()["retention"]
+        metrics = parse_prometheus((await r.internal_get("/metrics")).text)
+        assert not any(k.startswith("kvrelay_router_d_retained_blocks") for k in metrics)
+        idle = encode(RetentionSync(
+            engine_id=d.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+            num_blocks_free=128, retained_requests=0, retained_blocks=0, retained_tokens=0))
+        assert (await post_sync(r, idle)).status_code == 200
+        r.clock.advance(10 * STALE_SYNC_S)
+        assert r.ctx.retention.latest("decode-0") is not None
+        await r.ctx.index.drop_node("decode-0")
+        metrics = parse_prometheus((await r.internal_get("/metrics")).text)
+        assert metric(metrics, "kvrelay_router_retained_tokens", node="decode-0") == 0

@@ -69,6 +69,12 @@ RETURN_CURVE_KEY = "kvrelay_return_curve"
 
 SYNC_INTERVAL_S = 0.25
 """How often D syncs while it holds retained turns (a router's order lands within ~0.5 s)."""
+STALE_SYNC_S = 20 * SYNC_INTERVAL_S
+"""A sync saying D holds turns stands for D's numbers this long: D syncs every
+``SYNC_INTERVAL_S`` while it holds any, so a longer silence means it restarted (a new
+engine posts nowhere until a decode request gives it a URL), went away, or cannot reach the
+router, and its numbers are unknown. A sync saying D holds none stands until the next
+(an idle D does not sync)."""
 MAX_SYNC_URLS = 8
 MAX_SYNC_BYTES = 1024 * 1024
 """Sync bodies larger than this are refused unread."""

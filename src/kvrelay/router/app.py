@@ -210,7 +210,9 @@ def create_app(
     )
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
-    metrics.track_retained_tokens(lambda: ctx.index.retained_tokens(ctx.clock()))
+    no_tokens = {node.node_id: 0 for node in config.decode}  # a D without entries reads 0
+    metrics.track_retained_tokens(
+        lambda: {**no_tokens, **ctx.index.retained_tokens(ctx.clock())})
     metrics.track_d_retention(ctx.retention.gauges)
     generation = GenerationHandler(ctx)
     public = Routes([

@@ -70,6 +70,7 @@ from kvrelay.core.retention_sync import (
     RETENTION_PATH,
     RETENTION_URL_KEY,
     RETURN_CURVE_KEY,
+    STALE_SYNC_S,
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
@@ -233,11 +234,16 @@ class RetentionDesk:
                      for (engine, request_id), curve in queue.items() if engine == engine_id)
 
     def latest(self, node_id: str) -> DRetention | None:
-        """D's latest sync (``None`` before its first, or once D went down or restarted)."""
+        """D's latest sync (``None`` before its first, once D went down or restarted, or
+        once one that said D holds turns is older than ``STALE_SYNC_S``: D would have synced
+        again, so its numbers are unknown; the router's view of D's engine changes only
+        when D answers again, which an idle cluster may not do for long)."""
         state = self._latest.get(node_id)
         if state is None:
             return None
         if self._nodes.trusted_identity(node_id)[0] != state.sync.engine_id:
+            return None
+        if state.sync.retained_requests and self._clock() - state.synced_at_s > STALE_SYNC_S:
             return None
         return state
 
