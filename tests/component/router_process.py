@@ -323,7 +323,8 @@ def _env() -> dict[str, str]:
 
 def is_openai_error(body: object, status: int | None = None) -> bool:
     """``{"error": {"message": str, "type": str, "param": str|null, "code": int}}`` (with
-    ``code == status`` when given)."""
+    ``code == status`` when given), or ``code`` an error OpenAI names
+    (``previous_response_not_found``)."""
     if not isinstance(body, dict) or set(body) != {"error"} or not isinstance(body["error"], dict):
         return False
     err = body["error"]
@@ -332,9 +333,13 @@ def is_openai_error(body: object, status: int | None = None) -> bool:
         and isinstance(err["message"], str) and bool(err["message"])
         and isinstance(err["type"], str) and bool(err["type"])
         and (err["param"] is None or isinstance(err["param"], str))
-        and isinstance(err["code"], int)
-        and (status is None or err["code"] == status)
+        and (err["code"] in NAMED_CODES or (isinstance(err["code"], int)
+             and (status is None or err["code"] == status)))
     )
+
+
+NAMED_CODES = frozenset({"previous_response_not_found"})
+"""Error codes the router sends as OpenAI names them, in place of the HTTP status."""
 
 
 def openai_error_of(resp: httpx.Response) -> dict[str, Any]:

@@ -185,13 +185,16 @@ async def test_engine_restarted_once_the_new_engine_id_is_known() -> None:
 
 async def test_restart_not_yet_seen_is_caught_by_the_engine_id_in_the_params() -> None:
     """Before the router learns D restarted it pulls; P's read fails on the engine id and P
-    recomputes (policy ``recompute``): the answer is still exactly right."""
+    recomputes (policy ``recompute``): the answer is still exactly right, and the turn is
+    told as what it was, a recompute (``not_loaded``: P's answer says it loaded nothing;
+    it was told as a pull of 0 tokens: probe 6, finding 6)."""
     async with routed() as r:
         async def restart(conv: Conversation) -> None:
             await r.cluster.engine("decode-0").restart()
 
         decision = await two_turns(r, restart)
-        assert decision["reason"] == "pull"
+        assert (decision["action"], decision["reason"], decision["reused_tokens"]) == (
+            "recompute", "not_loaded", 0)
         rec = decision["p_record"]
         assert rec.load_failure == "engine_mismatch" and rec.recomputed_after_failure
 
@@ -338,13 +341,14 @@ async def test_below_threshold(guard: str) -> None:
 async def test_below_p_threshold_p_recomputes_and_frees_d(guard: str) -> None:
     """Only P's own threshold is above what D holds: the router pulls, P loads nothing
     (kvrelay's guard: every token matched, too few; stock vLLM: its scheduler's threshold) and
-    notifies D, which frees its blocks. The answer equals a recompute."""
+    notifies D, which frees its blocks. The answer equals a recompute, and the turn is
+    told as one (``not_loaded``: P's answer says it loaded nothing)."""
     config = replace(GUARD_CONFIGS[guard], kv_recompute_threshold=100_000)
     async with routed(engine_config=config) as r:
         d = r.cluster.decode[0]
         decision = await two_turns(r)
         rec: RequestRecord = decision["p_record"]
-        assert (decision["action"], decision["reason"]) == ("pull", "pull")
+        assert (decision["action"], decision["reason"]) == ("recompute", "not_loaded")
         assert decision["reused_tokens"] == rec.pulled_tokens == 0
         assert rec.notified_engine == d.engine_id
         assert not holds(d, d.records[0])

@@ -417,9 +417,11 @@ async def test_entry_expiring_between_decision_and_pull(
         before = len(p.records)
         reply = await chat.turn("And in Patagonia?")
         assert advanced and reply.status == 200
-        # P recomputed in place (policy recompute), or failed and another try recomputed
-        assert reply.headers["x-kvrelay-action"] == ("pull" if policy == "recompute"
-                                                     else "recompute")
+        # P recomputed in place (policy recompute: told as ``not_loaded``), or failed and
+        # another try recomputed (``prefill_failed``)
+        assert reply.headers["x-kvrelay-action"] == "recompute"
+        assert reply.headers["x-kvrelay-reason"] == ("not_loaded" if policy == "recompute"
+                                                     else "prefill_failed")
         assert reply.headers["x-kvrelay-reused-tokens"] == "0"
         assert p.records[before].load_failure == "expired"
         assert (await r.last_decision())["retries"] == (0 if policy == "recompute" else 1)

@@ -144,6 +144,12 @@ class Prefiller:
                                      blocks.verified_tokens,
                                      ctx.config.policy.kv_recompute_threshold)
             turn.refused = None if outcome == "pull" else outcome
+        if pull and turn.refused is None and blocks.prefill_cached_tokens == 0:
+            # P took the pull and loaded nothing (P says so: vLLM counts what it did not
+            # compute): D's read failed (its engine restarted, its blocks were gone) or P's
+            # own kv_recompute_threshold is above the span, and P recomputed, so the turn is
+            # a recompute, not a pull of 0 tokens
+            turn.refused = "not_loaded"
         log.debug("P %s %s: %d prompt tokens, %d not computed, %.4f s", node.node_id,
                   "pull" if pull else "recompute", turn.prompt_tokens, turn.cached_tokens,
                   seconds)
