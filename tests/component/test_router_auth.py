@@ -219,10 +219,10 @@ async def test_admin_endpoints_need_the_admin_key() -> None:
                                     headers=ADMIN), 400)
         assert await chat_a.entry(tenant="tenant-a") is not None
         resp = await rig.post("/admin/conversations/drop", body, headers=ADMIN)
-        assert resp.json() == {"dropped": True, "entries": 1}
+        assert resp.json() == {"dropped": True, "entries": 1, "turns_under_way": 0}
         assert await chat_a.entry(tenant="tenant-a") is None
         resp = await rig.post("/admin/conversations/drop", body, headers=ADMIN)
-        assert resp.json() == {"dropped": False, "entries": 0}
+        assert resp.json() == {"dropped": False, "entries": 0, "turns_under_way": 0}
         await chat_a.turn("next")
         assert (await rig.last_decision())["reason"] == "no_entry"
         # the admin sees every tenant's decisions

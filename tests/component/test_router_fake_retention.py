@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
+from kvrelay.client.sse import sse_events
 from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.retention_sync import (
     RETAIN_S_KEY,
@@ -310,7 +311,7 @@ async def test_an_admin_flush_releases_the_conversation_on_d() -> None:
             "conversation_id": "flush-me"})] if f]
         dropped = await r.post("/admin/conversations/drop", {"conversation_id": "flush-me"},
                                headers={"Authorization": "Bearer root"})
-        assert dropped.json() == {"dropped": True, "entries": 1}
+        assert dropped.json() == {"dropped": True, "entries": 1, "turns_under_way": 0}
         assert await orders_for(r) == [entry.request_id]
 
 
@@ -587,3 +588,34 @@ async def test_a_sync_that_said_d_holds_turns_goes_stale_and_idle_ds_read_zero()
         await r.ctx.index.drop_node("decode-0")
         metrics = parse_prometheus((await r.internal_get("/metrics")).text)
         assert metric(metrics, "kvrelay_router_retained_tokens", node="decode-0") == 0
+
+
+async def test_an_admin_flush_drops_the_conversations_turn_under_way_too() -> None:
+    """A streamed turn (D on vLLM 0.32: its params come in D's report, here 1 s late) is
+    under way when an admin drops its conversation: it commits nothing to pull, and D is
+    ordered to release it (it committed after the drop and its next turn pulled: probe 6,
+    finding 8)."""
+    config = replace(SILENT_D, vllm_version="0.32", report_delay_s=1.0)
+    async with routed(engine_config=config, admin_key="root") as r:
+        body = {"model": "tiny", "messages": first_turn(), "max_tokens": 16,
+                "conversation_id": "flush-me", "stream": True}
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body)
+        text = "".join(str(e["choices"][0]["delta"].get("content") or "")  # type: ignore[index]
+                       for e in sse_events(resp.text) if not isinstance(e, str))
+        assert len(r.ctx.desk) == 1  # D's report is awaited
+        dropped = await r.post("/admin/conversations/drop", {"conversation_id": "flush-me"},
+                               headers={"Authorization": "Bearer root"})
+        assert dropped.json() == {"dropped": True, "entries": 0, "turns_under_way": 1}
+        await r.settle()
+        history = [*first_turn(), {"role": "assistant", "content": text},
+                   {"role": "user", "content": "?"}]
+        found = await r.find({"model": "tiny", "messages": history,
+                              "conversation_id": "flush-me"})
+        assert found is None
+        assert len(await orders_for(r)) == 1
+        async with r.client() as c:
+            again = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": history, "max_tokens": 4,
+                "conversation_id": "flush-me"})
+        assert again.headers["x-kvrelay-action"] == "recompute"

@@ -231,15 +231,17 @@ def _admin_routes(ctx: RouterContext) -> list[Route]:
         for name in ("user", "safety_identifier", "cache_salt"):
             if body.get(name) is not None and not isinstance(body[name], str):
                 raise ClientError(f"{name} must be a string", name)
-        dropped = 0
+        dropped = pending = 0
         for bound in (False, True):  # the id as a client sent it, and as a gateway set it
-            dropped += await ctx.index.drop_scope(scope_of(
-                tenant, conversation_id, bound=bound, user=body.get("user"),
-                safety_identifier=body.get("safety_identifier"),
-                cache_salt=body.get("cache_salt")))
+            scope = scope_of(tenant, conversation_id, bound=bound, user=body.get("user"),
+                             safety_identifier=body.get("safety_identifier"),
+                             cache_salt=body.get("cache_salt"))
+            pending += ctx.desk.flush_scope(scope)  # turns under way: dropped as they commit
+            dropped += await ctx.index.drop_scope(scope)
         if dropped:
             ctx.metrics.dropped.labels("admin").inc(dropped)
-        return dumps({"dropped": dropped > 0, "entries": dropped})
+        return dumps({"dropped": dropped + pending > 0, "entries": dropped,
+                      "turns_under_way": pending})
 
     routes = [Route("/admin/nodes", frozenset({"GET"}), _counted(ctx, "/admin/nodes", nodes))]
     for node in config.nodes:

@@ -123,6 +123,8 @@ class PendingTurn:
     report_received: bool = False
     awaits_report: bool = True
     announced: EntryRef | None = None
+    flushed: bool = False
+    """An admin dropped the turn's conversation while it was under way (``flush_scope``)."""
     outcome: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
@@ -221,6 +223,17 @@ class ReportDesk:
         if identity.explicit:
             self._by_scope.setdefault(identity.scope, set()).add(p)
         return p
+
+    def flush_scope(self, scope: bytes) -> int:
+        """An admin dropped the conversation ``scope`` names: its turns still under way here
+        leave nothing to pull either (their entry is dropped as it commits, so D is ordered
+        to release the turn). Returns how many. A turn another replica serves commits
+        there (the drop reaches only this replica's own pending turns)."""
+        flushed = [p for p in self._by_turn.values()
+                   if p.identity.scope == scope and p.outcome is None]
+        for p in flushed:
+            p.flushed = True
+        return len(flushed)
 
     def pending_for(self, identity: RequestIdentity) -> list[PendingTurn]:
         """Unsettled turns the request may continue: their answer is out and the request
@@ -432,6 +445,11 @@ class ReportDesk:
             await self._index.put(ref, entry, tenant=p.tenant)
         except IndexUnavailable:
             self.settle(p, "index_unavailable")
+            return
+        if p.flushed:  # dropped by an admin while under way: D is ordered to release it
+            await self._index.drop(ref, entry)
+            self._metrics.dropped.labels("admin").inc()
+            self.settle(p, "flushed")
             return
         self.settle(p, "committed")
         old = p.supersedes
