@@ -69,6 +69,10 @@ IMAGE = "data:image/png;base64,iVBORw0KGgo="
     ("responses", {"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is this?"},
         {"type": "input_image", "image_url": IMAGE}]}]}),
+    ("responses", {"input": [  # a tool's output as content parts
+        {"type": "function_call", "call_id": "c", "name": "shot", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c", "output": [
+            {"type": "input_image", "image_url": IMAGE}]}]}),
     ("messages", {"max_tokens": 8, "messages": [{"role": "user", "content": [
         {"type": "tool_result", "tool_use_id": "t", "content": [  # nested in a tool result
             {"type": "image", "source": {"type": "base64", "media_type": "image/png",

@@ -128,17 +128,34 @@ MEDIA_PART_TYPES = frozenset({
 
 
 def carries_media(body: Mapping[str, Any]) -> bool:
-    """Whether a body's history (``messages``, or the Responses ``input``) holds a media part
-    at any depth. The engine renders a media part as placeholder tokens that are equal for
-    equal-sized media, so a token-id proof does not tell two images apart (see
-    ``core.identity``: such a history never continues an entry it does not match)."""
-    stack: list[Any] = [body.get("messages"), body.get("input")]
-    while stack:
-        value = stack.pop()
-        if isinstance(value, dict):
-            if value.get("type") in MEDIA_PART_TYPES:
+    """Whether a body's history holds a media part: ``messages`` (chat, Messages) or the
+    Responses ``input``, each item's ``content`` (and a tool output's ``output``) parts, and
+    the parts of a Messages ``tool_result``. The engine renders a media part as placeholder
+    tokens that are equal for equal-sized media, so a token-id proof does not tell two
+    images apart (see ``core.identity``: such a history never continues an entry it does
+    not match). Looks only where the APIs put parts (a full walk of a long history cost a
+    fifth of parsing it)."""
+    for key in ("messages", "input"):
+        items = body.get(key)
+        if not isinstance(items, list):
+            continue
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            if item.get("type") in MEDIA_PART_TYPES or _parts_carry_media(item.get("content")) \
+                    or _parts_carry_media(item.get("output")):
                 return True
-            stack.extend(v for v in value.values() if isinstance(v, (dict, list)))
-        elif isinstance(value, list):
-            stack.extend(v for v in value if isinstance(v, (dict, list)))
+    return False
+
+
+def _parts_carry_media(parts: object) -> bool:
+    if not isinstance(parts, list):
+        return False
+    for part in parts:
+        if isinstance(part, dict):
+            kind = part.get("type")
+            if kind in MEDIA_PART_TYPES:
+                return True
+            if kind == "tool_result" and _parts_carry_media(part.get("content")):
+                return True
     return False
