@@ -9,8 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from kvrelay.client.prometheus import parse_prometheus
-from kvrelay.fakevllm import FakeEngine
+from kvrelay.fakevllm import FakeEngine, FakeEngineConfig
 from kvrelay.router.stock_release import LEASE_WINDOW_S, StockReleases
 from tests.component.router_fake import ENGINE_CONFIG, STOCK_CONFIG, routed, until
 from tests.component.test_router_fake_retention_sync import chat, conversation, follow_up
@@ -20,8 +22,17 @@ def held(d: FakeEngine) -> set[str]:
     return {hold.request_id for hold in d.state.holds.snapshot()}
 
 
-async def test_an_entry_the_router_evicts_is_freed_on_a_stock_d_through_p() -> None:
-    async with routed(engine_config=STOCK_CONFIG, max_entries=1) as r:
+KVRELAY_STOCK = replace(ENGINE_CONFIG, kvrelay_retention=False)
+"""kvrelay's connector keeping turns the stock way (``kvrelay up --retention stock``): it
+syncs its numbers but ignores orders in its sync's answer, so they go through P as for
+stock vLLM (they stayed pinned until D's TTL: probe 6, finding 5)."""
+
+
+@pytest.mark.parametrize("config", [STOCK_CONFIG, KVRELAY_STOCK], ids=["vllm", "kvrelay"])
+async def test_an_entry_the_router_evicts_is_freed_on_a_stock_d_through_p(
+    config: FakeEngineConfig,
+) -> None:
+    async with routed(engine_config=config, max_entries=1) as r:
         d = r.cluster.decode[0]
         d_id = r.ctx.config.decode[0].node_id
         async with r.client() as c:
@@ -30,7 +41,9 @@ async def test_an_entry_the_router_evicts_is_freed_on_a_stock_d_through_p() -> N
             history = follow_up(conversation(1), first)
             found = await r.find({"model": "tiny", "messages": history})
             assert found is not None and held(d) == {found.entry.request_id}
-            assert not r.ctx.nodes.manages_retention(d_id)  # D's params: no kvrelay keys
+            assert not r.ctx.nodes.takes_orders(d_id)
+            # stock vLLM's params carry no kvrelay keys; kvrelay's connector says "stock"
+            assert r.ctx.nodes.manages_retention(d_id) is (config is KVRELAY_STOCK)
             second = await chat(c, conversation(2))
             await r.settle()
             assert await r.find({"model": "tiny", "messages": history}) is None  # evicted
@@ -83,28 +96,3 @@ async def test_release_prompts_stay_within_their_lease_budget() -> None:
             assert await releases.run_once() == 1
             await until(lambda: len(held(d)) == 1, "D freed the second evicted turn")
 
-
-async def test_a_kvrelay_connector_keeping_turns_the_stock_way_gets_its_orders_through_p() -> None:
-    """kvrelay's connector with stock retention (``kvrelay up --retention stock``) ignores
-    orders in its sync's answer: an entry the router evicts is freed through P, as on
-    stock vLLM (it stayed pinned until D's TTL: probe 6, finding 5)."""
-    config = replace(ENGINE_CONFIG, kvrelay_retention=False)
-    async with routed(engine_config=config, max_entries=1) as r:
-        d = r.cluster.decode[0]
-        d_id = r.ctx.config.decode[0].node_id
-        async with r.client() as c:
-            first = await chat(c, conversation(1))
-            await r.settle()
-            found = await r.find({"model": "tiny",
-                                  "messages": follow_up(conversation(1), first)})
-            assert found is not None and found.entry.blocks.retention == "stock"
-            assert r.ctx.nodes.manages_retention(d_id) and not r.ctx.nodes.takes_orders(d_id)
-            second = await chat(c, conversation(2))
-            await r.settle()
-            kept = await r.find({"model": "tiny",
-                                 "messages": follow_up(conversation(2), second)})
-            assert kept is not None
-            assert held(d) == {found.entry.request_id, kept.entry.request_id}
-            assert await r.ctx.stock_releases.run_once() == 1
-            await until(lambda: held(d) == {kept.entry.request_id},
-                        "D freed the evicted entry's turn")
