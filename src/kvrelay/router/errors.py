@@ -1,7 +1,8 @@
 """OpenAI-style error bodies, and the router's two error types.
 
 Every error the router answers has the body ``{"error": {"message", "type", "param", "code"}}``
-(``code`` is the HTTP status, as vLLM does), so the unmodified ``openai`` SDK raises its usual
+(``code`` is the HTTP status, as vLLM does, except for an error OpenAI names with a code its
+clients act on: ``previous_response_not_found``), so the unmodified ``openai`` SDK raises its usual
 ``APIStatusError`` subclasses. ``ClientError`` is bad client input (always 4xx, never a 500);
 ``RouterError`` is anything else the router answers itself (no capacity, upstream failure).
 Upstream 4xx answers are passed through with their own status and message. Messages the
