@@ -34,6 +34,13 @@ class Replicas:
     cluster: FakeCluster
     ctxs: list[RouterContext]
     urls: list[str]
+    servers: list[list[HttpServer]]
+    """Each replica's public and internal listeners."""
+
+    async def stop(self, replica: int) -> None:
+        """Replica ``replica`` goes away (scaled down, crashed): its listeners close."""
+        for server in self.servers[replica]:
+            await server.stop()
 
     async def settle(self) -> None:
         await self.cluster.drain_reports()
@@ -85,16 +92,17 @@ async def replicas(redis: RedisServer, n: int = 2, engine_config: FakeEngineConf
                     block_size=ENGINE_CONFIG.block_size, **{**defaults, **settings},
                 )
                 app = create_app(config, clock=clock)
+                servers.append([])
                 for served, at in ((app.public, port),
                                    (app.internal, config.listen_internal_port)):
                     server = HttpServer(served, "127.0.0.1", at)
                     await server.start()
-                    servers.append(server)
+                    servers[-1].append(server)
                 ctxs.append(app.ctx)
                 urls.append(f"http://127.0.0.1:{port}")
-            yield Replicas(cluster, ctxs, urls)
+            yield Replicas(cluster, ctxs, urls, servers)
         finally:
-            for server in servers:
+            for server in (one for each in servers for one in each):
                 await server.stop()
             for ctx in ctxs:
                 await ctx.upstream.aclose()
@@ -253,3 +261,27 @@ async def test_a_release_order_queued_on_one_replica_is_delivered_by_the_other(
         assert found_b is not None
         await post_sync(r.ctxs[1], d.engine_id, ((found_b.entry.request_id, "pressure"),))
         assert (await r.turn(0, b_next, None))[:2] == ("recompute", "released")
+
+
+async def test_a_gone_replicas_turns_are_released_under_pressure_through_another(
+    redis_server: RedisServer,
+) -> None:
+    """Replica 0 gave D three turns and goes away; a long new turn through replica 1 needs
+    their blocks. D asks replica 1 for them (both name the same shared state, the Redis
+    they share), replica 1 answers from the shared reads and entries, and the new turn is
+    served without waiting (D asked only replica 0: the turn waited for their TTL, 57 s
+    with a 60 s TTL: probe 6, finding 3). D's clock is manual: a wait would be for good."""
+    config = replace(ENGINE_CONFIG, num_gpu_blocks=12, max_model_len=1536)  # 128-token blocks
+    async with replicas(redis_server, engine_config=config) as r:
+        d = r.cluster.decode[0]
+        for i in range(3):
+            await r.turn(0, [{"role": "user", "content": f"topic {i} " + "word " * 140}], None)
+            await r.settle()
+        held = d.state.holds.snapshot()
+        assert len(held) == 3 and sum(len(h.block_ids) for h in held) == 9  # of 12
+        await r.stop(0)
+        big = [{"role": "user", "content": "the long one " + "word " * 300}]  # 6 blocks
+        action, _, _ = await asyncio.wait_for(r.turn(1, big, None), timeout=30.0)
+        assert action == "recompute"
+        assert d.state.retention is not None
+        assert d.state.retention.releases_total["pressure"] >= 1

@@ -19,11 +19,13 @@ from kvrelay.core.retention_sync import (
     MAX_ORDERS,
     MAX_RELEASED_PER_SYNC,
     RELEASE_CAUSES,
+    Lane,
     Released,
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
     TurnCurve,
+    ask_via,
     decode_orders,
     decode_sync,
     encode,
@@ -262,3 +264,27 @@ def test_the_router_counts_d_s_retained_blocks_as_available_to_live_work():
     # Live work holding 16 of 24 blocks is what makes D short: 4 free + 4 retained.
     busy = DRetention("d", sync(num_blocks_free=4, retained_blocks=4), 0.0)
     assert busy.free_fraction == pytest.approx(8 / 24)
+
+
+A = "http://10.0.0.1:8001/internal/kv-retention/aaa"
+A_RESTARTED = "http://10.0.0.1:8001/internal/kv-retention/bbb"
+B = "http://10.0.0.2:8001/internal/kv-retention/ccc"
+
+
+def test_d_asks_a_turns_own_router_while_it_answers_else_one_that_answers_for_it() -> None:
+    """``ask_via``: the turn's own router while it answers (or was never tried); else the
+    same origin at another token (that router restarted), else a router naming the same
+    shared state; else its own while D syncs with it, or nowhere."""
+    fresh, up, down = Lane(A), Lane(A, True, "s"), Lane(A, False, "s")
+    assert ask_via(A, [fresh, Lane(B, True, "s")]) == A
+    assert ask_via(A, [up, Lane(B, True, "s")]) == A
+    assert ask_via(A, [down, Lane(B, True, "s")]) == B  # a replica on the same Redis
+    assert ask_via(A, [down, Lane(B, True, "t")]) == A  # another state: keep asking A
+    assert ask_via(A, [down, Lane(B, False, "s")]) == A  # B does not answer either
+    assert ask_via(A, [down, Lane(A_RESTARTED, True), Lane(B, True, "s")]) == A_RESTARTED
+    assert ask_via(A, [Lane(B, True, "s")], "s") == B  # A beyond the lanes D keeps
+    assert ask_via(A, [Lane(B, True, "s")]) is None  # A's state unknown: nobody
+    assert ask_via(A, [Lane(B, True)], None) is None
+    assert decode_orders(encode(RetentionOrders(shared="s"))).shared_state == "s"
+    assert RetentionOrders().shared_state is None
+    assert b"shared" not in encode(RetentionOrders())  # older connectors read it as before

@@ -270,3 +270,58 @@ def test_a_router_that_never_answers_holds_up_only_its_own_syncs(router):
     assert router.syncs[-1]["releasing"] == ["a"]
     ledger.confirmed(router.url, answers[0].orders.dropped)
     assert ledger.take_to_free() == ["a"]
+
+
+def test_a_gone_replicas_turns_are_asked_of_a_replica_naming_the_same_shared_state(router):
+    """Replicas on one Redis name the same shared state in their answers. Replica A gave
+    turn "a" and goes away (its connection refused); D's ask for "a" goes to replica B, and
+    B's answer frees it as A's would have (D asked only A: "a" stayed pinned under pressure
+    until its TTL, and a live request waited: probe 6, finding 3)."""
+    other = StandInRouter()
+    try:
+        client = RetentionSyncClient(["127.0.0.1"], ENGINE, background=False)
+        client.add_url(other.url)
+        client.add_url(router.url)
+        other.answer = router.answer = RetentionOrders(shared="redis-1")
+        ledger = ledger_with(("a", 4, 0.0), url=other.url)
+        ledger.retain("b", num_blocks=4, num_tokens=64, now_s=0.0, retain_s=100.0,
+                      url=router.url)
+        client.publish(ledger.view(20), [])
+        assert client.sync_once() == 2  # both answered: both name "redis-1"
+        other.close()  # replica A is gone
+        ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=2, now_s=1.0)
+        assert ledger.state("a") is TurnState.RELEASING
+        router.answer = RetentionOrders(dropped=("a",), shared="redis-1")
+        client.publish(ledger.view(0), [])
+        assert client.sync_once() == 1  # A refused, B answered
+        assert router.syncs[-1]["releasing"] == ["a"]
+        answers = client.take_orders()
+        assert [(o.url, o.orders.dropped) for o in answers] == [(other.url, ("a",))]
+        for answer in answers:
+            ledger.confirmed(answer.url, answer.orders.dropped)
+        assert ledger.take_to_free() == ["a"]
+    finally:
+        other.server.server_close()
+
+
+def test_a_turn_is_never_asked_of_a_router_that_shares_nothing_with_its_own(router):
+    """A router whose answers name no shared state (or another) is never asked for a turn
+    another router gave: it could not know that one's reads in progress."""
+    other = StandInRouter()
+    try:
+        client = RetentionSyncClient(["127.0.0.1"], ENGINE, background=False)
+        client.add_url(other.url)
+        client.add_url(router.url)
+        other.answer = RetentionOrders(shared="redis-1")
+        router.answer = RetentionOrders(shared="redis-2")
+        ledger = ledger_with(("a", 4, 0.0), url=other.url)
+        client.publish(ledger.view(20), [])
+        assert client.sync_once() == 2
+        other.close()
+        ledger.ask_under_pressure(num_blocks_free=0, num_blocks_needed=2, now_s=1.0)
+        client.publish(ledger.view(0), [])
+        client.sync_once()
+        assert all(sync["releasing"] == [] for sync in router.syncs)
+        assert client.take_orders() == []
+    finally:
+        other.server.server_close()

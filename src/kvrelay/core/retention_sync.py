@@ -31,8 +31,10 @@ turn that ended in a tool call comes back within the tools' run time or not at a
 after a user's think time). A curve only orders releases; it never frees anything itself.
 D never releases a request P is
 reading; an order for an unknown or busy request is ignored (its next sync says what
-happened). A released request's blocks are gone: the router drops the entry and the next
-turn recomputes (reason ``released``).
+happened). Routers that share their state (replicas on one Redis) say so in their answers
+(``RetentionOrders.shared``), and D asks any of them for a turn another of them gave when
+that one does not answer (``ask_via``). A released request's blocks are gone: the router
+drops the entry and the next turn recomputes (reason ``released``).
 
 **A release D decides itself is asked for first** (pressure, headroom). vLLM's pull mode gives
 D no sign of a read in progress: P reads D's memory directly and only notifies D when done,
@@ -55,6 +57,7 @@ Everything here is pure: bodies are decoded and checked, never sent.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Literal
 
 import msgspec
@@ -76,6 +79,9 @@ engine posts nowhere until a decode request gives it a URL), went away, or canno
 router, and its numbers are unknown. A sync saying D holds none stands until the next
 (an idle D does not sync)."""
 MAX_SYNC_URLS = 8
+MAX_SHARED_MEMORY = 1024
+"""Routers whose shared state (``RetentionOrders.shared``) D remembers, beyond the
+``MAX_SYNC_URLS`` it syncs with: their turns are asked of another router naming it."""
 MAX_SYNC_BYTES = 1024 * 1024
 """Sync bodies larger than this are refused unread."""
 MAX_RELEASED_PER_SYNC = 4096
@@ -147,10 +153,63 @@ class RetentionOrders(msgspec.Struct, frozen=True):
     release: tuple[str, ...] = ()
     dropped: tuple[str, ...] = ()
     curves: tuple[TurnCurve, ...] | msgspec.UnsetType = msgspec.UNSET
+    shared: str | msgspec.UnsetType = msgspec.UNSET
+    """The shared state this router answers from (router replicas on one Redis): every
+    router whose answers name the same ``shared`` answers D's asks for any turn any of them
+    gave (``ask_via``). Left out by a router whose state is its own."""
 
     @property
     def turn_curves(self) -> tuple[TurnCurve, ...]:
         return () if isinstance(self.curves, msgspec.UnsetType) else self.curves
+
+    @property
+    def shared_state(self) -> str | None:
+        return None if isinstance(self.shared, msgspec.UnsetType) else self.shared
+
+
+class Lane(msgspec.Struct, frozen=True):
+    """What D knows of one router it syncs with: whether its last sync was answered
+    (``None``: not tried yet) and the shared state its answers named."""
+
+    url: str
+    answered: bool | None = None
+    shared: str | None = None
+
+
+def ask_via(url: str, lanes: Sequence[Lane], shared: str | None = None) -> str | None:
+    """Where D asks for (``releasing``) the turns whose ``kvrelay_retention_url`` is
+    ``url``. Their own router, while it answers; else a router that answers for it:
+
+    1. one at the same origin (scheme, host, port): the same router, restarted, at another
+       token (a restarted router answers D's asks whatever URL they come to);
+    2. one whose answers name the shared state ``url``'s router named (``shared``, as D
+       remembered it: replicas on one Redis, where the reads in progress and the entries
+       are shared).
+
+    Else ``url`` itself while D still syncs with it (it may come back), or ``None``: no
+    router D syncs with can answer (the turn is freed by P's read, an order or its TTL).
+    Without this, D asked only ``url``: a replica gone (scaled down, crashed), or more
+    routers than ``MAX_SYNC_URLS``, left its turns unreleasable under pressure, and a live
+    request waited for their TTL."""
+    own = next((lane for lane in lanes if lane.url == url), None)
+    if own is not None and own.answered is not False:
+        return url
+    origin = _origin(url)
+    shared = shared if shared is not None else own.shared if own is not None else None
+    for lane in lanes:
+        if lane.answered and lane.url != url and _origin(lane.url) == origin:
+            return lane.url
+    if shared is not None:
+        for lane in lanes:
+            if lane.answered and lane.shared == shared:
+                return lane.url
+    return url if own is not None else None
+
+
+def _origin(url: str) -> tuple[str, str]:
+    """``(scheme, host[:port])`` of an absolute URL, lower-cased."""
+    scheme, _, rest = url.partition("://")
+    return scheme.lower(), rest.split("/", 1)[0].split("?", 1)[0].lower()
 
 
 class RetentionSyncError(ValueError):

@@ -57,12 +57,15 @@ from kvrelay.core.retention import (
 )
 from kvrelay.core.retention_sync import (
     MAX_RELEASED_PER_SYNC,
+    MAX_SHARED_MEMORY,
     MAX_SYNC_URLS,
     RELEASE_CAUSES,
+    Lane,
     ReleaseCause,
     Released,
     RetentionOrders,
     RetentionSync,
+    ask_via,
 )
 from kvrelay.fakevllm.kv import BlockPool, HoldTable
 from kvrelay.fakevllm.latency import Clock
@@ -101,6 +104,10 @@ class Retention:
         self._held: dict[str, _Held] = {}
         self._pending: OrderedDict[str, list[Released]] = OrderedDict()
         self._backoff_until_s: dict[str, float] = {}
+        self._answered: dict[str, bool] = {}
+        """Whether each router's last sync was answered (``ask_via``)."""
+        self._shared_of: OrderedDict[str, str] = OrderedDict()
+        """The shared state each router's answers named (kept beyond ``MAX_SYNC_URLS``)."""
         self.releases_total: dict[str, int] = dict.fromkeys(RELEASE_CAUSES, 0)
         self.released_pull_chance: dict[str, float] = dict.fromkeys(RELEASE_CAUSES, 0.0)
         """Per cause D chose the turns for (``pressure``, ``headroom``), the sum of their
@@ -136,9 +143,31 @@ class Retention:
         return any(held.asked is not None for held in self._live().values())
 
     def releasing(self, url: str) -> tuple[str, ...]:
-        """The ids D asks ``url``'s router to let it free."""
+        """The ids D asks ``url``'s router to let it free: of the turns it gave, and of those
+        whose own router does not answer and that ``url``'s answers for (``ask_via``)."""
         return tuple(rid for rid, held in self._live().items()
-                     if held.asked is not None and held.url == url)
+                     if held.asked is not None and held.url is not None
+                     and self._ask_via(held.url) == url)
+
+    def _ask_via(self, url: str) -> str | None:
+        lanes = [Lane(u, self._answered.get(u), self._shared_of.get(u)) for u in self._pending]
+        return ask_via(url, lanes, self._shared_of.get(url))
+
+    def answered(self, url: str, shared: str | None) -> None:
+        """``url``'s router answered a sync; its answer named ``shared`` (or nothing)."""
+        self._answered[url] = True
+        if shared is not None:
+            self._shared_of[url] = shared
+            self._shared_of.move_to_end(url)
+            while len(self._shared_of) > MAX_SHARED_MEMORY:
+                self._shared_of.popitem(last=False)
+
+    def unanswered(self, url: str) -> None:
+        """A sync to ``url`` failed: its turns are asked of a router answering for it, at
+        the next round (at once if any is asked for)."""
+        if self._answered.get(url) is not False and self.releasing(url):
+            self.urgent = True
+        self._answered[url] = False
 
     # -- releases ---------------------------------------------------------------------------
 
@@ -178,9 +207,10 @@ class Retention:
         self._ask(chosen, "headroom", now)
         return Release(request_ids=chosen, num_blocks=over.num_blocks, reason=over.reason)
 
-    def obey(self, url: str, orders: RetentionOrders) -> Release:
+    def obey(self, url: str, orders: RetentionOrders, asked_for: Iterable[str] = ()) -> Release:
         """``url``'s answer: free what it orders released (entries it dropped), and what D
-        asked it for that it answers ``dropped``; take the return curves it sends. Unknown,
+        asked it for (``asked_for``: the sync's ``releasing``, the turns it gave and those it
+        answers for) that it answers ``dropped``; take the return curves it sends. Unknown,
         busy or unasked ids are ignored (the next sync says what D holds)."""
         live = self._live()
         for told in orders.turn_curves:
@@ -189,11 +219,17 @@ class Retention:
                 held.turn = replace(held.turn, curve=told.curve)
         ordered = self._free([rid for rid in dict.fromkeys(orders.release) if rid in live],
                              lambda rid: "router")
+        sent = set(asked_for)
         confirmed = [rid for rid in dict.fromkeys(orders.dropped)
-                     if rid in live and live[rid].asked is not None and live[rid].url == url]
+                     if rid in live and live[rid].asked is not None
+                     and (live[rid].url == url or rid in sent)]
         asked = {rid: live[rid].asked for rid in confirmed}
+        gave = {rid: live[rid].url for rid in confirmed}
         done = self._free(confirmed, lambda rid: asked[rid] or "pressure")
         self._backoff_until_s.pop(url, None)
+        for turn_url in set(gave.values()):
+            if turn_url is not None:
+                self._backoff_until_s.pop(turn_url, None)
         return Release(request_ids=ordered.request_ids + done.request_ids,
                        num_blocks=ordered.num_blocks + done.num_blocks,
                        reason="router" if ordered.request_ids else done.reason)
@@ -211,10 +247,11 @@ class Retention:
         return late
 
     def _askable(self, now_s: float) -> list[RetainedTurn]:
+        """Held turns some router D syncs with can answer for (``ask_via``), not backed off."""
         return [h.turn for h in self._live().values()
                 if h.asked is None and not h.turn.reading and h.url is not None
                 and self._backoff_until_s.get(h.url, float("-inf")) <= now_s
-                and h.url in self._pending]
+                and self._ask_via(h.url) is not None]
 
     def _ask(self, request_ids: Iterable[str], cause: ReleaseCause, now_s: float) -> None:
         for rid in request_ids:

@@ -5,9 +5,11 @@
 every ``SYNC_INTERVAL_S`` on the engine's clock while it holds retained turns or has releases
 to tell, and at once after a release or an ask (``releasing``); the router answers
 ``RetentionOrders`` and D frees what it orders released and what it answers ``dropped``
-(``Retention.obey``). A URL outside ``report_hosts`` is never contacted (as for
-reports); a failed post or an answer that is not the contract's keeps the releases for the
-next sync.
+(``Retention.obey``). A turn whose router does not answer is asked of one that answers for
+it (``core.retention_sync.ask_via``: the same router restarted, or a replica naming the same
+shared state), as kvrelay's connector does. A URL outside ``report_hosts`` is never
+contacted (as for reports); a failed post or an answer that is not the contract's keeps
+the releases for the next sync.
 
 The loop runs while there is something to tell and wakes every ``POLL_S`` event-loop seconds
 to look at the engine's clock, so a ``ManualClock`` moved by a test drives it like real time.
@@ -145,16 +147,20 @@ class Syncer:
                 outcome.status = response.status
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             outcome.error = f"{type(exc).__name__}: {exc}"
+            self._retention.unanswered(url)
             return
         if not 200 <= outcome.status < 300:
             outcome.error = f"HTTP {outcome.status}"
+            self._retention.unanswered(url)
             return
         self._retention.told(url, body.released)
         try:
             orders = decode_orders(answer) if answer.strip() else RetentionOrders()
         except RetentionSyncError as exc:
             outcome.error = str(exc)
+            self._retention.unanswered(url)
             return
         outcome.error = None
         outcome.orders = orders
-        self._retention.obey(url, orders)
+        self._retention.answered(url, orders.shared_state)
+        self._retention.obey(url, orders, body.releasing)

@@ -73,6 +73,9 @@ Contracts:
   request_id, grace_s)`` (the P leg ended without that proof: an error answer, a timeout;
   ``core.consequences.SPENT_READ_GRACE_S``); a networked index lets one never ended lapse
   after ``READ_TTL_S`` (a router that died mid-pull).
+* ``shared_state()``: a name every router on the same shared state reads alike (replicas on
+  one Redis and namespace), ``None`` for a process's own; D asks any router that names it
+  for turns another of them gave (``core.retention_sync.ask_via``).
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
@@ -181,6 +184,8 @@ class ConversationIndex(Protocol):
     async def read_done(self, node_id: str, request_id: str) -> None: ...
 
     async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None: ...
+
+    async def shared_state(self) -> str | None: ...
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None: ...
 
@@ -540,6 +545,9 @@ class InMemoryIndex:
 
     async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None:
         heapq.heappush(self._lapsing, (self._clock() + grace_s, node_id, request_id))
+
+    async def shared_state(self) -> str | None:
+        return None  # this process's own
 
     def _lapse(self) -> None:
         """End the spent reads whose grace is over (``read_spent``)."""

@@ -43,6 +43,7 @@ load balancer picks, and pulls from the D the entry names.
   ``take_releases`` pops the due ones (at most its ``limit`` looked at per call, in the
   same script as the queue), skips those gone, released, ordered or of another
   engine, and orders the others once (``ord``).
+* ``{ns}:shared`` – a random name set once by the first replica (``shared_state``).
 * ``{ns}:p:{scope}:{anchor}:{slot}`` – an entry announced for that ref (``announce``: its
   turn's D report is awaited by the replica that served it), PX the report timeout, deleted
   when the turn settles (``withdraw``); ``announced`` is one ``EXISTS`` over a chat
@@ -77,6 +78,7 @@ import hashlib
 import json
 import logging
 import math
+import secrets
 import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from typing import Any, TypeVar
@@ -559,6 +561,7 @@ class RedisIndex:
             raise ValueError("max_per_ref must be >= 1")
         self._client = client
         self._ns = f"kvrelay:{quote(deployment, safe='')}"
+        self._shared: str | None = None
         self._clock = clock
         self._wall = wall_clock
         self._timeout = timeout_s
@@ -856,6 +859,19 @@ class RedisIndex:
     async def read_done(self, node_id: str, request_id: str) -> None:
         await self._quiet("release", self._client.delete(
             self._request_key(node_id, request_id) + ":r"), None)
+
+    async def shared_state(self) -> str | None:
+        """A random name the first replica on this Redis and namespace stored
+        (``{ns}:shared``, kept for good); every replica reads the same, another Redis or
+        namespace another. ``None`` while Redis does not answer."""
+        if self._shared is None:
+            key = f"{self._ns}:shared"
+            await self._quiet("shared", self._client.set(key, secrets.token_hex(16), nx=True),
+                              None)
+            value = await self._quiet("shared", self._client.get(key), None)
+            if value:
+                self._shared = value.decode() if isinstance(value, bytes) else str(value)
+        return self._shared
 
     async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None:
         await self._quiet("release", self._client.pexpire(

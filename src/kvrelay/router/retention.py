@@ -30,8 +30,11 @@ at once after a release. ``RetentionDesk.accept``:
 5. answers ``RetentionOrders``: the release orders the index queued for that D and engine
    (``take_releases``): entries the router dropped while D still held them. With Redis the
    queue and the reads in progress are shared, so whichever replica D syncs with answers
-   for all of them. Beside them, the return curves of turns this replica committed since
-   that ended another way than the curve D was told (``settled``: a turn that ended in a
+   for all of them, and each answer names the shared state (``shared``,
+   ``ConversationIndex.shared_state``): D asks any replica that names it for the turns of
+   one that does not answer (gone, or beyond the routers D syncs with). Beside them, the
+   return curves of turns this replica committed since that ended another way than the
+   curve D was told (``settled``: a turn that ended in a
    tool call comes back within the tools' run time or not at all; told the replies' curve,
    D would keep it over younger replies). Those are this replica's own (D syncs with every
    replica that sent it turns), at most ``MAX_ORDERS`` per D, the oldest dropped first.
@@ -275,15 +278,22 @@ class RetentionDesk:
         if trusted:
             self._latest[node_id] = DRetention(node_id, sync, self._clock())
         dropped = await self._heard(node_id, sync, count_causes=trusted)
+        shared = await self._shared()
         if not trusted:
-            return RetentionOrders(dropped=dropped)
+            return RetentionOrders(dropped=dropped, shared=shared)
         orders: tuple[str, ...] = ()
         if self._nodes.takes_orders(node_id):  # a stock-keeping D's go through P
             orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
         curves = self._take_curves(node_id, sync.engine_id)
-        return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET)
+        return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET,
+                               shared=shared)
+
+    async def _shared(self) -> str | msgspec.UnsetType:
+        """The shared state's name for the answer (``RetentionOrders.shared``), if any."""
+        name = await self._index.shared_state()
+        return msgspec.UNSET if name is None else name
 
     def _node_of_token(self, token: str) -> str | None:
         """The D whose sync token ``token`` is, if any."""
@@ -331,7 +341,8 @@ class RetentionDesk:
             if state.role == "decode":
                 dropped = await self._heard(state.node_id, sync, count_causes=False)
                 free = set(dropped) if free is None else free & set(dropped)
-        return RetentionOrders(dropped=tuple(i for i in sync.releasing if i in (free or ())))
+        return RetentionOrders(dropped=tuple(i for i in sync.releasing if i in (free or ())),
+                               shared=await self._shared())
 
     def snapshot(self) -> dict[str, dict[str, object]]:
         """``/stats``' ``retention``: per D, its latest numbers (D's own counts)."""

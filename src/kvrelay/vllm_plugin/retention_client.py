@@ -10,7 +10,10 @@ turns, waits on a router's answer or has releases to tell, and at once when the 
 thread asks (a release made or asked for), and once more when D has become idle (so a
 router's gauges fall to zero). Each router gets the releases since its previous
 successful sync (kept, up to ``MAX_RELEASED_PER_SYNC``, while it is unreachable) and only
-the ``releasing`` ids of the turns it gave. vLLM-free.
+the ``releasing`` ids of the turns it gave, or of turns it answers for when their own
+router does not (``core.retention_sync.ask_via``: the same router restarted at another
+token, or a replica naming the same shared state); its answer's ``dropped`` frees each
+turn as its own router's would. vLLM-free.
 
 **One lane per router**: each router D knows is synced from a thread of its own, over its own
 keep-alive connection. A router that accepts connections and never answers (wedged, or a
@@ -35,12 +38,15 @@ import msgspec
 from kvrelay.core.report import ReportHosts
 from kvrelay.core.retention_sync import (
     MAX_RELEASED_PER_SYNC,
+    MAX_SHARED_MEMORY,
     MAX_SYNC_URLS,
     SYNC_INTERVAL_S,
+    Lane,
     Released,
     RetentionOrders,
     RetentionSync,
     RetentionSyncError,
+    ask_via,
     decode_orders,
     encode,
 )
@@ -110,6 +116,11 @@ class RetentionSyncClient:
         self._failures = 0
         self._told_busy: set[str] = set()
         """Routers whose last answered sync said D was busy: they get one more when not."""
+        self._answered: dict[str, bool] = {}
+        """Whether each router's last sync was answered (``ask_via``)."""
+        self._shared_of: collections.OrderedDict[str, str] = collections.OrderedDict()
+        """The shared state each router's answers named, kept beyond ``MAX_SYNC_URLS``
+        (at most ``MAX_SHARED_MEMORY``): its turns are asked of another router naming it."""
 
     def add_url(self, url: str) -> bool:
         """Remember a router's retention URL (most recent ``MAX_SYNC_URLS``); ``False`` for a
@@ -190,7 +201,8 @@ class RetentionSyncClient:
             told_busy = url in self._told_busy
         if view is None or pending is None:
             return False
-        releasing = view.releasing.get(url, ())
+        asked = self._asked_via(url, view)
+        releasing = tuple(i for ids in asked.values() for i in ids)
         if not (view.busy or released or told_busy):
             return False
         sync = RetentionSync(
@@ -202,7 +214,7 @@ class RetentionSyncClient:
             retained_blocks=min(view.retained_blocks, self._engine.num_blocks_total),
             retained_tokens=view.retained_tokens,
             releases_total=view.releases_total, released=tuple(released),
-            releasing=releasing[:MAX_RELEASED_PER_SYNC])
+            releasing=releasing)
         try:
             answer = lane.post(url, encode(sync))
             orders = decode_orders(answer) if answer.strip() else RetentionOrders()
@@ -210,11 +222,24 @@ class RetentionSyncClient:
             with self._lock:
                 self._failures += 1
                 failures = self._failures
+                newly = self._answered.get(url) is not False
+                self._answered[url] = False
+                others = [other for other in self._lanes.values() if other is not lane]
             if failures in (1, 10, 100) or failures % 1000 == 0:
                 self._log.warning("kvrelay: retention sync to %s failed (%d so far): %s",
                                   url, failures, exc)
+            if newly and asked:  # its turns are asked of another router now
+                for other in others:
+                    other.wake.set()
             return False
         with self._lock:
+            self._answered[url] = True
+            shared = orders.shared_state
+            if shared is not None:
+                self._shared_of[url] = shared
+                self._shared_of.move_to_end(url)
+                while len(self._shared_of) > MAX_SHARED_MEMORY:
+                    self._shared_of.popitem(last=False)
             if view.busy:
                 self._told_busy.add(url)
             else:
@@ -223,9 +248,30 @@ class RetentionSyncClient:
             for _ in range(min(len(released), len(pending or ()))):
                 assert pending is not None
                 pending.popleft()
-        if orders.release or orders.dropped or orders.turn_curves:
-            self._orders.put(Orders(url=url, orders=orders))
+        own = frozenset(asked.get(url, ()))
+        if orders.release or orders.turn_curves or own.intersection(orders.dropped):
+            self._orders.put(Orders(url=url, orders=msgspec.structs.replace(
+                orders, dropped=tuple(i for i in orders.dropped if i in own))))
+        for turn_url, ids in asked.items():  # asked here for another router's turns
+            mine = frozenset(ids)
+            dropped = tuple(i for i in orders.dropped if i in mine)
+            if turn_url != url and dropped:
+                self._orders.put(Orders(url=turn_url, orders=RetentionOrders(dropped=dropped)))
         return True
+
+    def _asked_via(self, url: str, view: LedgerView) -> dict[str, tuple[str, ...]]:
+        """The ``releasing`` ids this router is asked for, by the router that gave each
+        turn: its own, and those of routers it answers for (``ask_via``)."""
+        with self._lock:
+            lanes = [Lane(u, self._answered.get(u), self._shared_of.get(u)) for u in self._urls]
+            shared_of = dict(self._shared_of)
+        out: dict[str, tuple[str, ...]] = {}
+        room = MAX_RELEASED_PER_SYNC
+        for turn_url, ids in view.releasing.items():
+            if room > 0 and ask_via(turn_url, lanes, shared_of.get(turn_url)) == url:
+                out[turn_url] = ids[:room]
+                room -= len(out[turn_url])
+        return out
 
 
 class _HttpPost:
