@@ -66,6 +66,12 @@ IMAGE = "data:image/png;base64,iVBORw0KGgo="
         {"type": "image_url", "image_url": {"url": IMAGE}}]}]}),
     ("chat", {"messages": [{"role": "user", "content": [
         {"type": "input_audio", "input_audio": {"data": "UklGRg==", "format": "wav"}}]}]}),
+    # parts vLLM reads as media by their keys: no type, or a uuid whatever the type
+    ("chat", {"messages": [{"role": "user", "content": [{"image_url": IMAGE}]}]}),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"video_url": {"url": "https://example.com/v.mp4"}}]}]}),
+    ("chat", {"messages": [{"role": "user", "content": [
+        {"type": "text", "uuid": "u1", "text": "x", "image_url": {"url": IMAGE}}]}]}),
     ("responses", {"input": [{"role": "user", "content": [
         {"type": "input_text", "text": "what is this?"},
         {"type": "input_image", "image_url": IMAGE}]}]}),

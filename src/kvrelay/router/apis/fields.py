@@ -126,6 +126,14 @@ MEDIA_PART_TYPES = frozenset({
 })
 """Content part types that carry media (images, audio, video, files) in any API's history."""
 
+MEDIA_PART_KEYS = frozenset({
+    "image_url", "image_pil", "image_embeds", "audio_embeds", "audio_url", "input_audio",
+    "video_url", "file",
+})
+"""Keys from which vLLM's chat parser infers a medium when a part has no ``type``, or has a
+``uuid`` whatever its ``type`` (``_parse_chat_message_content_mm_part``): a part holding
+one is a medium to the router too, whatever it says it is."""
+
 
 def carries_media(body: Mapping[str, Any]) -> bool:
     """Whether a body's history holds a media part: ``messages`` (chat, Messages) or the
@@ -154,7 +162,7 @@ def _parts_carry_media(parts: object) -> bool:
     for part in parts:
         if isinstance(part, dict):
             kind = part.get("type")
-            if kind in MEDIA_PART_TYPES:
+            if kind in MEDIA_PART_TYPES or not MEDIA_PART_KEYS.isdisjoint(part):
                 return True
             if kind == "tool_result" and _parts_carry_media(part.get("content")):
                 return True
