@@ -196,6 +196,38 @@ async def test_a_fast_follow_up_of_a_streamed_turn_on_the_other_replica_pulls(
             == ("recompute", "no_entry")
 
 
+async def test_an_entry_committed_between_a_look_and_the_withdrawal_is_found(
+    redis_server: RedisServer, monkeypatch: Any,
+) -> None:
+    """The waiting replica looks (no entry yet), then the serving replica commits the entry
+    and withdraws its announcement, then the waiting one sees it withdrawn: it looks once
+    more and pulls (it stopped with no entry: a follow-up recomputed under CI's load)."""
+    config = replace(ENGINE_CONFIG, report_delay_s=0.3, vllm_version="0.32")
+    async with replicas(redis_server, engine_config=config) as r:
+        index = r.ctxs[1].index
+        real_announced = index.announced
+        calls = 0
+
+        async def racing_announced(identity: Any) -> bool:
+            nonlocal calls
+            calls += 1
+            if calls > 1:  # after a look that found nothing: the turn commits now
+                await r.settle()
+            return await real_announced(identity)
+
+        monkeypatch.setattr(index, "announced", racing_announced)
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Streamed. " + FIRST}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True}
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            resp = await c.post(r.urls[0] + "/v1/chat/completions", json=body)
+        text = stream_text(sse_events(resp.text))
+        assert r.ctxs[0].desk.pending_of(None) == 1  # D's report is not in yet
+        messages += [{"role": "assistant", "content": text},
+                     {"role": "user", "content": "And Asia?"}]
+        assert (await r.turn(1, messages, None))[:2] == ("pull", "pull")
+        assert calls == 2
+
+
 async def test_redis_outage_recomputes_then_pulls_resume(redis_server: RedisServer) -> None:
     async with replicas(redis_server, state_timeout_ms=500.0) as r:
         assert await conversation(r, "before", 2) == [("recompute", "no_entry"),

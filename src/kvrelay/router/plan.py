@@ -153,8 +153,11 @@ class Planner:
         while loop.time() < deadline:
             await asyncio.sleep(ANNOUNCED_POLL_S)
             found = await ctx.index.lookup(req.identity)
-            if found is not None or not await ctx.index.announced(req.identity):
+            if found is not None:
                 return found
+            if not await ctx.index.announced(req.identity):
+                # withdrawn: the turn settled, maybe committed right after the look above
+                return await ctx.index.lookup(req.identity)
         log.info("turn continues one another replica announced; its entry did not come")
         return None
 
