@@ -145,13 +145,17 @@ class Retention:
     def releasing(self, url: str) -> tuple[str, ...]:
         """The ids D asks ``url``'s router to let it free: of the turns it gave, and of those
         whose own router does not answer and that ``url``'s answers for (``ask_via``)."""
-        return tuple(rid for rid, held in self._live().items()
+        live = self._live()
+        via = self._routes(held.url for held in live.values() if held.asked is not None)
+        return tuple(rid for rid, held in live.items()
                      if held.asked is not None and held.url is not None
-                     and self._ask_via(held.url) == url)
+                     and via[held.url] == url)
 
-    def _ask_via(self, url: str) -> str | None:
+    def _routes(self, urls: Iterable[str | None]) -> dict[str, str | None]:
+        """Where each of these turn URLs is asked (``ask_via``), the lanes read once."""
         lanes = [Lane(u, self._answered.get(u), self._shared_of.get(u)) for u in self._pending]
-        return ask_via(url, lanes, self._shared_of.get(url))
+        return {url: ask_via(url, lanes, self._shared_of.get(url))
+                for url in set(urls) if url is not None}
 
     def answered(self, url: str, shared: str | None) -> None:
         """``url``'s router answered a sync; its answer named ``shared`` (or nothing)."""
@@ -248,10 +252,12 @@ class Retention:
 
     def _askable(self, now_s: float) -> list[RetainedTurn]:
         """Held turns some router D syncs with can answer for (``ask_via``), not backed off."""
-        return [h.turn for h in self._live().values()
+        live = self._live()
+        via = self._routes(h.url for h in live.values() if h.asked is None)
+        return [h.turn for h in live.values()
                 if h.asked is None and not h.turn.reading and h.url is not None
                 and self._backoff_until_s.get(h.url, float("-inf")) <= now_s
-                and self._ask_via(h.url) is not None]
+                and via[h.url] is not None]
 
     def _ask(self, request_ids: Iterable[str], cause: ReleaseCause, now_s: float) -> None:
         for rid in request_ids:
