@@ -13,7 +13,7 @@ import redis.asyncio as aioredis
 from msgspec.structs import replace
 
 from kvrelay.core.conversation import ConversationEntry
-from kvrelay.core.identity import scope_of
+from kvrelay.core.identity import chat_identity, scope_of
 from kvrelay.core.retention_sync import Released
 from kvrelay.router.index import (
     MAX_TEXT_BLOCKS,
@@ -419,20 +419,31 @@ async def test_an_explicit_id_continues_its_latest_entry_when_the_history_was_ed
 ) -> None:
     index, _ = made
     scope = scope_of("t", "conv-1")
-    older, newer = entry(request="older"), entry(request="newer")
-    await index.put(stored_at(chat(SYSTEM, FIRST, scope=scope), "a1"), older, tenant="t")
+    turn1 = chat(SYSTEM, FIRST, scope=scope)
+    older = replace(entry(request="older"), context=turn1.context)
+    await index.put(stored_at(turn1, "a1"), older, tenant="t")
     turn2 = chat(SYSTEM, FIRST, assistant("a1"), user("u2"), scope=scope)
+    newer = replace(entry(request="newer"), context=turn2.context)
     await index.put(stored_at(turn2, "a2"), newer, tenant="t")
     edited = chat(SYSTEM, user("edited task"), assistant("a1"), user("u2"),
                   assistant("a2"), user("u3"), scope=scope, explicit=True)
     found = await index.lookup(edited)
     assert found is not None and found.entry == newer and found.probe is None
+    # another model or LoRA adapter (its context): the latest entry's KV is not its KV
+    adapter = chat_identity(scope, b'{"model":"m-lora"}', [
+        SYSTEM, FIRST, assistant("a1"), user("u2"), assistant("a2"), user("u3")],
+        explicit=True)
+    assert adapter.context != edited.context
+    assert await index.lookup(adapter) is None
     matched = await index.lookup(chat(SYSTEM, FIRST, assistant("a1"), user("u2"),
                                       assistant("a2"), user("u3"), scope=scope,
                                       explicit=True))
     assert matched is not None and matched.probe is not None
     unscoped = chat(SYSTEM, user("edited task"), assistant("a2"), user("u3"))
     assert await index.lookup(unscoped) is None  # never without an id: that would steal
+    # an entry of unknown context (stored before entries had one) is never continued so
+    await index.put(stored_at(turn2, "a2-old"), entry(request="unknown"), tenant="t")
+    assert await index.lookup(edited) is None
 
 
 async def test_release_orders_follow_every_drop_but_claims_and_lost_blocks(

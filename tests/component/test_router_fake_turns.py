@@ -7,6 +7,7 @@ unmodified, and internal fields never reach the client."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 from dataclasses import dataclass
 from typing import Any
@@ -408,6 +409,35 @@ async def test_a_swapped_image_under_a_bound_id_never_pulls_the_old_images_kv() 
                 "messages": [*first, answer, {"role": "user", "content": "and now?"}],
                 "max_tokens": 8})
             assert resp.headers["x-kvrelay-reason"] == "pull"
+
+
+@pytest.mark.parametrize("guard", GUARDS)
+async def test_under_a_bound_id_another_model_never_pulls_this_models_kv(guard: str) -> None:
+    """A LoRA adapter shares its base model's tokenizer, so the guard's token proof passes
+    the base's KV for the adapter's request. Under a bound id, a turn of another model (the
+    history re-sent as it was, or edited) must not continue the id's latest entry: it
+    recomputes; the same model still pulls (probe 8b, finding 1: the adapter's turn pulled
+    354 tokens of the base model's KV)."""
+    config = dataclasses.replace(GUARD_CONFIGS[guard], lora_modules=("tiny-lora",))
+    async with routed(engine_config=config, gateway_id_headers=("x-gw-session",)) as r:
+        p = r.cluster.prefill[0]
+        for edit in (False, True):
+            bound = {"x-gw-session": f"lora-{edit}"}
+            history, _ = await long_first_turn(r, bound)
+            follow = [*history, {"role": "user", "content": "go on"}]
+            sent = [*history[:-1], {"role": "assistant",
+                                    "content": history[-1]["content"][:150] + "[edited]"},
+                    {"role": "user", "content": "go on"}] if edit else follow
+            async with r.client() as c:
+                resp = await c.post("/v1/chat/completions", headers=bound, json={
+                    "model": "tiny-lora", "messages": sent, "max_tokens": 8})
+                assert resp.status_code == 200
+                assert resp.headers["x-kvrelay-action"] == "recompute"
+                assert resp.headers["x-kvrelay-reason"] == "no_entry"
+                assert last_prefill_record(p).plan != "pull"
+                resp = await c.post("/v1/chat/completions", headers=bound, json={
+                    "messages": follow, "max_tokens": 8})
+                assert resp.headers["x-kvrelay-reason"] == "pull"
 
 
 @pytest.mark.parametrize("guard", GUARDS)

@@ -129,3 +129,19 @@ def test_malformed_entries_are_refused(mutate: object) -> None:
         entry_from_json(json.dumps(doc), wall_offset_s=0.0)
     with pytest.raises(EntryFormatError):
         entry_from_json("not json", wall_offset_s=0.0)
+
+
+def test_the_turns_context_round_trips_and_tells_entries_apart() -> None:
+    """``context`` (the turn's model, adapter, tools, template) comes back as stored; written
+    only when known, so an entry without it keeps its JSON and identity; two entries of
+    other contexts are different entries."""
+    e = replace(entry(), context=bytes(range(16)))
+    text = entry_to_json(e, wall_offset_s=1.7e9)
+    assert json.loads(text)["context"] == bytes(range(16)).hex()
+    assert entry_from_json(text, wall_offset_s=1.7e9) == e
+    assert entry_identity(entry()) == IDENTITY_BEFORE_RELEASE_AT_EXPIRY
+    assert entry_identity(e) != entry_identity(replace(e, context=bytes(16)))
+    doc = json.loads(text)
+    doc["context"] = "not hex"
+    with pytest.raises(EntryFormatError):
+        entry_from_json(json.dumps(doc), wall_offset_s=1.7e9)

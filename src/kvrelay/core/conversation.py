@@ -98,6 +98,10 @@ class ConversationEntry(msgspec.Struct, frozen=True):
 
     ``waits_for``: how D's answer ended (``GapKind``): the gap until the conversation's next
     turn is learned per kind (``core.retention_time``).
+
+    ``context``: the turn's ``RequestIdentity.context`` (its API, model or adapter, tools,
+    template): a bound id's edited history continues its latest entry only under the same
+    context (``b""``: unknown, an entry stored before the field, never continued so).
     """
 
     decode_node_id: str
@@ -111,6 +115,7 @@ class ConversationEntry(msgspec.Struct, frozen=True):
     released: str | None = None
     release_at_expiry: bool = False
     waits_for: GapKind = "user"
+    context: bytes = b""
 
     def __post_init__(self) -> None:
         if self.blocks.direction != "decode_to_prefill":
@@ -171,6 +176,7 @@ def new_entry(
     block_size: int | None = None,
     release_at_expiry: bool = False,
     waits_for: GapKind = "user",
+    context: bytes = b"",
 ) -> ConversationEntry:
     """The entry for a turn D just finished, at router time ``now_s``.
 
@@ -178,7 +184,8 @@ def new_entry(
     ``ttl_s`` must be D's ``decoder_kv_blocks_ttl``; ``safety_margin_s`` is subtracted
     because D's clock started before the router saw the response. A ``block_size`` that does
     not match the number of blocks D reported is dropped to ``None`` (whole reuse only).
-    ``release_at_expiry`` and ``waits_for`` are passed through (``ConversationEntry``).
+    ``release_at_expiry``, ``waits_for`` and ``context`` are passed through
+    (``ConversationEntry``).
     """
     if ttl_s <= 0:
         raise ValueError(f"ttl_s must be positive, got {ttl_s}")
@@ -195,6 +202,7 @@ def new_entry(
         block_size=block_size if blocks_match(blocks, block_size) else None,
         release_at_expiry=release_at_expiry,
         waits_for=waits_for,
+        context=context,
     )
 
 

@@ -43,8 +43,11 @@ salt is another scope, so no entry, and no guard-proven length, ever crosses the
 id's scope every entry belongs to that one conversation; when the id is also *bound* to one
 caller (only that caller can send it: a gateway sets it, or the tenant is one caller) and no
 probe matches (an edited history: a changed answer or earlier message), the request may
-continue the scope's latest entry (``RequestIdentity.explicit``): the guard then proves how
-much of it is still equal, and that length is only ever about the caller's own turns. Never
+continue the scope's latest entry (``RequestIdentity.explicit``) if that entry's turn had the
+same context (``RequestIdentity.context``: the model, a LoRA adapter's name included, tools,
+template; a turn under another model or adapter has other KV for the same token ids): the
+guard then proves how much of it is still equal, and that length is only ever about the
+caller's own turns. Never
 for an id anyone can send (it would tell a guesser how much of another's conversation
 matches, and take the entry) and never without an id: the tenant's scope holds every
 conversation, and that would be stealing.
@@ -145,7 +148,11 @@ class RequestIdentity(msgspec.Struct, frozen=True):
     first; ``prompt_bytes`` is the size of everything hashed (messages or prompt text);
     ``text`` is the completions prompt's bytes (kept until the turn commits), else ``None``.
     ``explicit``: the scope is one conversation id bound to one caller, so the request may
-    continue the scope's latest entry (see the module docstring).
+    continue the scope's latest entry (see the module docstring) of the same ``context``:
+    the digest of the API and of the request fields that shape its KV beside the history
+    (the model, a LoRA adapter's name included, tools, template): KV computed under another
+    context is not this request's even where the token ids agree (an adapter shares its
+    base model's tokenizer), and the guard proves token ids only.
     """
 
     scope: bytes
@@ -155,6 +162,7 @@ class RequestIdentity(msgspec.Struct, frozen=True):
     text: bytes | None = None
     tail_offset: int = 0
     explicit: bool = False
+    context: bytes = b""
 
 
 class ChatMessage(msgspec.Struct, frozen=True):
@@ -247,7 +255,8 @@ def chat_identity(
         for i in range(len(messages) - 1, 0, -1)
         if (answer := messages[i].answer) is not None
     )
-    return RequestIdentity(scope, h.digest(), probes, total, explicit=explicit)
+    return RequestIdentity(scope, h.digest(), probes, total, explicit=explicit,
+                           context=digest(kind, context))
 
 
 def _text_hasher(tag: bytes, seed: bytes) -> hashlib.blake2b:
@@ -281,7 +290,7 @@ def text_identity(
     )
     return RequestIdentity(
         scope, anchors[last], probes, len(text), text=text, tail_offset=last * TEXT_BLOCK_BYTES,
-        explicit=explicit,
+        explicit=explicit, context=anchors[0],
     )
 
 

@@ -29,6 +29,9 @@ class FakeEngineConfig:
     or ``0.33``; ``protocol`` says what that changes (``versions``: 0.33 streams D's
     params on the final chunk and adds ``remote_registration_generation`` to every params).
     ``system_fingerprint`` defaults to ``vllm-<release>-fake``.
+    ``lora_modules``: model names served as LoRA adapters of the base (vLLM's
+    ``--lora-modules NAME=PATH``), accepted as a request's ``model``; the fake has no adapter
+    weights, so they answer as the base does (the token ids are the base's either way).
     ``report_delay_s`` / ``report_hosts``: kvrelay's D-side report (see ``report``).
     ``kvrelay_connector``: the engine runs kvrelay's connector (as ``kvrelay up`` sets it up):
     D adds the fingerprint of what it retains to its params, P proves a pull against its
@@ -68,6 +71,7 @@ class FakeEngineConfig:
     dcp_size: int = 1
     pp_size: int = 1
     system_fingerprint: str | None = None
+    lora_modules: tuple[str, ...] = ()
     records_limit: int = 1000
     deterministic_ids: bool = False
     report_delay_s: float = 0.1

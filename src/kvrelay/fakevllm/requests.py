@@ -52,7 +52,7 @@ def parse_generation(
     ``BadRequest`` if bad."""
     cfg = engine.config
     model = body.get("model")
-    if model is not None and model != cfg.served_model_name:
+    if model is not None and model != cfg.served_model_name and model not in cfg.lora_modules:
         raise BadRequest(f"The model `{model}` does not exist.", 404, "model")
     if body.get("n", 1) not in (1, None):
         raise BadRequest("the fake engine only supports n=1", param="n")

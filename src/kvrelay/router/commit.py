@@ -439,6 +439,7 @@ class ReportDesk:
             block_size=block_size,
             waits_for=p.waits_for,
             release_at_expiry=shortened,
+            context=p.identity.context,
         )
         ref = EntryRef(p.identity.scope, p.anchor or p.identity.anchor, slot.slot())
         try:

@@ -315,6 +315,14 @@ _Due = tuple[float, int, _Key]
 """A flagged entry's place in its node's expiry heap: (``expires_at_s``, sequence, key)."""
 
 
+def continues_latest(entry: ConversationEntry, identity: RequestIdentity) -> bool:
+    """Whether an explicit id's request that matched no probe may continue ``entry``, the
+    scope's latest: only under the context its turn had (``RequestIdentity.context``: another
+    model or LoRA adapter computed other KV for the same token ids; an entry of unknown
+    context, ``b""``, never)."""
+    return bool(entry.context) and entry.context == identity.context
+
+
 class InMemoryIndex:
     """A ``ConversationIndex`` in this process (LRU-capped, expired entries purged
     ``expired_retention_s`` after expiry on ``clock``, the router clock).
@@ -407,8 +415,9 @@ class InMemoryIndex:
             if mine:
                 key = next(reversed(mine))
                 item = self._items[key]
-                self._touch(key, item.tenant)
-                return Found(key[0], item.entry, None)
+                if continues_latest(item.entry, identity):
+                    self._touch(key, item.tenant)
+                    return Found(key[0], item.entry, None)
         return None
 
     def _found(self, ref: EntryRef, probe: Probe) -> Found | None:

@@ -103,6 +103,7 @@ from kvrelay.router.index import (
     IndexUnavailable,
     TextSearch,
     continuation_of,
+    continues_latest,
     is_text_slot,
 )
 
@@ -448,8 +449,9 @@ class EntryFormatError(ValueError):
 def _body(entry: ConversationEntry) -> dict[str, Any]:
     """Everything of the entry but its (clock-dependent) times, ``released`` (kept beside
     the JSON), ``release_at_expiry`` and ``waits_for`` (how long the router keeps it, like
-    its times), as JSON values: what ``entry_identity`` digests."""
-    return {
+    its times), as JSON values: what ``entry_identity`` digests. ``context`` (hex) only when
+    known, so an entry without it is what it was before the field existed."""
+    body: dict[str, Any] = {
         "v": FORMAT_VERSION,
         "node": entry.decode_node_id,
         "turn": entry.turn,
@@ -458,6 +460,9 @@ def _body(entry: ConversationEntry) -> dict[str, Any]:
         "block_size": entry.block_size,
         "params": entry.blocks.to_json(),
     }
+    if entry.context:
+        body["context"] = entry.context.hex()
+    return body
 
 
 def entry_identity(entry: ConversationEntry) -> str:
@@ -487,7 +492,8 @@ def entry_from_json(
 ) -> ConversationEntry:
     """Inverse of ``entry_to_json`` (times back on the local clock; ``released``: the cause
     stored beside the JSON once D released the entry; an absent ``release_at_expiry`` is
-    false, an absent ``waits_for`` ``user``); ``EntryFormatError`` for anything else."""
+    false, an absent ``waits_for`` ``user``, an absent ``context`` unknown);
+    ``EntryFormatError`` for anything else."""
     try:
         doc = json.loads(text)
         if doc["v"] != FORMAT_VERSION:
@@ -506,6 +512,7 @@ def entry_from_json(
             released=released or None,
             release_at_expiry=_typed(doc.get("release_at_expiry", False), bool),
             waits_for=_waits_for(doc.get("waits_for", "user")),
+            context=bytes.fromhex(_typed(doc.get("context", ""), str)),
         )
     except EntryFormatError:
         raise
@@ -695,7 +702,9 @@ class RedisIndex:
             return None
         if int(result[0]) == 0:
             latest = self._ref_of(result[1])
-            return None if latest is None else Found(latest, entry, None)
+            if latest is None or not continues_latest(entry, identity):
+                return None
+            return Found(latest, entry, None)
         ref, probe = refs[int(result[0]) - 1]
         return Found(ref, entry, probe)
 
