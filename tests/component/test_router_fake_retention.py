@@ -419,6 +419,32 @@ async def test_a_turn_d_asks_to_free_is_dropped_and_answered_then_recomputes_rel
                       node=r.ctx.config.decode[0].node_id, answer="dropped") == 2
 
 
+async def test_an_ask_d_repeats_in_every_sync_is_counted_once_per_answer() -> None:
+    """D asks again in every sync (every 0.25 s) until it may free a turn: while a P leg
+    reads it the answer is ``reading``, once, however many syncs ask; then ``dropped``,
+    once (a 3 s read was counted 12 times: probe 8a, finding 4)."""
+    async with routed(engine_config=SILENT_D) as r:
+        d = r.cluster.decode[0]
+        history, entry = await one_first_turn(r)
+        found = await r.find({"model": "tiny", "messages": history})
+        assert found is not None
+        assert await r.ctx.index.claim(found.ref, found.entry) == entry  # a P leg reads it
+        body = encode(RetentionSync(
+            engine_id=d.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
+            num_blocks_free=0, retained_requests=1, retained_blocks=4, retained_tokens=64,
+            releasing=(entry.request_id,)))
+        node = r.ctx.config.decode[0].node_id
+        for _ in range(3):
+            assert (await post_sync(r, body)).json().get("dropped", []) == []
+        await r.ctx.index.read_done(entry.decode_node_id, entry.request_id)
+        for _ in range(3):
+            assert (await post_sync(r, body)).json()["dropped"] == [entry.request_id]
+        metrics = parse_prometheus((await r.get("/metrics")).text)
+        for answer in ("reading", "dropped"):
+            assert metric(metrics, "kvrelay_router_release_requests_total",
+                          node=node, answer=answer) == 1
+
+
 RUN: dict[str, Any] = {"name": "run", "description": "Run a shell command",
                        "input_schema": {"type": "object", "properties": {
                            "input": {"type": "string"}}, "required": ["input"]}}

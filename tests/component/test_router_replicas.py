@@ -73,18 +73,67 @@ class Replicas:
         return total
 
 
+class CuttableLink:
+    """A TCP relay to Redis whose link a test cuts: a replica that loses Redis while it
+    stays up (a network partition), when the others still reach it."""
+
+    def __init__(self, target_port: int) -> None:
+        self._target = target_port
+        self._server: asyncio.Server | None = None
+        self._writers: list[asyncio.StreamWriter] = []
+        self.port = 0
+
+    async def start(self) -> None:
+        self._server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        self.port = self._server.sockets[0].getsockname()[1]
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}"
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection("127.0.0.1", self._target)
+        self._writers += [writer, up_writer]
+
+        async def pipe(src: asyncio.StreamReader, dst: asyncio.StreamWriter) -> None:
+            with contextlib.suppress(OSError):
+                while data := await src.read(65536):
+                    dst.write(data)
+                    await dst.drain()
+            dst.close()
+
+        await asyncio.gather(pipe(reader, up_writer), pipe(up_reader, writer))
+
+    async def cut(self) -> None:
+        """Close every connection; new ones are accepted and closed at once."""
+        assert self._server is not None
+        self._server.close()
+        for writer in self._writers:
+            writer.close()
+        self._server = await asyncio.start_server(
+            lambda _r, w: w.close(), "127.0.0.1", self.port)
+
+    async def aclose(self) -> None:
+        if self._server is not None:
+            self._server.close()
+        for writer in self._writers:
+            writer.close()
+
+
 @contextlib.asynccontextmanager
 async def replicas(redis: RedisServer, n: int = 2, engine_config: FakeEngineConfig = ENGINE_CONFIG,
-                   **settings: Any) -> AsyncIterator[Replicas]:
+                   states: list[str] | None = None, **settings: Any) -> AsyncIterator[Replicas]:
+    """``n`` replicas on ``redis`` (``states``: each replica's own URL for it instead)."""
     clock = ManualClock()
     async with FakeCluster(1, 1, engine_config, clock=clock) as cluster:
         servers, ctxs, urls = [], [], []
         try:
-            for _ in range(n):
+            for i in range(n):
                 port, internal_port = free_ports(2)
                 defaults: dict[str, Any] = {
                     "port": port, "internal_port": internal_port, "health_interval_s": 3600.0,
-                    "report_wait_s": 5.0, "state": redis.url, "state_timeout_ms": 2000.0,
+                    "report_wait_s": 5.0, "state": states[i] if states else redis.url,
+                    "state_timeout_ms": 2000.0,
                     **fixed(),
                 }
                 config = RouterConfig.from_urls(
@@ -317,3 +366,38 @@ async def test_a_gone_replicas_turns_are_released_under_pressure_through_another
         assert action == "recompute"
         assert d.state.retention is not None
         assert d.state.retention.releases_total["pressure"] >= 1
+
+
+async def test_a_replica_that_lost_redis_fails_d_s_sync_and_d_asks_one_that_has_it(
+    redis_server: RedisServer,
+) -> None:
+    """Replica 0 gave D three turns, then loses its link to Redis but stays up. A long new
+    turn through replica 1 needs their blocks; D asks replica 0, which cannot tell whether
+    a P reads them: it fails the sync (503, ``retention_syncs_total{outcome="unavailable"}``)
+    and D asks replica 1 (the same shared state), which answers: the turn is served. Before,
+    replica 0 answered "none dropped" as if heard, D never asked replica 1, and the turn
+    waited for the turns' TTL (38.5 s with a 40 s TTL: probe 8a, finding 1). D's clock is
+    manual: a wait would be for good."""
+    link = CuttableLink(redis_server.port)
+    await link.start()
+    config = replace(ENGINE_CONFIG, num_gpu_blocks=12, max_model_len=1536)  # 128-token blocks
+    try:
+        async with replicas(redis_server, engine_config=config,
+                            states=[link.url, redis_server.url]) as r:
+            d = r.cluster.decode[0]
+            for i in range(3):
+                await r.turn(0, [{"role": "user", "content": f"topic {i} " + "word " * 140}],
+                             None)
+                await r.settle()
+            assert sum(len(h.block_ids) for h in d.state.holds.snapshot()) == 9  # of 12
+            await link.cut()
+            big = [{"role": "user", "content": "the long one " + "word " * 300}]  # 6 blocks
+            action, _, _ = await asyncio.wait_for(r.turn(1, big, None), timeout=30.0)
+            assert action == "recompute"
+            assert d.state.retention is not None
+            assert d.state.retention.releases_total["pressure"] >= 1
+            async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+                metrics = parse_prometheus((await c.get(r.urls[0] + "/metrics")).text)
+            assert metrics['kvrelay_router_retention_syncs_total{outcome="unavailable"}'] >= 1
+    finally:
+        await link.aclose()

@@ -72,7 +72,9 @@ Contracts:
   and P provably read nothing more), or until ``grace_s`` after ``read_spent(node_id,
   request_id, grace_s)`` (the P leg ended without that proof: an error answer, a timeout;
   ``core.consequences.SPENT_READ_GRACE_S``); a networked index lets one never ended lapse
-  after ``READ_TTL_S`` (a router that died mid-pull).
+  after ``READ_TTL_S`` (a router that died mid-pull). A networked index that cannot reach
+  its store raises ``IndexUnavailable`` from ``mark_released`` and ``release_requested``:
+  neither may be answered as if heard.
 * ``shared_state()``: a name every router on the same shared state reads alike (replicas on
   one Redis and namespace), ``None`` for a process's own; D asks any router that names it
   for turns another of them gave (``core.retention_sync.ask_via``).

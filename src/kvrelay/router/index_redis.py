@@ -64,7 +64,11 @@ cover it). Redis expires a key ``expired_retention_s`` after the entry expires, 
 just-expired entry still reports ``expired``.
 
 **Failures.** Every call is bounded by ``timeout_s`` (no retries). ``lookup`` raises
-``IndexUnavailable``; the others degrade: ``put`` loses the entry, ``claim``/``drop`` return
+``IndexUnavailable``, and so do what D's sync must know was heard: ``mark_released`` (an
+entry D freed but never marked could be pulled once Redis answers again) and
+``release_requested`` (whether a P reads a turn is unknown: answering "none dropped" kept D
+from asking a replica that can answer); the router fails that sync, and D tells it again or
+asks another replica. The others degrade: ``put`` loses the entry, ``claim``/``drop`` return
 False, the ``drop_*`` return 0. Each failure calls ``on_error(op)`` and logs at most one line
 per ``log_interval_s``. redis-py reconnects once Redis is back.
 
@@ -834,10 +838,10 @@ class RedisIndex:
         items = list(released)
         if not items:
             return 0
-        return int(await self._quiet("release", self._mark_released(
+        return int(await self._call("release", self._mark_released(
             keys=[self._request_key(node_id, r.request_id) for r in items],
             args=[engine_id, *(r.cause for r in items)],
-        ), 0))
+        )))
 
     async def release_requested(
         self, node_id: str, engine_id: str, request_ids: Iterable[str]
@@ -845,8 +849,8 @@ class RedisIndex:
         ids = list(request_ids)
         if not ids:
             return ()
-        result = await self._quiet("release", self._release_requested(
-            keys=[self._request_key(node_id, i) for i in ids], args=[engine_id]), None)
+        result = await self._call("release", self._release_requested(
+            keys=[self._request_key(node_id, i) for i in ids], args=[engine_id]))
         return tuple(ids[int(i) - 1] for i in result or ())
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None:

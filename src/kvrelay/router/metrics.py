@@ -34,12 +34,14 @@ Names (all prefixed ``kvrelay_router_``):
   ``d_releases_total{node,cause}`` (D's count since it started: ``pressure``, ``router``,
   ``expired``); the router's side: ``retention_syncs_total{outcome}`` (``ok``,
   ``invalid``, ``unknown_engine``, ``bad_token``: not at the URL the router gave that D,
-  heard only in its releases and asks), ``retention_releases_seen_total{node,cause}``
+  heard only in its releases and asks; ``unavailable``: failed with a 503, the shared state
+  did not answer), ``retention_releases_seen_total{node,cause}``
   (releases the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
   released), ``release_orders_total{node}`` (orders delivered to D, or sent through P to a
   stock D: ``router.stock_release``),
   ``release_requests_total{node,answer}`` (turns D asked to free: ``dropped``, or
-  ``reading`` while a P leg reads them);
+  ``reading`` while a P leg reads them; each ask once per answer, however often D repeats
+  it);
   ``retain_time_decisions_total{reason}`` (``prior``, ``learned``, ``headroom``) and
   ``retain_seconds`` (histogram): the per-turn retention times sent to D.
 * ``state_errors_total{op}`` – shared-state (Redis) calls that failed or timed out

@@ -26,7 +26,9 @@ at once after a release. ``RetentionDesk.accept``:
 4. for the turns D asks to free itself (``releasing``: pressure, headroom), marks their
    entries released so no claim takes them, and answers in ``dropped`` those no P leg is
    reading (``ConversationIndex.release_requested``; a claim counts as a read until the P
-   leg ends, ``prefill``); D frees exactly those;
+   leg ends, ``prefill``); D frees exactly those. When the index cannot tell (shared
+   state down) the sync fails with a 503, not an answer as if heard: D tells its releases
+   again and asks a replica that can answer;
 5. answers ``RetentionOrders``: the release orders the index queued for that D and engine
    (``take_releases``): entries the router dropped while D still held them. With Redis the
    queue and the reads in progress are shared, so whichever replica D syncs with answers
@@ -60,7 +62,7 @@ import hashlib
 import hmac
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 
 import msgspec
@@ -90,7 +92,7 @@ from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.commit import PendingTurn
 from kvrelay.router.config import NodeConfig
 from kvrelay.router.errors import ClientError
-from kvrelay.router.index import ConversationIndex
+from kvrelay.router.index import ConversationIndex, IndexUnavailable
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.nodes import NodeRegistry
 from kvrelay.router.request import TurnRequest
@@ -98,6 +100,10 @@ from kvrelay.router.retain_times import RetainTimes
 from kvrelay.router.turn import Turn
 
 log = logging.getLogger("kvrelay.router")
+
+MAX_ANSWERS_KEPT = 4096
+"""Asks whose last counted answer is remembered (``release_requests_total`` counts an ask
+once per answer); more than D's turns in asking at once on every D."""
 
 
 @dataclass(frozen=True)
@@ -165,6 +171,8 @@ class RetentionDesk:
         self._gaps = RetainTimes()
         self._latest: dict[str, DRetention] = {}
         self._curves: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
+        self._answers: OrderedDict[tuple[str, str], str] = OrderedDict()
+        """The last answer counted per (D, request id) D asked about (``_count_answers``)."""
 
     def url_for(self, node_id: str) -> str:
         """Where D ``node_id`` syncs with this router: ``RETENTION_PATH/<token>``, the token a
@@ -263,6 +271,16 @@ class RetentionDesk:
         except RetentionSyncError as exc:
             self._metrics.child(self._metrics.retention_syncs, "invalid").inc()
             raise ClientError(str(exc)) from None
+        try:
+            return await self._accept(sync, token)
+        except IndexUnavailable:
+            # what D tells or asks could not be heard (shared state down): a 503 keeps D's
+            # releases pending (told again) and has D ask its turns of a replica that answers
+            self._metrics.child(self._metrics.retention_syncs, "unavailable").inc()
+            raise ClientError("the conversation index is unavailable; sync again",
+                              status=503) from None
+
+    async def _accept(self, sync: RetentionSync, token: str) -> RetentionOrders:
         node_id = self._nodes.decode_node_for_engine(sync.engine_id)
         if node_id is None:
             node_id = self._node_of_token(token)
@@ -320,11 +338,26 @@ class RetentionDesk:
         if sync.releasing:
             dropped = await self._index.release_requested(node_id, sync.engine_id,
                                                           sync.releasing)
-            reading = len(sync.releasing) - len(dropped)
-            for answer, n in (("dropped", len(dropped)), ("reading", reading)):
-                if n:
-                    self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
+            self._count_answers(node_id, sync.releasing, dropped)
         return dropped
+
+    def _count_answers(self, node_id: str, asked: Iterable[str],
+                       dropped: tuple[str, ...]) -> None:
+        """Count each ask once per answer: D asks again in every sync until it may free the
+        turn, so a read of 3 s was counted a dozen times as ``reading``."""
+        free = frozenset(dropped)
+        counts: dict[str, int] = {}
+        for request_id in asked:
+            answer = "dropped" if request_id in free else "reading"
+            key = (node_id, request_id)
+            if self._answers.get(key) != answer:
+                counts[answer] = counts.get(answer, 0) + 1
+            self._answers[key] = answer
+            self._answers.move_to_end(key)
+        while len(self._answers) > MAX_ANSWERS_KEPT:
+            self._answers.popitem(last=False)
+        for answer, n in counts.items():
+            self._metrics.child(self._metrics.release_requests, node_id, answer).inc(n)
 
     async def _heard_unknown(self, sync: RetentionSync) -> RetentionOrders:
         """A sync whose D this router cannot name: an engine no answer of a D showed it and a
