@@ -559,13 +559,45 @@ async def test_a_spent_read_ends_after_its_grace(made: tuple[ConversationIndex, 
     under pressure wait for D's TTL: probe 6, finding 2). Redis times the grace on its own
     clock, the memory index on the router's: both move here."""
     index, clock = made
-    ref = stored_at(TURN1, "spent")
+    ref, done = stored_at(TURN1, "spent"), stored_at(TURN1, "done")
     await index.put(ref, entry("d0", "A", request="spent"), tenant="t")
+    await index.put(done, entry("d0", "A", request="done"), tenant="t")
     assert await index.claim(ref, entry("d0", "A", request="spent")) is not None
+    assert await index.claim(done, entry("d0", "A", request="done")) is not None
     await index.read_spent("d0", "spent", 0.5)
+    await index.read_done("d0", "done")  # P answered: it read them (D freed them) or not
     assert await index.release_requested("d0", "A", ["spent"]) == ()
+    assert await index.take_releases("d0", "A") == ()
     clock.now += 0.6
     assert await until_free(index, "spent") == ("spent",)
+    # no entry is left for the turn (the claim took it) and P may never have read it (its
+    # request failed first): it is ordered released, or D kept it its whole retention time
+    # (probe 8a, finding 3); a read that ended with P's answer is not
+    assert await index.take_releases("d0", "A") == ("spent",)
+    assert await index.take_releases("d0", "A") == ()
+
+
+async def test_a_read_this_process_has_open_survives_the_shared_state_losing_it(
+    redis_server: RedisServer,
+) -> None:
+    """Redis restarted without persistence (here: FLUSHALL) while this replica's P leg reads
+    a claimed turn: Redis no longer knows of the read, but the replica does, and never lets
+    D free the turn before the leg ends (it did: D freed blocks P was about to read; on real
+    vLLM P loads what reused them: probe 8a, finding 2)."""
+    clock = Clock()
+    index = redis_index(redis_server, clock)
+    admin = aioredis.Redis.from_url(redis_server.url)
+    try:
+        ref = stored_at(TURN1, "read")
+        await index.put(ref, entry("d0", "A", request="read"), tenant="t")
+        assert await index.claim(ref, entry("d0", "A", request="read")) is not None
+        await admin.flushall()
+        assert await index.release_requested("d0", "A", ["read"]) == ()
+        await index.read_done("d0", "read")
+        assert await index.release_requested("d0", "A", ["read"]) == ("read",)
+    finally:
+        await admin.aclose()
+        await index.aclose()
 
 
 async def until_free(index: ConversationIndex, request_id: str) -> tuple[str, ...]:

@@ -17,6 +17,7 @@ import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.client.sse import sse_events
+from kvrelay.core.consequences import ANSWERED_READ_GRACE_S
 from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.retention_sync import (
     RETAIN_S_KEY,
@@ -31,7 +32,7 @@ from kvrelay.core.retention_sync import (
 from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.app import create_app
 from kvrelay.router.request import IdRules, parse_request
-from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
+from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed, until
 
 SILENT_D = replace(ENGINE_CONFIG, retention_sync=False)
 """Engines that do not sync their retention themselves: the tests below are D, posting the
@@ -443,6 +444,32 @@ async def test_an_ask_d_repeats_in_every_sync_is_counted_once_per_answer() -> No
         for answer in ("reading", "dropped"):
             assert metric(metrics, "kvrelay_router_release_requests_total",
                           node=node, answer=answer) == 1
+
+
+async def test_a_pull_p_failed_releases_the_claimed_turn_on_d_after_the_grace() -> None:
+    """P answers the pull with a 500 before it reads: the turn recomputes and the claimed
+    turn, which no entry points at any more, is ordered released on D once the spent read's
+    grace is over, not kept its whole retention time (7 blocks still held 16 s later with
+    a 60 s TTL: probe 8a, finding 3)."""
+    async with routed() as r:
+        d, p = r.cluster.decode[0], r.cluster.prefill[0]
+        history, entry = await one_first_turn(r)
+        p.faults.error_status, p.faults.error_count = 500, 1
+        async with r.client() as c:
+            reply = await chat(c, history)
+        assert reply.status_code == 200
+        assert reply.headers["x-kvrelay-action"] == "recompute"
+        await r.settle()
+        assert d.state.retention is not None
+        held = {h.request_id for h in d.state.holds.snapshot()}
+        assert entry.request_id in held  # P never read it: D still holds it
+        r.clock.advance(ANSWERED_READ_GRACE_S / 2)
+        await asyncio.sleep(0.3)  # D syncs (it holds turns): the grace is not over
+        assert entry.request_id in {h.request_id for h in d.state.holds.snapshot()}
+        r.clock.advance(ANSWERED_READ_GRACE_S)
+        await until(lambda: entry.request_id not in {
+            h.request_id for h in d.state.holds.snapshot()}, "the claimed turn released")
+        assert d.state.retention.releases_total["router"] == 1
 
 
 RUN: dict[str, Any] = {"name": "run", "description": "Run a shell command",

@@ -38,19 +38,20 @@ Contracts:
   desk knows (``InMemoryIndex`` announces nothing).
 * ``drop(ref, entry=None)`` (``None``: every entry of the ref), ``drop_scope`` (an explicit
   conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many.
-* Release orders: every entry the index removes but a claimed one (a pull consumes it), a
-  released one, one already ordered at its expiry (below), and those
-  ``drop_node``/``drop_engine`` remove (D's blocks are gone), or ``drop(...,
-  release=False)``, queues a release order for its D request id on its D:
-  ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for another
-  engine of that D are discarded) for the answer to D's next sync; a D that never syncs
-  (stock vLLM) has them popped by ``take_release_blocks`` instead, which returns each
+* Release orders: every entry the index removes but a claimed one (a pull consumes it: P's
+  read frees D's blocks; but a claim whose read was spent, ``read_spent`` below, is ordered
+  released once its grace is over, as P may never have read it), a released one, one already
+  ordered at its expiry (below), and those ``drop_node``/``drop_engine`` remove (D's blocks
+  are gone), or ``drop(..., release=False)``, queues a release order for its D request id on
+  its D: ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for
+  another engine of that D are discarded) for the answer to D's next sync; a D that never
+  syncs (stock vLLM) has them popped by ``take_release_blocks`` instead, which returns each
   order's D params as a release needs them (``RemoteBlocks.for_release``: what a P request
-  needs to have D free the turn, ``router.stock_release``). ``mark_released`` marks
-  the entries D said it released (its sync): they are never claimed, and ``lookup`` returns
-  one only when its ref has no other, so the turn recomputes with reason ``released``. A
-  release of a request with no entry yet (D's sync overtook the turn's commit) is kept
-  (bounded) and the entry ``put`` later is stored released.
+  needs to have D free the turn, ``router.stock_release``). ``mark_released`` marks the
+  entries D said it released (its sync): they are never claimed, and ``lookup`` returns one
+  only when its ref has no other, so the turn recomputes with reason ``released``. A release
+  of a request with no entry yet (D's sync overtook the turn's commit) is kept (bounded) and
+  the entry ``put`` later is stored released.
 * Release at expiry: an entry flagged ``release_at_expiry`` (D keeps its blocks past the
   entry's expiry) is ordered released once it expires on the router's clock.
   ``take_releases(node_id, engine_id)`` also returns, once each (within the same
@@ -72,7 +73,9 @@ Contracts:
   and P provably read nothing more), or until ``grace_s`` after ``read_spent(node_id,
   request_id, grace_s)`` (the P leg ended without that proof: an error answer, a timeout;
   ``core.consequences.SPENT_READ_GRACE_S``); a networked index lets one never ended lapse
-  after ``READ_TTL_S`` (a router that died mid-pull). A networked index that cannot reach
+  after ``READ_TTL_S`` (a router that died mid-pull). Each process also keeps the reads of
+  its own P legs (``OpenReads``) and never answers one as free: a shared store's record of
+  a read can be lost while the leg is open. A networked index that cannot reach
   its store raises ``IndexUnavailable`` from ``mark_released`` and ``release_requested``:
   neither may be answered as if heard.
 * ``shared_state()``: a name every router on the same shared state reads alike (replicas on
@@ -325,6 +328,60 @@ def continues_latest(entry: ConversationEntry, identity: RequestIdentity) -> boo
     return bool(entry.context) and entry.context == identity.context
 
 
+class OpenReads:
+    """The reads this process's P legs have open on D's turns: a claim starts one (the
+    claimed entry), ``done`` ends it (P answered: it read, or provably not), ``spent`` ends
+    it ``grace_s`` later (P may still be reading: an error answer, a timeout, the client
+    gone). A spent read's turn has no entry left (the claim took it) and D may still hold
+    it, as when P's request failed before reading: ``lapse`` ends the spent reads whose grace
+    is over and returns their turns for release orders (D ignores an order for a turn P's
+    read freed). Without them such a turn stayed on D until its retention time. Kept in
+    process by every index: a shared store's record of a read can be lost (Redis restarted
+    without persistence) while this process's P leg is still open."""
+
+    def __init__(self, clock: Callable[[], float]) -> None:
+        self._clock = clock
+        self._open: dict[tuple[str, str], int] = {}
+        self._blocks: dict[tuple[str, str], RemoteBlocks] = {}
+        self._lapsing: list[tuple[float, str, str]] = []
+        """Spent reads by when their grace ends."""
+
+    def __contains__(self, read: tuple[str, str]) -> bool:
+        """Whether a P leg of this process reads ``(node_id, request_id)``."""
+        return read in self._open
+
+    def start(self, entry: ConversationEntry) -> None:
+        read = (entry.decode_node_id, entry.request_id)
+        self._open[read] = self._open.get(read, 0) + 1
+        self._blocks[read] = entry.blocks
+
+    def done(self, node_id: str, request_id: str) -> None:
+        self._end((node_id, request_id))
+
+    def spent(self, node_id: str, request_id: str, grace_s: float) -> None:
+        heapq.heappush(self._lapsing, (self._clock() + grace_s, node_id, request_id))
+
+    def lapse(self) -> list[tuple[str, RemoteBlocks]]:
+        """End the spent reads whose grace is over; their turns' (D, blocks) to release."""
+        now = self._clock()
+        out: list[tuple[str, RemoteBlocks]] = []
+        while self._lapsing and self._lapsing[0][0] <= now:
+            _, node_id, request_id = heapq.heappop(self._lapsing)
+            blocks = self._end((node_id, request_id))
+            if blocks is not None:
+                out.append((node_id, blocks))
+        return out
+
+    def _end(self, read: tuple[str, str]) -> RemoteBlocks | None:
+        """End one read; the turn's blocks once none is left open."""
+        left = self._open.get(read, 0) - 1
+        if left > 0:
+            self._open[read] = left
+            return None
+        self._open.pop(read, None)
+        return self._blocks.pop(read, None)
+
+
 class InMemoryIndex:
     """A ``ConversationIndex`` in this process (LRU-capped, expired entries purged
     ``expired_retention_s`` after expiry on ``clock``, the router clock).
@@ -372,9 +429,7 @@ class InMemoryIndex:
         self._releases: dict[str, OrderedDict[tuple[str, str], RemoteBlocks]] = {}
         self._due: dict[str, list[_Due]] = {}
         self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
-        self._reading: dict[tuple[str, str], int] = {}
-        self._lapsing: list[tuple[float, str, str]] = []
-        """Spent reads by when their grace ends (``read_spent``)."""
+        self._reads = OpenReads(clock)
 
     def __len__(self) -> int:
         return len(self._items)
@@ -497,8 +552,7 @@ class InMemoryIndex:
         item = self._remove(key, release=False)
         if item is None:
             return None
-        read = (item.entry.decode_node_id, item.entry.request_id)
-        self._reading[read] = self._reading.get(read, 0) + 1
+        self._reads.start(item.entry)
         return item.entry
 
     async def drop(
@@ -541,7 +595,7 @@ class InMemoryIndex:
         free: list[str] = []
         for request_id in request_ids:
             self._mark(node_id, engine_id, request_id, RELEASING)
-            if (node_id, request_id) not in self._reading:
+            if (node_id, request_id) not in self._reads:
                 free.append(request_id)
         return tuple(free)
 
@@ -555,28 +609,25 @@ class InMemoryIndex:
         return False
 
     async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None:
-        heapq.heappush(self._lapsing, (self._clock() + grace_s, node_id, request_id))
+        self._reads.spent(node_id, request_id, grace_s)
 
     async def shared_state(self) -> str | None:
         return None  # this process's own
 
     def _lapse(self) -> None:
-        """End the spent reads whose grace is over (``read_spent``)."""
-        now = self._clock()
-        while self._lapsing and self._lapsing[0][0] <= now:
-            _, node_id, request_id = heapq.heappop(self._lapsing)
-            self._end_read(node_id, request_id)
+        """End the spent reads whose grace is over (``read_spent``) and order their turns
+        released (``OpenReads.lapse``)."""
+        for node_id, blocks in self._reads.lapse():
+            self._queue_release(node_id, blocks)
 
     async def read_done(self, node_id: str, request_id: str) -> None:
-        self._end_read(node_id, request_id)
+        self._reads.done(node_id, request_id)
 
-    def _end_read(self, node_id: str, request_id: str) -> None:
-        read = (node_id, request_id)
-        left = self._reading.get(read, 0) - 1
-        if left > 0:
-            self._reading[read] = left
-        else:
-            self._reading.pop(read, None)
+    def _queue_release(self, node_id: str, blocks: RemoteBlocks) -> None:
+        queue = self._releases.setdefault(node_id, OrderedDict())
+        queue[(blocks.engine_id, blocks.request_id)] = blocks.for_release()
+        while len(queue) > MAX_QUEUED_RELEASES:
+            queue.popitem(last=False)
 
     def _mark(self, node_id: str, engine_id: str, request_id: str, cause: str) -> int:
         """Mark the entries of D's ``request_id`` released (a cause replaces
@@ -607,6 +658,7 @@ class InMemoryIndex:
         return tuple(self._take(node_id, engine_id, limit))
 
     def _take(self, node_id: str, engine_id: str, limit: int) -> list[RemoteBlocks]:
+        self._lapse()
         out: list[RemoteBlocks] = []
         queue = self._releases.get(node_id)
         if queue:
@@ -746,10 +798,7 @@ class InMemoryIndex:
             if not requests:
                 del self._by_request[(entry.decode_node_id, entry.request_id)]
         if release and item.held:
-            queue = self._releases.setdefault(entry.decode_node_id, OrderedDict())
-            queue[(entry.decode_engine_id, entry.request_id)] = entry.blocks.for_release()
-            while len(queue) > MAX_QUEUED_RELEASES:
-                queue.popitem(last=False)
+            self._queue_release(entry.decode_node_id, entry.blocks)
         ref = key[0]
         members = self._refs.get(ref)
         if members is not None:

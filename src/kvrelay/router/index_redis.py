@@ -32,12 +32,13 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:rel:{node_id}`` – the release orders queued for a D (``engine<TAB>request id``):
   every entry the index drops but a claim, a released one, an ordered one (``ord``) and
   ``drop_node``/``drop_engine`` queues one in the same script, so whichever replica D syncs
-  with delivers it (``take_releases``). A stock D's order needs D's params, cut to what a
-  release needs (``RemoteBlocks.for_release``, kept in the entry's ``relp`` field): they
-  wait beside the order in ``{ns}:rel:{node_id}:p:{order}`` (PX as the queue; taken and
-  deleted with it, ``take_release_blocks``), not in the queue item, so a replica that
-  predates them reads each item as it always did (an order a replica of 2026-12-05's
-  ``engine<TAB>id<TAB>params`` items queued is read the same).
+  with delivers it (``take_releases``); so does the replica whose P leg spent a claimed
+  turn's read, once its grace is over (``OpenReads``, ``_QUEUE_ORDER``). A stock D's order
+  needs D's params, cut to what a release needs (``RemoteBlocks.for_release``, kept in the
+  entry's ``relp`` field): they wait beside the order in ``{ns}:rel:{node_id}:p:{order}``
+  (PX as the queue; taken and deleted with it, ``take_release_blocks``), not in the queue
+  item, so a replica that predates them reads each item as it always did (an order a replica
+  of 2026-12-05's ``engine<TAB>id<TAB>params`` items queued is read the same).
 * ``{ns}:due:{node_id}`` – a sorted set of a D's entries flagged ``release_at_expiry``, by
   wall-clock expiry (ms, rounded up), added by ``put`` and left by an entry removed.
   ``take_releases`` pops the due ones (at most its ``limit`` looked at per call, in the
@@ -105,6 +106,7 @@ from kvrelay.router.index import (
     EntryRef,
     Found,
     IndexUnavailable,
+    OpenReads,
     TextSearch,
     continuation_of,
     continues_latest,
@@ -294,6 +296,18 @@ while redis.call('ZCARD', KEYS[6]) > tonumber(ARGV[11]) do
 end
 return {evicted, redis.call('ZCARD', KEYS[6]), overflow}
 """
+
+# queue one release order: KEYS = D's release queue; ARGV = the order (engine TAB request
+# id), its release params (JSON), as remove() queues them.
+_QUEUE_ORDER = """
+redis.call('RPUSH', KEYS[1], ARGV[1])
+redis.call('SET', KEYS[1] .. ':p:' .. ARGV[1], ARGV[2], 'PX', @QTTL@)
+while redis.call('LLEN', KEYS[1]) > @MAXQ@ do
+  redis.call('DEL', KEYS[1] .. ':p:' .. redis.call('LPOP', KEYS[1]))
+end
+redis.call('PEXPIRE', KEYS[1], @QTTL@)
+return 1
+""".replace("@MAXQ@", str(MAX_QUEUED_RELEASES)).replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
 # claim: KEYS = the entry's key, its ref set; ARGV = id, exp (wall s), tolerance, the entry
 # key prefix of the ref, how long the read it starts may last (ms; '{request key}:r').
@@ -574,6 +588,7 @@ class RedisIndex:
         self._ns = f"kvrelay:{quote(deployment, safe='')}"
         self._shared: str | None = None
         self._clock = clock
+        self._reads = OpenReads(clock)
         self._wall = wall_clock
         self._timeout = timeout_s
         self._retention = expired_retention_s
@@ -596,6 +611,7 @@ class RedisIndex:
         self._text_ends = client.register_script(_TEXT_ENDS)
         self._put = client.register_script(_PUT)
         self._claim = client.register_script(_CLAIM)
+        self._queue_order = client.register_script(_QUEUE_ORDER)
         self._drop_one = client.register_script(_DROP_ONE)
         self._drop_ref = client.register_script(_DROP_REF)
         self._drop_set = client.register_script(_DROP_SET)
@@ -800,12 +816,16 @@ class RedisIndex:
         if not result:
             return None
         if result[2] == "1":
-            return entry
-        try:
-            return entry_from_json(result[1], wall_offset_s=self._offset())
-        except EntryFormatError as exc:
-            self._failed("decode", exc, outage=False)
-            return None
+            claimed: ConversationEntry | None = entry
+        else:
+            try:
+                claimed = entry_from_json(result[1], wall_offset_s=self._offset())
+            except EntryFormatError as exc:
+                self._failed("decode", exc, outage=False)
+                return None
+        assert claimed is not None
+        self._reads.start(claimed)
+        return claimed
 
     async def drop(
         self, ref: EntryRef, entry: ConversationEntry | None = None, *, release: bool = True
@@ -851,7 +871,11 @@ class RedisIndex:
             return ()
         result = await self._call("release", self._release_requested(
             keys=[self._request_key(node_id, i) for i in ids], args=[engine_id]))
-        return tuple(ids[int(i) - 1] for i in result or ())
+        await self._queue_lapsed()
+        # this process's own reads as well: Redis's record of one may be lost (a restart
+        # without persistence) while its P leg is still open
+        return tuple(ids[int(i) - 1] for i in result or ()
+                     if (node_id, ids[int(i) - 1]) not in self._reads)
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None:
         if self._failing:  # Redis is not answering: no replica could read it; don't wait
@@ -870,6 +894,7 @@ class RedisIndex:
         return bool(await self._quiet("announced", self._client.exists(*keys), 0))
 
     async def read_done(self, node_id: str, request_id: str) -> None:
+        self._reads.done(node_id, request_id)
         await self._quiet("release", self._client.delete(
             self._request_key(node_id, request_id) + ":r"), None)
 
@@ -887,6 +912,7 @@ class RedisIndex:
         return self._shared
 
     async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None:
+        self._reads.spent(node_id, request_id, grace_s)
         await self._quiet("release", self._client.pexpire(
             self._request_key(node_id, request_id) + ":r", max(1, math.ceil(grace_s * 1000))),
             None)
@@ -915,10 +941,22 @@ class RedisIndex:
     async def _take(self, node_id: str, engine_id: str, limit: int) -> list[str]:
         """Queued and due orders for D's engine: ``request id<TAB>release params`` each
         (the id alone for an entry a replica older than the params stored)."""
+        await self._queue_lapsed()
         result = await self._quiet("release", self._take_releases(
             keys=[self.release_queue(node_id), self.due_set(node_id)],
             args=[engine_id, limit, self._now_ms()]), None)
         return [str(order) for order in result or ()]
+
+    async def _queue_lapsed(self) -> None:
+        """Queue release orders for this process's spent reads whose grace is over
+        (``OpenReads.lapse``), in the shared queue of their D: any replica D syncs with
+        delivers them. One Redis does not take is lost (D keeps that turn its time)."""
+        for node_id, blocks in self._reads.lapse():
+            await self._quiet("release", self._queue_order(
+                keys=[self.release_queue(node_id)],
+                args=[f"{blocks.engine_id}\t{blocks.request_id}",
+                      json.dumps(blocks.for_release().to_json(), separators=(",", ":"))]),
+                None)
 
     def retained_tokens(self, now_s: float) -> Mapping[str, int]:
         return dict(self._retained)

@@ -14,7 +14,8 @@ The claimed entry's read ends with the pull (``ConversationIndex.read_done``): w
 answered it, or never received it. A pull P may still be reading (an error answer, a
 timeout, a reset, the client gone) stays a read in progress for
 ``core.consequences.SPENT_READ_GRACE_S`` more (``read_spent``), so D is not told it may
-free those blocks until P's dead request can no longer use them, and then is.
+free those blocks until P's dead request can no longer use them; then it is, and ordered
+to (no entry points at the turn any more, and P may never have read it).
 
 A failed P call is retried once on another P (the same one if it is the only P). A pull
 that P never received (connection refused, or a 503) is retried as the same pull, since
