@@ -101,6 +101,22 @@ AT_AND_OVER = [
 ]
 
 
+#: (what, path, body, the field named): one over a default limit through the other APIs
+#: (probe 8b, finding 2: Responses ``input`` and Messages ``stop_sequences`` were counted
+#: nowhere; a 250 000-item ``input`` cost the engines 7-8 s of CPU).
+OVER_IN_OTHER_APIS = [
+    ("10 001 Responses input items", "/v1/responses",
+     {"model": "tiny", "max_output_tokens": 16, "input": [USER] * 10_001}, "input"),
+    ("1 001 content parts in one input item", "/v1/responses",
+     {"model": "tiny", "max_output_tokens": 16, "input": [
+         {"role": "user", "content": [{"type": "input_text", "text": "x"}] * 1_001}]},
+     "input"),
+    ("65 Messages stop_sequences", "/v1/messages",
+     {"model": "tiny", "max_tokens": 2, "messages": [USER],
+      "stop_sequences": [f"s{i}" for i in range(65)]}, "stop_sequences"),
+]
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def rig(tmp_path_factory: pytest.TempPathFactory) -> AsyncIterator[Rig]:
     async with fake_rig(tmp_path_factory.mktemp("router-counts")) as started:
@@ -134,6 +150,27 @@ async def test_requests_over_the_default_counts_get_400_and_reach_no_node(rig: R
     assert not problems, "\n".join(problems)
     assert reached == 0, f"refused requests reached a node {reached} times"
     assert ok.status_code == 200, ok.text
+
+
+async def test_every_api_s_lists_are_counted_and_refused_in_its_own_error_shape(
+    rig: Rig,
+) -> None:
+    before = rig.generation_requests()
+    problems = []
+    async with rig.router.client() as c:
+        for what, path, body, field in OVER_IN_OTHER_APIS:
+            resp = await c.post(path, json=body)
+            doc = resp.json() if resp.status_code == 400 else {}
+            error = doc.get("error", {})
+            if path == "/v1/messages":  # Anthropic's shape: no param, the field in the text
+                ok = doc.get("type") == "error" and f"'{field}'" in error.get("message", "")
+            else:
+                ok = error.get("param") == field
+            if not ok or "array too long" not in error.get("message", ""):
+                problems.append(f"{what}: HTTP {resp.status_code} {resp.text[:300]}")
+        reached = rig.generation_requests() - before
+    assert not problems, "\n".join(problems)
+    assert reached == 0, f"refused requests reached a node {reached} times"
 
 
 async def test_the_counts_are_configurable_and_a_request_at_each_limit_is_served(

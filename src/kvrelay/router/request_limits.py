@@ -37,33 +37,42 @@ class RequestLimits:
 
 
 def check_counts(body: Mapping[str, Any], limits: RequestLimits) -> None:
-    """``ClientError`` 400 when ``body`` carries more than ``limits`` allow: messages, content
-    parts in one message or in all, tools, tool calls in the history, stop sequences. Only
-    counts lists: their shape is judged later (by the router or by vLLM)."""
-    messages = body.get("messages")
-    if isinstance(messages, list):
-        _at_most("messages", len(messages), limits.max_messages)
-        parts = calls = 0
-        for message in messages:
-            if not isinstance(message, dict):
-                continue
-            content = message.get("content")
-            if isinstance(content, list):
-                _at_most("messages[].content", len(content), limits.max_content_parts)
-                parts += len(content)
-            tool_calls = message.get("tool_calls")
-            if isinstance(tool_calls, list):
-                calls += len(tool_calls)
-        _at_most("messages[].content (all messages)", parts, limits.max_content_parts_total,
-                 param="messages")
-        _at_most("messages[].tool_calls (all messages)", calls, limits.max_tool_calls,
-                 param="messages")
+    """``ClientError`` 400 when ``body`` carries more than ``limits`` allow: history items
+    (chat and Messages ``messages``, Responses ``input``), content parts in one item or in
+    all, tool calls in the history, tools, stop sequences (chat and completions ``stop``,
+    ``stop_token_ids``, Messages ``stop_sequences``). Only counts lists: their shape is
+    judged later (by the router or by vLLM). Every API's lists, whatever the endpoint: a
+    list another API would read costs the parse the same."""
+    for key in ("messages", "input"):
+        history = body.get(key)
+        if isinstance(history, list):
+            _check_history(key, history, limits)
     for name, limit in (("tools", limits.max_tools), ("functions", limits.max_tools),
                         ("stop", limits.max_stop_sequences),
-                        ("stop_token_ids", limits.max_stop_sequences)):
+                        ("stop_token_ids", limits.max_stop_sequences),
+                        ("stop_sequences", limits.max_stop_sequences)):
         value = body.get(name)
         if isinstance(value, list):
             _at_most(name, len(value), limit)
+
+
+def _check_history(key: str, history: list[Any], limits: RequestLimits) -> None:
+    """The counts of one history list (``key``: its field)."""
+    _at_most(key, len(history), limits.max_messages)
+    parts = calls = 0
+    for item in history:
+        if not isinstance(item, dict):
+            continue
+        content = item.get("content")
+        if isinstance(content, list):
+            _at_most(f"{key}[].content", len(content), limits.max_content_parts)
+            parts += len(content)
+        tool_calls = item.get("tool_calls")
+        if isinstance(tool_calls, list):
+            calls += len(tool_calls)
+    _at_most(f"{key}[].content (all items)", parts, limits.max_content_parts_total,
+             param=key)
+    _at_most(f"{key}[].tool_calls (all items)", calls, limits.max_tool_calls, param=key)
 
 
 def _at_most(what: str, count: int, limit: int, param: str | None = None) -> None:
