@@ -221,3 +221,21 @@ def test_a_streamed_tool_use_cut_before_its_arguments_digests_as_the_sdk_rebuild
     scan.feed(raw)
     assert scan.answer()[1][0].arguments == "{}"
     assert answer_digest(*scan.answer()) == answer_digest(*content_answer([block]))
+
+
+def test_a_chat_message_of_one_text_part_digests_as_its_string() -> None:
+    """vLLM renders content that is one text part as its string: a history re-sent the
+    other way continues the same entry (probe 8b, finding 3); more parts, or a part with
+    other keys, are another history."""
+    def chat(content: Any) -> Any:
+        return identity("chat", {"model": "m", "messages": [
+            {"role": "user", "content": content},
+            {"role": "assistant", "content": "Three rivers."},
+            {"role": "user", "content": "More?"}]})
+
+    as_string = chat("Name three rivers.")
+    as_part = chat([{"type": "text", "text": "Name three rivers."}])
+    assert as_part.probes == as_string.probes and as_part.anchor == as_string.anchor
+    for other in ([{"type": "text", "text": "Name three "}, {"type": "text", "text": "rivers."}],
+                  [{"type": "text", "text": "Name three rivers.", "extra": 1}]):
+        assert chat(other).probes != as_string.probes

@@ -114,5 +114,20 @@ def _messages(body: Mapping[str, Any]) -> list[ChatMessage]:
         if message.get("role") == "assistant":
             content = message_text(message.get("content"))
             answer = answer_digest(content, message_tool_calls(message))
-        out.append(ChatMessage(encode(message), answer))
+        out.append(ChatMessage(encode(_canonical(message)), answer))
     return out
+
+
+def _canonical(message: dict[str, Any]) -> dict[str, Any]:
+    """A message as its identity sees it: content that is one text part as its string. vLLM
+    renders both alike (a string-format template joins the parts, an OpenAI-format one gets a
+    string as one text part), and clients re-send either way (probe 8b, finding 3: a turn
+    that sent a part, re-sent as a string, recomputed). More parts, or a part with other
+    keys, stay as sent."""
+    content = message.get("content")
+    if isinstance(content, list) and len(content) == 1:
+        only = content[0]
+        if isinstance(only, dict) and only.get("type") == "text" \
+                and set(only) == {"type", "text"} and isinstance(only["text"], str):
+            return {**message, "content": only["text"]}
+    return message
