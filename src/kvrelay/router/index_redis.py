@@ -121,10 +121,24 @@ FORMAT_VERSION = 3
 RELEASE_QUEUE_TTL_MS = 600_000
 """A D that has not synced for this long has lost its queue (its orders are moot by then)."""
 
+# Queue one release order (engine TAB request id) on a D's queue, its release params (JSON,
+# if any) beside it; the queue bounded and expiring. Prepended to the scripts that queue.
+_QUEUE = """
+local function queue_order(q, order, params)
+  redis.call('RPUSH', q, order)
+  if params and params ~= '' then
+    redis.call('SET', q .. ':p:' .. order, params, 'PX', @QTTL@)
+  end
+  while redis.call('LLEN', q) > @MAXQ@ do
+    redis.call('DEL', q .. ':p:' .. redis.call('LPOP', q))
+  end
+  redis.call('PEXPIRE', q, @QTTL@)
+end
+""".replace("@MAXQ@", str(MAX_QUEUED_RELEASES)).replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 # Remove one entry and its index memberships; release == 1 queues a release order for its D
 # request id on its D (unless D released it already or it was ordered at its expiry).
 # Prepended to the scripts.
-_REMOVE = """
+_REMOVE = _QUEUE + """
 local function remove(k, release)
   local f = redis.call('HMGET', k, 'nx', 'bk', 'slot', 'sx', 'tz', 'az', 'rx', 'mem', 'qx',
                        'rid', 'rel', 'lq', 'engine', 'fk', 'fine', 'end', 'dx', 'ord', 'relp')
@@ -146,15 +160,7 @@ local function remove(k, release)
   if f[6] then redis.call('ZREM', f[6], k) end
   if f[9] and redis.call('GET', f[9]) == k then redis.call('DEL', f[9]) end
   if release == 1 and f[12] and not f[11] and not f[18] then
-    local order = f[13] .. '\\t' .. f[10]
-    redis.call('RPUSH', f[12], order)
-    if f[19] and f[19] ~= '' then
-      redis.call('SET', f[12] .. ':p:' .. order, f[19], 'PX', @QTTL@)
-    end
-    while redis.call('LLEN', f[12]) > @MAXQ@ do
-      redis.call('DEL', f[12] .. ':p:' .. redis.call('LPOP', f[12]))
-    end
-    redis.call('PEXPIRE', f[12], @QTTL@)
+    queue_order(f[12], f[13] .. '\\t' .. f[10], f[19])
   end
   return redis.call('DEL', k)
 end
@@ -177,7 +183,7 @@ local function best(rk, ep, usable)
   if usable then return nil end
   return fallback
 end
-""".replace("@MAXQ@", str(MAX_QUEUED_RELEASES)).replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
+"""
 
 # lookup: KEYS = ref sets in the order to try, then the scope's key; ARGV[1] = the
 # namespace, ARGV[2] = the LRU counter's key, ARGV[3] == '1' for an explicit id (its
@@ -299,15 +305,10 @@ return {evicted, redis.call('ZCARD', KEYS[6]), overflow}
 
 # queue one release order: KEYS = D's release queue; ARGV = the order (engine TAB request
 # id), its release params (JSON), as remove() queues them.
-_QUEUE_ORDER = """
-redis.call('RPUSH', KEYS[1], ARGV[1])
-redis.call('SET', KEYS[1] .. ':p:' .. ARGV[1], ARGV[2], 'PX', @QTTL@)
-while redis.call('LLEN', KEYS[1]) > @MAXQ@ do
-  redis.call('DEL', KEYS[1] .. ':p:' .. redis.call('LPOP', KEYS[1]))
-end
-redis.call('PEXPIRE', KEYS[1], @QTTL@)
+_QUEUE_ORDER = _QUEUE + """
+queue_order(KEYS[1], ARGV[1], ARGV[2])
 return 1
-""".replace("@MAXQ@", str(MAX_QUEUED_RELEASES)).replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
+"""
 
 # claim: KEYS = the entry's key, its ref set; ARGV = id, exp (wall s), tolerance, the entry
 # key prefix of the ref, how long the read it starts may last (ms; '{request key}:r').
@@ -815,15 +816,13 @@ class RedisIndex:
         ), None)
         if not result:
             return None
-        if result[2] == "1":
-            claimed: ConversationEntry | None = entry
-        else:
+        claimed = entry
+        if result[2] != "1":
             try:
                 claimed = entry_from_json(result[1], wall_offset_s=self._offset())
             except EntryFormatError as exc:
                 self._failed("decode", exc, outage=False)
                 return None
-        assert claimed is not None
         self._reads.start(claimed)
         return claimed
 
