@@ -17,7 +17,7 @@ import pytest
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.client.sse import sse_events
-from kvrelay.core.consequences import ANSWERED_READ_GRACE_S
+from kvrelay.core.consequences import ANSWERED_READ_GRACE_S, SPENT_READ_GRACE_S
 from kvrelay.core.conversation import ConversationEntry, GapKind
 from kvrelay.core.retention_sync import (
     RETAIN_S_KEY,
@@ -405,6 +405,7 @@ async def test_a_turn_d_asks_to_free_is_dropped_and_answered_then_recomputes_rel
     async with routed(engine_config=SILENT_D) as r:
         d = r.cluster.decode[0]
         history, entry = await one_first_turn(r)
+        r.clock.advance(SPENT_READ_GRACE_S)  # a turn it never saw may be a predecessor's
         body = encode(RetentionSync(
             engine_id=d.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
             num_blocks_free=0, retained_requests=1, retained_blocks=4, retained_tokens=64,
@@ -591,7 +592,10 @@ async def test_a_restarted_router_answers_ds_asks_before_any_answer_of_ds(
     D until D answers it; D's asks under pressure must still be answered, or the request
     waiting for D's blocks, the one that would bring that answer, waits for D's TTL (they
     were a 404: probe 6, finding 1). With D's token the sync is D's and teaches D's engine;
-    without, it is heard on every D where it can only make entries recompute."""
+    without, it is heard on every D where it can only make entries recompute. For
+    ``SPENT_READ_GRACE_S`` after it starts, the turns it has no entry of are answered as
+    read: its predecessor's P legs may still read them (D freed a turn 0.7 s after the old
+    router died mid-pull: probe 9, finding 2)."""
     key = "k" * 32
     async with routed(engine_config=SILENT_D, tag_key=key) as r:
         _, entry = await one_first_turn(r)
@@ -604,6 +608,11 @@ async def test_a_restarted_router_answers_ds_asks_before_any_answer_of_ds(
                 engine_id=d.engine_id, block_size=16, bytes_per_block=4096,
                 num_blocks_total=128, num_blocks_free=0, retained_requests=1,
                 retained_blocks=4, retained_tokens=64, releasing=(entry.request_id,)))
+            orders = await restarted.ctx.retention.accept(ask, token)
+            assert orders.dropped == ()
+            r.clock.advance(SPENT_READ_GRACE_S - 0.1)
+            assert (await restarted.ctx.retention.accept(ask, token)).dropped == ()
+            r.clock.advance(0.1)
             orders = await restarted.ctx.retention.accept(ask, token)
             assert orders.dropped == (entry.request_id,)
             knows = restarted.ctx.nodes.trusted_identity("decode-0")[0]

@@ -21,6 +21,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from kvrelay.core.consequences import SPENT_READ_GRACE_S
 from kvrelay.core.retention_time import RetentionTimeConfig
 from kvrelay.router.admin import internal_routes, public_routes
 from kvrelay.router.asgi import (
@@ -259,6 +260,7 @@ def _default_index(
         expired_retention_s=config.expired_retention_s,
         on_evict=evicted,
         on_text_digests=metrics.text_lookup,
+        predecessor_grace_s=SPENT_READ_GRACE_S,
     )
 
 

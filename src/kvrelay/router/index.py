@@ -389,6 +389,12 @@ class InMemoryIndex:
     ``on_evict(entry, reason)`` is called for every entry the index removes by itself
     (``expired``, ``capacity`` or ``overflow``), never for explicit ``drop*``/``claim``;
     ``on_text_digests(n)`` after each completions lookup (module docstring, bounded work).
+    ``predecessor_grace_s``: this process's index knows none of the reads a router before it
+    (a restart) had open, and its P legs may still read until vLLM aborted them (their
+    connections closed with that process): for this long after the index is made, D's asks
+    for turns it holds no entry of are answered as read (the router passes
+    ``core.consequences.SPENT_READ_GRACE_S``; D asked at once freed a turn 0.7 s after the
+    old router died mid-pull: probe 9, finding 2).
     A completions entry's end offset is kept per (scope, anchor, fine digest), so a lookup
     tries only the ends that share the request's text up to their fine boundary. Entries
     flagged ``release_at_expiry`` are pushed on their node's expiry heap by ``put``;
@@ -407,6 +413,7 @@ class InMemoryIndex:
         max_per_ref: int = MAX_ENTRIES_PER_REF,
         on_evict: Callable[[ConversationEntry, EvictReason], None] | None = None,
         on_text_digests: Callable[[int], None] | None = None,
+        predecessor_grace_s: float = 0.0,
     ) -> None:
         if max_entries < 1 or max_per_ref < 1:
             raise ValueError("max_entries and max_per_ref must be >= 1")
@@ -430,6 +437,9 @@ class InMemoryIndex:
         self._due: dict[str, list[_Due]] = {}
         self._released_early: OrderedDict[tuple[str, str, str], str] = OrderedDict()
         self._reads = OpenReads(clock)
+        self._predecessor_until_s = clock() + predecessor_grace_s
+        self._own: set[tuple[str, str]] | None = set() if predecessor_grace_s > 0 else None
+        """D requests this index stored or claimed while its predecessor's reads may last."""
 
     def __len__(self) -> int:
         return len(self._items)
@@ -512,6 +522,7 @@ class InMemoryIndex:
 
     async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
         self._maybe_sweep()
+        self._note_own(entry)
         same = self._member(ref, entry, same_expiry=False)
         if same is not None:
             self._remove(same, release=False)
@@ -553,6 +564,7 @@ class InMemoryIndex:
         if item is None:
             return None
         self._reads.start(item.entry)
+        self._note_own(item.entry)
         return item.entry
 
     async def drop(
@@ -594,10 +606,26 @@ class InMemoryIndex:
         self._lapse()
         free: list[str] = []
         for request_id in request_ids:
+            read = (node_id, request_id)
             self._mark(node_id, engine_id, request_id, RELEASING)
-            if (node_id, request_id) not in self._reads:
+            if read not in self._reads and not self._predecessors(read):
                 free.append(request_id)
         return tuple(free)
+
+    def _predecessors(self, read: tuple[str, str]) -> bool:
+        """Whether ``read`` may be a turn a router before this one was reading (class
+        docstring, ``predecessor_grace_s``): one this index never stored nor claimed, asked
+        about within the grace."""
+        if self._own is None:
+            return False
+        if self._clock() >= self._predecessor_until_s:
+            self._own = None
+            return False
+        return read not in self._own and read not in self._by_request
+
+    def _note_own(self, entry: ConversationEntry) -> None:
+        if self._own is not None:
+            self._own.add((entry.decode_node_id, entry.request_id))
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None:
         return None  # this process's ReportDesk knows its pending turns
