@@ -473,6 +473,31 @@ async def test_a_pull_p_failed_releases_the_claimed_turn_on_d_after_the_grace() 
         assert d.state.retention.releases_total["router"] == 1
 
 
+async def test_a_turn_goes_to_a_d_with_room_when_ds_own_numbers_say_one_is_full() -> None:
+    """D0's latest sync says its KV cache is full of live work (nothing retained to
+    release): a new conversation goes to D1 although both Ds have no request of this
+    router's, and so does a follow-up whose KV is on D0 (P still pulls it from D0). A full
+    D made such turns wait 8.5 s while the other D was idle (probe 9, finding 1). Numbers
+    older than STALE_SYNC_S are not used: load decides again."""
+    async with routed(num_decode=2, engine_config=SILENT_D) as r:
+        history, entry = await one_first_turn(r)
+        assert entry.decode_node_id == "decode-0"
+        d0 = r.cluster.engine("decode-0")
+        full = encode(RetentionSync(
+            engine_id=d0.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=64,
+            num_blocks_free=1, retained_requests=0, retained_blocks=0, retained_tokens=0))
+        assert (await post_sync(r, full)).status_code == 200
+        async with r.client() as c:
+            await chat(c, [{"role": "user", "content": "A new task: " + FIRST}])
+            assert (await r.last_decision())["decode_node"] == "decode-1"
+            reply = await chat(c, history)
+            assert reply.headers["x-kvrelay-reason"] == "pull"
+            assert (await r.last_decision())["decode_node"] == "decode-1"
+            r.clock.advance(STALE_SYNC_S + 0.1)
+            await chat(c, [{"role": "user", "content": "Another task: " + FIRST}])
+            assert (await r.last_decision())["decode_node"] == "decode-0"
+
+
 RUN: dict[str, Any] = {"name": "run", "description": "Run a shell command",
                        "input_schema": {"type": "object", "properties": {
                            "input": {"type": "string"}}, "required": ["input"]}}

@@ -22,7 +22,8 @@ def p(node_id: str, tokens: int = 0, requests: int = 0, up: bool = True) -> Node
     )
 
 
-def d(node_id: str, requests: int = 0, up: bool = True, tokens: int = 0) -> NodeState:
+def d(node_id: str, requests: int = 0, up: bool = True, tokens: int = 0,
+      room: int | None = None) -> NodeState:
     return NodeState(
         node_id,
         "decode",
@@ -30,6 +31,7 @@ def d(node_id: str, requests: int = 0, up: bool = True, tokens: int = 0) -> Node
         up=up,
         outstanding_requests=requests,
         outstanding_prefill_tokens=tokens,
+        room_tokens=room,
     )
 
 
@@ -97,6 +99,26 @@ def test_decode_affinity_unavailable() -> None:
     assert choose_decode(nodes, "d0") == NodeChoice("d1", "affinity_unavailable")
     assert choose_decode(nodes, "gone") == NodeChoice("d1", "affinity_unavailable")
     assert choose_decode([p("p0"), d("d1")], "p0") == NodeChoice("d1", "affinity_unavailable")
+
+
+def test_decode_goes_where_there_is_room_for_the_prompt() -> None:
+    """A D whose KV cache cannot take the prompt (its own numbers) would make the request
+    wait while another D has room: only Ds with room are chosen from, the affinity D too,
+    whatever the request counts say (two long decodes fill a D; another replica's load is
+    not counted: probe 9, finding 1). Unknown room counts as room; when no D has room, or
+    the need is unknown, load decides as before."""
+    full, roomy = d("d0", 0, room=256), d("d1", 3, room=4096)
+    assert choose_decode([full, roomy], needed_tokens=1000) == NodeChoice("d1", "least_loaded")
+    assert choose_decode([full, roomy], "d0", needed_tokens=1000) == NodeChoice(
+        "d1", "affinity_full")
+    assert choose_decode([full, roomy], "d0", needed_tokens=200) == NodeChoice("d0", "affinity")
+    assert choose_decode([full, d("d1", 3)], needed_tokens=1000) == NodeChoice(
+        "d1", "least_loaded")  # d1's room is unknown
+    assert choose_decode([full, d("d1", 3, room=512)], needed_tokens=1000) == NodeChoice(
+        "d0", "least_loaded")  # none has room: load decides
+    assert choose_decode([full, roomy]) == NodeChoice("d0", "least_loaded")
+    assert choose_decode([full, roomy, d("d2", 1, room=9000)], "d1",
+                         needed_tokens=1000) == NodeChoice("d1", "affinity")
 
 
 def test_decode_none_when_nothing_up() -> None:

@@ -7,6 +7,15 @@ conversation's KV: it is preferred unless it is clearly busier than the least-lo
 ``load > overload_factor * least_load + overload_slack_requests``. The slack keeps affinity
 when every D is nearly idle (``0`` vs ``1`` request is not an imbalance).
 
+Before load, room: a D whose KV cache has no room for the request's prompt (its free
+blocks and those retention holds, which D releases on demand, as its own recent numbers
+say: ``NodeState.room_tokens``) would make the request wait (or preempt) while another D
+has room, and a request count does not show it (two long decodes fill a D; another
+replica's or the router-less traffic is not counted at all). So when some up D has room for
+``needed_tokens`` and some has not, only those with room are considered (a D whose room is
+unknown counts as having it); the affinity D too: its KV is of little use on a D that must
+evict to admit the request (``affinity_full``).
+
 Ties are broken by the order nodes are given in, so equal inputs give equal choices. Down
 nodes are never chosen; when no node of the role is up the chooser returns ``None`` and the
 caller answers "no capacity".
@@ -28,6 +37,7 @@ SelectionReason = Literal[
     "affinity",
     "affinity_overloaded",
     "affinity_unavailable",
+    "affinity_full",
 ]
 
 
@@ -35,7 +45,9 @@ class NodeState(msgspec.Struct, frozen=True):
     """The router's view of one vLLM node at decision time.
 
     ``engine_id`` is the vLLM engine id last seen from the node (``None`` until known);
-    ``outstanding_*`` count requests the router has sent and not yet seen finish.
+    ``outstanding_*`` count requests the router has sent and not yet seen finish;
+    ``room_tokens`` (D) the tokens its KV cache can take for live work now, from D's own
+    recent numbers (``None``: unknown).
     """
 
     node_id: str
@@ -45,6 +57,7 @@ class NodeState(msgspec.Struct, frozen=True):
     engine_id: str | None = None
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
+    room_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if not self.node_id:
@@ -93,8 +106,11 @@ def choose_decode(
     nodes: Sequence[NodeState],
     affinity_node_id: str | None = None,
     config: AffinityConfig | None = None,
+    needed_tokens: int | None = None,
 ) -> NodeChoice | None:
-    """The D for a request: the affinity D unless down or overloaded, else the least loaded.
+    """The D for a request: among the up Ds with room for ``needed_tokens`` when some have
+    and some have not (module docstring), the affinity D unless overloaded, else the least
+    loaded.
 
     Load is outstanding requests, ties broken by outstanding prefill tokens (direct turns
     prefill on D), then by order. ``None`` when no D is up.
@@ -103,6 +119,14 @@ def choose_decode(
     candidates = _up(nodes, "decode")
     if not candidates:
         return None
+    full = False
+    if needed_tokens is not None:
+        roomy = [(i, node) for i, node in candidates
+                 if node.room_tokens is None or node.room_tokens >= needed_tokens]
+        if roomy and len(roomy) < len(candidates):
+            full = affinity_node_id in {node.node_id for _, node in candidates} - {
+                node.node_id for _, node in roomy}
+            candidates = roomy
     least = min(
         candidates,
         key=lambda item: (
@@ -115,7 +139,7 @@ def choose_decode(
         return NodeChoice(least.node_id, "least_loaded")
     held = next((node for _, node in candidates if node.node_id == affinity_node_id), None)
     if held is None:
-        return NodeChoice(least.node_id, "affinity_unavailable")
+        return NodeChoice(least.node_id, "affinity_full" if full else "affinity_unavailable")
     limit = cfg.overload_factor * least.outstanding_requests + cfg.overload_slack_requests
     if held.outstanding_requests > limit:
         return NodeChoice(least.node_id, "affinity_overloaded")

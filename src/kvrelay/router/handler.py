@@ -154,7 +154,9 @@ class GenerationHandler:
                 exclude = frozenset({holder.node_id})
         pre = await self._prefiller.run(turn, pull=turn.decision.action == "pull")
         for attempt in (0, 1):
-            node = ctx.nodes.choose_decode(turn.affinity, exclude)
+            node = ctx.nodes.choose_decode(turn.affinity, exclude,
+                                           needed_tokens=turn.prompt_tokens + 1,
+                                           room=ctx.retention.room_tokens)
             if node is None:
                 raise RouterError(503, "no decode node is up")
             try:

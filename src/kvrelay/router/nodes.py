@@ -40,6 +40,8 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import msgspec
+
 from kvrelay.core.costs import CostEstimates
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
@@ -140,12 +142,18 @@ class NodeRegistry:
         return self._nodes[choice.node_id].config if choice else None
 
     def choose_decode(
-        self, affinity: str | None = None, exclude: frozenset[str] = frozenset()
+        self, affinity: str | None = None, exclude: frozenset[str] = frozenset(), *,
+        needed_tokens: int | None = None, room: Callable[[str], int | None] | None = None,
     ) -> NodeConfig | None:
-        """The affinity D unless down/overloaded/excluded, else the least loaded up D."""
+        """The affinity D unless down/overloaded/excluded, else the least loaded up D; of
+        those with room for ``needed_tokens`` (``room``: a D's room in tokens, from its own
+        numbers) when some have none (``core.selection.choose_decode``)."""
         exclude = exclude | self._drained
         states = [s for s in self.states() if s.node_id not in exclude]
-        choice = choose_decode(states, affinity, self._config.affinity)
+        if room is not None:
+            states = [msgspec.structs.replace(s, room_tokens=room(s.node_id))
+                      if s.role == "decode" else s for s in states]
+        choice = choose_decode(states, affinity, self._config.affinity, needed_tokens)
         return self._nodes[choice.node_id].config if choice else None
 
     def set_drained(self, node_id: str, drained: bool) -> None:

@@ -258,6 +258,17 @@ class RetentionDesk:
             return None
         return state
 
+    def room_tokens(self, node_id: str) -> int | None:
+        """The tokens D's KV cache can take for live work now (free blocks and those
+        retention holds, which D releases on demand), from a sync of D's of the last
+        ``STALE_SYNC_S``; ``None`` when none is that recent (a D syncs only while it holds
+        turns: an older count may be long gone)."""
+        state = self.latest(node_id)
+        if state is None or self._clock() - state.synced_at_s > STALE_SYNC_S:
+            return None
+        sync = state.sync
+        return (sync.num_blocks_free + sync.retained_blocks) * sync.block_size
+
     async def accept(self, raw: bytes, token: str) -> RetentionOrders:
         """Handle one sync body posted to ``url_for`` a D (``token``: the URL's last part,
         ``""`` for the bare path; module docstring); ``ClientError`` 400 / 404. A sync with a
