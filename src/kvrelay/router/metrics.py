@@ -36,10 +36,11 @@ Names (all prefixed ``kvrelay_router_``):
   ``invalid``, ``unknown_engine``, ``bad_token``: not at the URL the router gave that D,
   heard only in its releases and asks; ``unavailable``: failed with a 503, the shared state
   did not answer), ``retention_releases_seen_total{node,cause}``
-  (releases the syncs told this replica of), ``entries_released_total{node}`` (entries they marked
-  released when told; a release told before its turn's entry was stored marks the entry as
-  it is stored, counted in the releases seen only), ``release_orders_total{node}`` (orders delivered to D, or sent through P to a
-  stock D: ``router.stock_release``),
+  (releases the syncs told this replica of), ``entries_released_total{node}`` (entries
+  they marked released when told; a release told before its turn's entry was stored marks
+  the entry as it is stored, counted in the releases seen only),
+  ``release_orders_total{node}`` (orders delivered to D, or sent through P to a stock D:
+  ``router.stock_release``),
   ``release_requests_total{node,answer}`` (turns D asked to free: ``dropped``, or
   ``reading`` while a P leg reads them; each ask once per answer, however often D repeats
   it);
