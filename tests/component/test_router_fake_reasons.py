@@ -199,29 +199,6 @@ async def test_restart_not_yet_seen_is_caught_by_the_engine_id_in_the_params() -
         assert rec.load_failure == "engine_mismatch" and rec.recomputed_after_failure
 
 
-async def test_a_restart_only_streamed_reports_tell_is_learned_and_reuse_resumes() -> None:
-    """D restarts between health checks (a rolling replacement behind the same URL) while
-    every answer is streamed: on vLLM 0.32 no answer carries D's params, so only D's reports
-    tell of the new engine. The router learns it from the first report of a turn sent after
-    it last learned D's engine (the report is D's: its turn id is a MAC for D); the next turn
-    pulls again. Before, every later report was refused (``mismatch_engine``) and no turn
-    pulled again (probe 9, finding 3). An older turn's late report changes nothing."""
-    async with routed() as r:
-        d0 = r.cluster.engine("decode-0")
-        conv = Conversation(r, stream=True)
-        assert (await conv.turn(FIRST))[0] == 200
-        assert (await conv.turn("And then?"))[0] == 200
-        assert (await r.last_decision())["reason"] == "pull"
-        await d0.restart()
-        r.clock.advance(1.0)
-        assert (await conv.turn("And in spring?"))[0] == 200
-        assert (await r.last_decision())["reason"] == "not_loaded"  # the old engine's entry
-        assert r.ctx.nodes.trusted_identity("decode-0")[0] == d0.engine_id
-        status, text, _ = await conv.turn("And in summer?")
-        assert status == 200 and text == await conv.recompute_of_last()
-        assert (await r.last_decision())["reason"] == "pull"
-
-
 async def test_crashed_d_is_retried_on_the_other_d() -> None:
     async with routed(num_decode=2) as r:
         async def crash(conv: Conversation) -> None:

@@ -12,15 +12,7 @@ failed, or no report came within ``report_timeout_s`` of the response's end.
 
 Every report is checked against its turn (``core.report.check_report``); a report that
 disagrees is refused and counted (``reports_total{outcome="mismatch_*"}``), never
-committed, and never changes what the router believes about a node, with one exception:
-another engine id for a turn sent after the router last learned D's engine. D restarted
-since (faster than the health checks notice, as a rolling replacement behind the same URL
-does), and on vLLM 0.32 a streamed answer carries no params to tell the router: every
-later report was refused and no turn pulled again. The report is D's (its turn id is a MAC
-for that D under the router's key), so its params are learned as D's answer's are
-(``NodeRegistry.observe_params``), the dead engine's entries dropped (``engine_restarted``)
-and the report checked again. An older turn's late report of another engine changes
-nothing.
+committed, and never changes what the router believes about a node.
 
 A committed turn supersedes the entry it continued without pulling it (``supersedes``:
 recompute, direct): the conversation has moved on, so that entry is dropped and D is
@@ -67,10 +59,8 @@ from kvrelay.core.identity import (
 )
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.report import (
-    DecodeReport,
     ReportError,
     ReportExpectation,
-    ReportVerdict,
     check_report,
     issue_turn_id,
     parse_report,
@@ -139,8 +129,6 @@ class PendingTurn:
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
     on_settle: list[Callable[[PendingTurn], None]] = field(default_factory=list)
-    registered_at_s: float = float("-inf")
-    """When the D request was registered, about to be sent (router clock)."""
 
 
 class TextPending:
@@ -229,7 +217,6 @@ class ReportDesk:
             num_prompt_tokens=num_prompt_tokens,
             max_output_tokens=max_output_tokens,
             plan=plan,
-            registered_at_s=self._clock(),
         )
         self._by_turn[p.turn_id] = p
         self._by_anchor.setdefault((identity.scope, identity.anchor), set()).add(p)
@@ -363,9 +350,6 @@ class ReportDesk:
             num_prompt_tokens=p.num_prompt_tokens, max_output_tokens=p.max_output_tokens,
         )
         verdict = check_report(expect, report)
-        if verdict == "mismatch_engine" and report.blocks is not None \
-                and p.registered_at_s > self._nodes.engine_seen_s(p.decode_node_id):
-            verdict = await self._restarted(p, report.blocks, expect, report, engine)
         if verdict != "ok":
             log.warning("report for a turn on %s refused: %s", p.decode_node_id, verdict)
             return verdict
@@ -379,21 +363,6 @@ class ReportDesk:
         if p.response_done_s is not None:
             await self._commit(p)
         return "matched"
-
-    async def _restarted(self, p: PendingTurn, blocks: RemoteBlocks,
-                         expect: ReportExpectation, report: DecodeReport,
-                         old: str | None) -> ReportVerdict:
-        """D runs another engine than the router last learned, before this turn was sent
-        (module docstring): learn D's params from the report, drop the dead engine's
-        entries, and check the report again."""
-        node_id = p.decode_node_id
-        if self._nodes.observe_params(node_id, blocks) and old is not None:
-            stale = await self._index.drop_engine(node_id, old)
-            if stale:
-                self._metrics.dropped.labels("engine_restarted").inc(stale)
-        engine, side_channel = self._nodes.trusted_identity(node_id)
-        return check_report(msgspec.structs.replace(
-            expect, engine_id=engine, side_channel=side_channel), report)
 
     def settle(self, p: PendingTurn, outcome: str) -> None:
         """Remove the pending turn and wake turns waiting on it (idempotent)."""

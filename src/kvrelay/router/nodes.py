@@ -284,11 +284,6 @@ class NodeRegistry:
             return True
         return False
 
-    def engine_seen_s(self, node_id: str) -> float:
-        """When this router last learned the node's engine id (router clock; ``-inf``:
-        never)."""
-        return self._nodes[node_id].engine_seen_s
-
     def observe_entry(self, node_id: str, engine_id: str, created_at_s: float) -> bool:
         """An entry (maybe from another replica) says ``node_id`` ran ``engine_id`` at
         ``created_at_s``: adopt that id if it is newer than what this router saw last."""
