@@ -21,6 +21,7 @@ from kvrelay.router.apis.fields import (
     message_text,
     optional,
     positive,
+    single_text,
 )
 from kvrelay.router.errors import ClientError
 
@@ -124,10 +125,5 @@ def _canonical(message: dict[str, Any]) -> dict[str, Any]:
     string as one text part), and clients re-send either way (probe 8b, finding 3: a turn
     that sent a part, re-sent as a string, recomputed). More parts, or a part with other
     keys, stay as sent."""
-    content = message.get("content")
-    if isinstance(content, list) and len(content) == 1:
-        only = content[0]
-        if isinstance(only, dict) and only.get("type") == "text" \
-                and set(only) == {"type", "text"} and isinstance(only["text"], str):
-            return {**message, "content": only["text"]}
-    return message
+    text = single_text(message.get("content"))
+    return message if text is None else {**message, "content": text}

@@ -114,6 +114,17 @@ def message_text(content: object) -> str:
     return ""
 
 
+def single_text(content: object) -> str | None:
+    """The text of content that is one plain text part (``type`` and ``text`` only), which
+    vLLM renders as that string; ``None`` for anything else."""
+    if isinstance(content, list) and len(content) == 1:
+        only = content[0]
+        if isinstance(only, dict) and only.get("type") == "text" \
+                and set(only) == {"type", "text"} and isinstance(only["text"], str):
+            return only["text"]
+    return None
+
+
 def ints(values: list[object]) -> list[int]:
     return [v for v in values if isinstance(v, int) and not isinstance(v, bool)]
 

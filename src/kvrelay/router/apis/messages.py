@@ -30,7 +30,7 @@ import msgspec
 
 from kvrelay.core.identity import ChatMessage, History, ToolCall, answer_digest
 from kvrelay.router.apis.base import ApiRequest, DecodeRead, StreamScanner
-from kvrelay.router.apis.fields import JsonObject, encode, optional, positive
+from kvrelay.router.apis.fields import JsonObject, encode, optional, positive, single_text
 from kvrelay.router.errors import (
     MESSAGES_PATH,
     ClientError,
@@ -208,11 +208,8 @@ def _canonical(message: dict[str, Any]) -> dict[str, Any] | None:
     if isinstance(content, list):
         blocks = strip_markers(content)
         assert isinstance(blocks, list)
-        only = blocks[0] if len(blocks) == 1 else None
-        if isinstance(only, dict) and only.get("type") == "text" \
-                and set(only) == {"type", "text"} and isinstance(only["text"], str):
-            return {"role": role, "content": only["text"]}
-        return {"role": role, "content": blocks}
+        text = single_text(blocks)
+        return {"role": role, "content": blocks if text is None else text}
     return {"role": role, "content": content}
 
 
