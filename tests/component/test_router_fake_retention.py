@@ -706,3 +706,28 @@ async def test_an_admin_flush_drops_the_conversations_turn_under_way_too() -> No
                 "model": "tiny", "messages": history, "max_tokens": 4,
                 "conversation_id": "flush-me"})
         assert again.headers["x-kvrelay-action"] == "recompute"
+
+
+async def test_a_sync_at_ds_url_naming_a_new_engine_makes_the_router_ask_d() -> None:
+    """D restarted between health checks (probe 9, finding 3): its sync, at D's own URL,
+    names the new engine. The sync does not teach it (heard as ``unknown_engine``: a sync
+    never changes a known engine id), but it makes the router ask D itself, whose answer
+    does; D's next sync is then D's (``ok``) and its numbers are kept. Before, every sync of
+    the restarted D stayed ``unknown_engine`` and D's retained-KV numbers were gone."""
+    async with routed(engine_config=SILENT_D) as r:
+        await one_first_turn(r)
+        d = r.cluster.decode[0]
+        old_engine = d.engine_id
+        await d.restart()
+        token = r.ctx.retention.url_for("decode-0").rsplit("/", 1)[1]
+        syncs = r.ctx.metrics.retention_syncs
+        await r.ctx.retention.accept(sync_body(d.engine_id), token)
+        assert syncs.labels("unknown_engine")._value.get() == 1
+        await until(lambda: r.ctx.nodes.trusted_identity("decode-0")[0] == d.engine_id,
+                    "the router learned D's new engine from D")
+        assert d.engine_id != old_engine
+        assert r.ctx.metrics.engine_checks.labels("decode-0", "restarted")._value.get() == 1
+        await r.ctx.retention.accept(sync_body(d.engine_id), token)
+        assert syncs.labels("ok")._value.get() == 1
+        state = r.ctx.retention.latest("decode-0")
+        assert state is not None and state.sync.engine_id == d.engine_id

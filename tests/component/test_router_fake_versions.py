@@ -341,3 +341,65 @@ async def test_a_d_that_stops_streaming_params_is_asked_for_reports_again() -> N
         assert asked == [True, False, False, True, True]
         reasons = [x["reason"] for x in (await r.stats())["decisions"]["recent"]]
         assert reasons == ["no_entry", "pull", "pull", "no_entry", "pull"]
+
+
+@pytest.mark.parametrize("version", VLLM_VERSIONS)
+async def test_a_d_restarted_unseen_is_asked_its_engine_and_its_streams_pull_again(
+    version: VllmVersion,
+) -> None:
+    """D restarts between health checks and serves only streams (probe 9, finding 3). On
+    0.32 nothing D answers carries its params, and its reports name the new engine: each is
+    refused (``mismatch_engine``, a report never teaches an engine id), but the first makes
+    the router ask D itself, one non-streamed direct completion whose answer carries D's
+    params; once that check has taught it the new engine, the refused report is heard again
+    and commits, so the very next turn pulls. On 0.33 the final chunk teaches it, no check.
+    Before, every later 0.32 turn recomputed (``no_entry``) while D held turns nobody could
+    reach."""
+    async with routed(engine_config=config(version)) as r:
+        d = r.cluster.decode[0]
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        await r.settle()
+        old_engine = d.engine_id
+        await d.restart()
+        for user in [*FOLLOW_UPS, "And the shortest?"]:
+            await chat.turn(user)
+            await r.settle()
+            assert await chat.last_equals_a_recompute()
+        reasons = [x["reason"] for x in (await r.stats())["decisions"]["recent"]]
+        assert reasons == ["no_entry", "not_loaded", "pull", "pull"]
+        assert r.ctx.nodes.trusted_identity("decode-0")[0] == d.engine_id != old_engine
+        checks = r.ctx.metrics.engine_checks.labels("decode-0", "restarted")._value.get()
+        checks_sent = [rec for rec in d_records(d)
+                       if rec.request_kv_transfer_params == {
+                           "do_remote_prefill": False, "do_remote_decode": False,
+                           "kvrelay_retention_url": r.ctx.retention.url_for("decode-0"),
+                           "kvrelay_retain_s": 0.001}]
+        if version == "0.32":
+            assert count(r.ctx.metrics, "reports", "mismatch_engine") == 1
+            assert checks == 1 and len(checks_sent) == 1
+            assert count(r.ctx.metrics, "reports", "matched") == 4  # the refused one again
+        else:
+            assert checks == 0 and checks_sent == []
+        assert count(r.ctx.metrics, "turn_entries", "committed") == 4
+        r.clock.advance(1.0)  # past the check's own retention time
+        await until(lambda: len(d.held()) == len(r.ctx.index) == 1,
+                    "D holds just the turn the router knows")
+
+
+async def test_a_report_naming_another_engine_is_checked_once_and_never_believed() -> None:
+    """A report that names an engine D does not run (forged, or a stale process's) makes
+    the router ask D once; D's answer names its own engine, so the report stays refused,
+    the known engine stays, and the same claim raises no second check."""
+    async with routed(engine_config=config("0.32")) as r:
+        d = r.cluster.decode[0]
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        await r.settle()
+        checks = r.ctx.engine_checks
+        assert checks is not None
+        check = checks.doubt("decode-0", "not-an-engine")
+        assert check is not None and await check == "same"
+        assert checks.doubt("decode-0", "not-an-engine") is None
+        assert r.ctx.nodes.trusted_identity("decode-0")[0] == d.engine_id
+        assert checks.doubt("decode-0", d.engine_id) is None  # the known one: nothing to ask

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Mapping
+from types import MappingProxyType
 from typing import Literal
 
 import msgspec
@@ -207,6 +208,13 @@ def kvrelay_keys(
     if retention is not None:
         out[RETENTION_MODE_KEY] = retention
     return out
+
+
+DIRECT_PARAMS: Mapping[str, object] = MappingProxyType(
+    {"do_remote_prefill": False, "do_remote_decode": False})
+"""``kv_transfer_params`` of a decode request D serves whole, from its own prefix cache (a
+``direct`` turn, an engine check): no P's blocks to read; D retains the turn like any other
+in bidirectional mode and answers its retained params."""
 
 
 def request_remote_decode() -> dict[str, object]:

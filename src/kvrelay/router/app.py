@@ -37,6 +37,7 @@ from kvrelay.router.asgi import (
 from kvrelay.router.auth import Authenticator
 from kvrelay.router.commit import ReportDesk
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.engine_check import EngineChecks
 from kvrelay.router.handler import GenerationHandler
 from kvrelay.router.index import ConversationIndex, InMemoryIndex
 from kvrelay.router.limits import Admission
@@ -97,6 +98,8 @@ class RouterApp:
             task.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await task
+        if self.ctx.engine_checks is not None:
+            await self.ctx.engine_checks.aclose()
         await self.ctx.upstream.aclose()
         await self.ctx.index.aclose()
         if self.ctx.responses is not None:
@@ -209,6 +212,11 @@ def create_app(
         stock_releases=StockReleases(index, nodes, upstream, metrics, list(config.decode),
                                      clock=clock),
     )
+    ctx.engine_checks = EngineChecks(nodes, upstream, metrics, clock=clock,
+                                     retention_url=ctx.retention.url_for,
+                                     release=ctx.stock_releases.release)
+    ctx.retention.engine_checks = ctx.engine_checks
+    ctx.desk.engine_checks = ctx.engine_checks
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
     no_tokens = {node.node_id: 0 for node in config.decode}  # a D without entries reads 0

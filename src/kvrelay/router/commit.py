@@ -12,7 +12,10 @@ failed, or no report came within ``report_timeout_s`` of the response's end.
 
 Every report is checked against its turn (``core.report.check_report``); a report that
 disagrees is refused and counted (``reports_total{outcome="mismatch_*"}``), never
-committed, and never changes what the router believes about a node.
+committed, and never changes what the router believes about a node. One refused only for
+naming another engine than D's known one (D may have restarted unseen, serving only
+streams) makes the router ask D itself (``router.engine_check``), and is heard again once
+that check has ended: committed if D's own answer named that engine.
 
 A committed turn supersedes the entry it continued without pulling it (``supersedes``:
 recompute, direct): the conversation has moved on, so that entry is dropped and D is
@@ -39,6 +42,7 @@ is there (``plan``).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import secrets
 from collections import OrderedDict
@@ -69,6 +73,7 @@ from kvrelay.core.report import (
 )
 from kvrelay.core.retention_time import RetainPlan
 from kvrelay.router.blocks import LayoutError, retained_layout
+from kvrelay.router.engine_check import CheckOutcome, EngineChecks
 from kvrelay.router.index import (
     ConversationIndex,
     EntryRef,
@@ -180,6 +185,10 @@ class ReportDesk:
         self._by_scope: dict[bytes, set[PendingTurn]] = {}
         self._settled: OrderedDict[str, None] = OrderedDict()
         self._withdrawals: set[asyncio.Task[None]] = set()
+        self._rehearings: set[asyncio.Task[None]] = set()
+        self.engine_checks: EngineChecks | None = None
+        """Asks a D whose reports name another engine than the one known (set by the app;
+        ``None``: never asks)."""
 
     def __len__(self) -> int:
         return len(self._by_turn)
@@ -352,6 +361,11 @@ class ReportDesk:
         verdict = check_report(expect, report)
         if verdict != "ok":
             log.warning("report for a turn on %s refused: %s", p.decode_node_id, verdict)
+            if verdict == "mismatch_engine" and report.blocks is not None \
+                    and self.engine_checks is not None:
+                check = self.engine_checks.doubt(p.decode_node_id, report.blocks.engine_id)
+                if check is not None:
+                    self._rehear_after(check, item)
             return verdict
         p.report_received = True
         if report.blocks is None:
@@ -363,6 +377,21 @@ class ReportDesk:
         if p.response_done_s is not None:
             await self._commit(p)
         return "matched"
+
+    def _rehear_after(self, check: asyncio.Task[CheckOutcome], item: object) -> None:
+        """Hear ``item`` again once ``check`` has ended, if its turn is still waiting: the
+        check may have taught the router D's new engine. Counted again only when the
+        outcome is another."""
+        async def rehear() -> None:
+            with contextlib.suppress(Exception):
+                await asyncio.shield(check)
+            outcome = await self._accept(item)
+            if outcome not in ("mismatch_engine", "unknown_turn", "late"):
+                self._metrics.child(self._metrics.reports, outcome).inc()
+
+        task = asyncio.get_running_loop().create_task(rehear())
+        self._rehearings.add(task)
+        task.add_done_callback(self._rehearings.discard)
 
     def settle(self, p: PendingTurn, outcome: str) -> None:
         """Remove the pending turn and wake turns waiting on it (idempotent)."""

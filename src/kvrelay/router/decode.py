@@ -50,7 +50,6 @@ from kvrelay.router.upstream import ByteStream, UpstreamError
 
 log = logging.getLogger("kvrelay.router")
 
-DIRECT_PARAMS: Mapping[str, object] = {"do_remote_prefill": False, "do_remote_decode": False}
 _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 

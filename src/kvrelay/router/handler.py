@@ -22,10 +22,11 @@ import asyncio
 import logging
 
 from kvrelay.core.consequences import decode_retry
+from kvrelay.core.params import DIRECT_PARAMS
 from kvrelay.router.apis import ADAPTERS
 from kvrelay.router.asgi import DisconnectWatch, Request, Route, read_body, send_response
 from kvrelay.router.commit import PendingTurn
-from kvrelay.router.decode import DIRECT_PARAMS, BeforeFirstByte, Decoder
+from kvrelay.router.decode import BeforeFirstByte, Decoder
 from kvrelay.router.errors import ClientError, RouterError
 from kvrelay.router.plan import Planner
 from kvrelay.router.prefill import Prefiller

@@ -21,7 +21,12 @@ Names (all prefixed ``kvrelay_router_``):
 * ``reports_total{outcome}`` – D reports: ``matched``, ``unknown_turn`` (no such turn id:
   forged, or for a turn already settled long ago), ``late`` (the turn had settled from D's
   own response), ``invalid`` (not the connector's format), ``mismatch_*`` (content disagrees
-  with the turn, see ``core.report``); ``turn_entries_total{outcome}`` – how each D turn
+  with the turn, see ``core.report``; one refused for D's engine alone is heard again once
+  the engine check it raised has ended, and counted again if that gives another outcome);
+  ``engine_checks_total{node,outcome}`` – checks of a D's engine that a report or a sync
+  naming another engine raised (``router.engine_check``): ``restarted`` (D's own answer
+  named a new engine, now known), ``same``, ``no_params``, ``failed``;
+  ``turn_entries_total{outcome}`` – how each D turn
   settled (``committed``, ``no_kv``, ``report_timeout``, ``no_params`` (a stream without a
   report target ended without params), ``failed``, ...).
 * ``retained_tokens{node}`` – tokens each D retains for live entries (retention pressure);
@@ -128,6 +133,10 @@ class RouterMetrics:
         self.reports = Counter(
             _P + "reports_total", "D reports received, matched to a turn or not",
             ["outcome"], registry=r,
+        )
+        self.engine_checks = Counter(
+            _P + "engine_checks_total", "Checks of a D's engine id that a report or a sync "
+            "naming another engine raised, by how they ended", ["node", "outcome"], registry=r,
         )
         self.turn_entries = Counter(
             _P + "turn_entries_total", "How D turns settled: committed or why not",

@@ -91,6 +91,7 @@ from kvrelay.core.retention_time import (
 from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.commit import PendingTurn
 from kvrelay.router.config import NodeConfig
+from kvrelay.router.engine_check import EngineChecks
 from kvrelay.router.errors import ClientError
 from kvrelay.router.index import ConversationIndex, IndexUnavailable
 from kvrelay.router.metrics import RouterMetrics
@@ -173,6 +174,9 @@ class RetentionDesk:
         self._curves: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
         self._answers: OrderedDict[tuple[str, str], str] = OrderedDict()
         """The last answer counted per (D, request id) D asked about (``_count_answers``)."""
+        self.engine_checks: EngineChecks | None = None
+        """Asks a D whose sync, at D's own URL, names another engine than the one known
+        (``router.engine_check``; set by the app, which builds it from ``url_for``)."""
 
     def url_for(self, node_id: str) -> str:
         """Where D ``node_id`` syncs with this router: ``RETENTION_PATH/<token>``, the token a
@@ -301,6 +305,8 @@ class RetentionDesk:
                 # router knows learns of another from D's answers, not from a sync.
                 self._nodes.observe_engine(node_id, sync.engine_id)
         if node_id is None or self._nodes.trusted_identity(node_id)[0] != sync.engine_id:
+            if node_id is not None and self.engine_checks is not None:
+                self.engine_checks.doubt(node_id, sync.engine_id)  # D restarted, unseen?
             return await self._heard_unknown(sync)
         trusted = hmac.compare_digest(token.encode(), self._token(node_id).encode())
         self._metrics.child(self._metrics.retention_syncs, "ok" if trusted else "bad_token").inc()

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from kvrelay.router.auth import Authenticator
 from kvrelay.router.commit import ReportDesk
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.engine_check import EngineChecks
 from kvrelay.router.index import ConversationIndex
 from kvrelay.router.limits import Admission
 from kvrelay.router.metrics import RouterMetrics
@@ -41,3 +42,5 @@ class RouterContext:
     turn_log: TurnLogWriter | None = None
     responses: ResponseStore | None = None
     """The Responses store (``--response-store``; ``None``: off)."""
+    engine_checks: EngineChecks | None = None
+    """Checks of a D's engine that reports or syncs naming another raise (set by the app)."""

@@ -116,14 +116,16 @@ class StockReleases:
 
         async def one(blocks: RemoteBlocks) -> bool:
             async with gate:
-                return await self._release(holder, blocks)
+                return await self.release(holder, blocks)
 
         done = sum(await asyncio.gather(*(one(blocks) for blocks in orders)))
         if done:
             self._metrics.child(self._metrics.release_orders, holder.node_id).inc(done)
         return done
 
-    async def _release(self, holder: NodeConfig, blocks: RemoteBlocks) -> bool:
+    async def release(self, holder: NodeConfig, blocks: RemoteBlocks) -> bool:
+        """Free one turn ``holder`` retains (``blocks``: its params as D answered them)
+        through a P; whether P took the request."""
         p = self._nodes.choose_prefill()
         if p is None:
             log.warning("release of D %s request %s: no prefill node is up (D keeps it "

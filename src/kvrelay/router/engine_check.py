@@ -1,0 +1,176 @@
+"""Asking a D that may have restarted which engine it runs, and learning it from D's answer.
+
+The router learns a D's engine id only from what D itself answers
+(``NodeRegistry.observe_params``), never from a report or a sync: a report or a sync is
+checked against it. On vLLM 0.32 a D that serves only streams answers nothing with its
+params, so after a restart the health loop did not see (shorter than its failures to down;
+a rolling replacement behind the same URL), every report of D's new engine was refused
+``mismatch_engine`` and D's syncs were heard as ``unknown_engine``: no turn on that D
+committed again until a non-streamed answer or a failed health check, and the turns D
+retained were out of the router's reach (probe 9, finding 3).
+
+A report for a turn on D, or a sync at D's own URL, that names another engine is reason
+to doubt what the router knows, not to believe the report: ``EngineChecks.doubt`` asks D.
+The check is one non-streamed completion of one token (``CHECK_PROMPT``) with the params of
+a direct turn, which D answers with its retained params, and so with its engine id; a D
+that manages its retention keeps that turn ``CHECK_RETAIN_S``, one a stock-keeping D holds
+is released through P (``router.stock_release``). A forged report or a stale process's
+sync costs at most one check per ``MIN_INTERVAL_S`` for each D, and an engine a check
+refuted is never checked again. ``ReportDesk`` hears the reports refused for their engine
+again once the check they raised has ended.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Awaitable, Callable
+from typing import Literal
+
+import msgspec
+
+from kvrelay.core.params import (
+    DIRECT_PARAMS,
+    KVParamsError,
+    RemoteBlocks,
+    parse_optional_remote_blocks,
+)
+from kvrelay.core.retention_sync import RETAIN_S_KEY, RETENTION_URL_KEY
+from kvrelay.router.config import NodeConfig
+from kvrelay.router.metrics import RouterMetrics
+from kvrelay.router.nodes import NodeRegistry
+from kvrelay.router.upstream import Answer, Upstream, UpstreamError
+
+log = logging.getLogger("kvrelay.router")
+
+CheckOutcome = Literal["restarted", "same", "no_params", "failed"]
+"""How a check ended: D's answer named another engine than the one the router trusted (now
+learned), the same, none (D retained nothing: not a bidirectional D), or D gave no answer."""
+
+MIN_INTERVAL_S = 5.0
+"""At most one check of a D begins within this many seconds."""
+CHECK_TIMEOUT_S = 30.0
+CHECK_PROMPT = "."
+CHECK_RETAIN_S = 0.001
+"""How long a D that reads ``kvrelay_retain_s`` keeps the check's turn: its next step
+frees it."""
+REFUTED_KEPT = 32
+"""Engine ids refuted by a check, remembered per D."""
+
+
+class _Answer(msgspec.Struct):
+    kv_transfer_params: dict[str, object] | None = None
+
+
+_ANSWER = msgspec.json.Decoder(_Answer)
+
+
+class EngineChecks:
+    """Checks of D nodes' engines (module docstring); one in flight per D at most."""
+
+    def __init__(
+        self,
+        nodes: NodeRegistry,
+        upstream: Upstream,
+        metrics: RouterMetrics,
+        *,
+        clock: Callable[[], float],
+        retention_url: Callable[[str], str],
+        release: Callable[[NodeConfig, RemoteBlocks], Awaitable[bool]],
+    ) -> None:
+        """``retention_url``: where D ``node_id`` syncs with this router;
+        ``release``: frees a retained turn of a D that keeps turns the stock way."""
+        self._nodes = nodes
+        self._upstream = upstream
+        self._metrics = metrics
+        self._clock = clock
+        self._retention_url = retention_url
+        self._release = release
+        self._running: dict[str, asyncio.Task[CheckOutcome]] = {}
+        self._began_s: dict[str, float] = {}
+        self._refuted: dict[str, OrderedDict[str, None]] = {}
+
+    def doubt(self, node_id: str, engine_id: str) -> asyncio.Task[CheckOutcome] | None:
+        """Something not D's own answer says D ``node_id`` runs ``engine_id``: the check
+        that will tell (the one in flight, else a new one), or ``None`` when none is due
+        (not a D that is up, the engine known or refuted already, a check began within
+        ``MIN_INTERVAL_S``)."""
+        running = self._running.get(node_id)
+        if running is not None:
+            return running
+        state = self._nodes.state(node_id)
+        if state is None or state.role != "decode" or not state.up or not engine_id \
+                or self._nodes.trusted_identity(node_id)[0] == engine_id \
+                or engine_id in self._refuted.get(node_id, ()):
+            return None
+        now = self._clock()
+        began = self._began_s.get(node_id)
+        if began is not None and now - began < MIN_INTERVAL_S:
+            return None
+        self._began_s[node_id] = now
+        task = asyncio.get_running_loop().create_task(
+            self._check(node_id, engine_id), name=f"kvrelay-engine-check-{node_id}")
+        self._running[node_id] = task
+        task.add_done_callback(lambda _: self._running.pop(node_id, None))
+        return task
+
+    async def aclose(self) -> None:
+        """Cancel the checks in flight."""
+        tasks = list(self._running.values())
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+    async def _check(self, node_id: str, claimed: str) -> CheckOutcome:
+        outcome = await self._ask(self._nodes.config(node_id))
+        self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
+        if outcome != "failed" and self._nodes.trusted_identity(node_id)[0] != claimed:
+            refuted = self._refuted.setdefault(node_id, OrderedDict())
+            refuted[claimed] = None
+            while len(refuted) > REFUTED_KEPT:
+                refuted.popitem(last=False)
+        log.info("D %s engine check (a report or sync named engine %s): %s",
+                 node_id, claimed, outcome)
+        return outcome
+
+    async def _ask(self, node: NodeConfig) -> CheckOutcome:
+        params: dict[str, object] = dict(DIRECT_PARAMS)
+        if self._nodes.manages_retention(node.node_id):
+            params[RETENTION_URL_KEY] = self._retention_url(node.node_id)
+            params[RETAIN_S_KEY] = CHECK_RETAIN_S
+        body = msgspec.json.encode({"prompt": CHECK_PROMPT, "max_tokens": 1,
+                                    "temperature": 0, "stream": False,
+                                    "kv_transfer_params": params})
+        answer = await self._post(node, body)
+        if answer is None:
+            return "failed"
+        if answer.status >= 400:
+            log.warning("D %s engine check answered %d", node.node_id, answer.status)
+            return "failed"
+        try:
+            blocks = parse_optional_remote_blocks(_ANSWER.decode(answer.body).kv_transfer_params)
+        except (msgspec.DecodeError, msgspec.ValidationError, KVParamsError) as exc:
+            log.warning("D %s engine check: a bad answer: %s", node.node_id, exc)
+            return "failed"
+        if blocks is None or blocks.direction != "decode_to_prefill":
+            return "no_params"
+        known = self._nodes.trusted_identity(node.node_id)[0]
+        self._nodes.observe_params(node.node_id, blocks)
+        if blocks.retention == "stock" or not self._nodes.manages_retention(node.node_id):
+            await self._release(node, blocks)
+        return "same" if blocks.engine_id == known else "restarted"
+
+    async def _post(self, node: NodeConfig, body: bytes) -> Answer | None:
+        """D's answer, or ``None`` if D gave none. Tried twice when the connection closed:
+        a restarted D's pooled keep-alive connection fails once that way."""
+        for attempt in range(2):
+            try:
+                with self._nodes.busy(node.node_id):
+                    return await self._upstream.transport.request(
+                        node, "POST", "/v1/completions", body, CHECK_TIMEOUT_S)
+            except UpstreamError as exc:
+                if exc.kind != "closed" or attempt:
+                    log.warning("D %s engine check failed: %s", node.node_id, exc)
+                    return None
+        return None
