@@ -731,3 +731,35 @@ async def test_a_sync_at_ds_url_naming_a_new_engine_makes_the_router_ask_d() -> 
         assert syncs.labels("ok")._value.get() == 1
         state = r.ctx.retention.latest("decode-0")
         assert state is not None and state.sync.engine_id == d.engine_id
+
+
+async def test_a_turn_goes_to_a_d_with_room_when_ds_metrics_say_one_is_full() -> None:
+    """D0 is full of live work this router did not send (another replica's, or traffic
+    past any router) and retains nothing, so it never syncs: the router counted its room as
+    unknown, that is as room, and a new conversation waited 8.5 s on D0 while D1 sat idle
+    (probe 10, finding R2). vLLM's own ``/metrics`` says D0 is full: the turn goes to D1.
+    Once the work has ended, the next read makes D0 roomy again."""
+    async with routed(num_decode=2,
+                      engine_config=replace(SILENT_D, num_gpu_blocks=24, block_size=16)) as r:
+        d0 = r.cluster.engine("decode-0")
+        d0.faults.slow_stream_s = 0.05
+        task = [{"role": "user", "content": "Fix the flaky test in the parser module. " * 14}]
+        async with httpx.AsyncClient(timeout=30.0, trust_env=False) as direct, \
+                r.client() as c:
+            long_work = asyncio.create_task(direct.post(d0.url + "/v1/completions", json={
+                "model": "tiny", "prompt": "The tide rolls in. " * 40, "max_tokens": 40}))
+            await until(lambda: d0.state.pool.num_free <= 6, "D0 is full of live work")
+            await r.ctx.nodes.read_rooms()
+            rooms = [r.ctx.retention.room_tokens(d) or 0 for d in ("decode-0", "decode-1")]
+            free = [d0.state.pool.num_free * 16, 23 * 16]  # within a block: vLLM's usage
+            assert all(abs(a - b) <= 16 for a, b in zip(rooms, free, strict=True)), rooms
+            await chat(c, task)
+            decision = await r.last_decision()
+            assert decision["decode_node"] == "decode-1"
+            assert decision["prompt_tokens"] > d0.state.pool.num_free * 16
+            assert not long_work.done()  # D0 was still full when the turn went to D1
+            d0.faults.slow_stream_s = 0.0
+            assert (await long_work).status_code == 200
+            await r.ctx.nodes.read_rooms()
+            await chat(c, [{"role": "user", "content": "Another task: " + FIRST}])
+            assert (await r.last_decision())["decode_node"] == "decode-0"

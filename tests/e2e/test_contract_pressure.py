@@ -42,6 +42,7 @@ import pytest
 from kvrelay.bench.tokens import filler_words
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.cluster.arguments import add_cluster_arguments
+from kvrelay.core.engine_load import EngineRoom, room_from_metrics
 from kvrelay.fakevllm import FakeCluster, FakeEngineConfig, ManualClock, latency_preset
 from tests.e2e.conftest import STARTUP_TIMEOUT_S, kvrelay_up
 from tests.ports import free_port_block
@@ -65,7 +66,11 @@ PATIENCE_S = 120.0
 class Observed:
     usage_after_one_turn: float
     usage_after_two_turns: float
+    room_after_two_turns: EngineRoom | None
+    """What a router reads as D's room (``core.engine_load``): the free share of the
+    capacity ``cache_config_info`` gives, and the requests waiting."""
     waiting_with_third_turn: float
+    room_with_two_waiting: EngineRoom | None
     waiting_with_small_request_behind: float
     pending_before_the_read: tuple[bool, bool]
     read_status: int
@@ -144,12 +149,14 @@ async def scenario(prefill: str, decode: str, model: str,
         turn_b = await first_turn(2)
         await settle()
         usage_two = await d_metric("vllm:kv_cache_usage_perc")
+        room_two = room_from_metrics((await http.get(f"{decode}/metrics")).text)
 
         third = asyncio.create_task(post(decode, first_message(3), GEN,
                                          await prefilled(first_message(3))))
         waiting_third = await await_metric("vllm:num_requests_waiting", 1.0)
         small = asyncio.create_task(post(decode, [{"role": "user", "content": "Hi."}], 4, None))
         waiting_both = await await_metric("vllm:num_requests_waiting", 2.0)
+        room_waiting = room_from_metrics((await http.get(f"{decode}/metrics")).text)
         await settle()
         pending = (not third.done(), not small.done())
 
@@ -192,7 +199,9 @@ async def scenario(prefill: str, decode: str, model: str,
         return Observed(
             usage_after_one_turn=usage_one,
             usage_after_two_turns=usage_two,
+            room_after_two_turns=room_two,
             waiting_with_third_turn=waiting_third,
+            room_with_two_waiting=room_waiting,
             waiting_with_small_request_behind=waiting_both,
             pending_before_the_read=pending,
             read_status=read.status_code,
@@ -267,5 +276,7 @@ def test_fake_engine_matches_real_vllm_under_kv_pressure(tmp_path: Path) -> None
     assert real.waiting_with_third_turn == 1.0 and real.answered_after_the_read == (200, 200)
     assert real.notify_status == 200 and not real.notify_pulled
     assert real.usage_after_the_notify < real.usage_after_the_read
+    assert real.room_after_two_turns is not None and real.room_after_two_turns.free_tokens > 0
+    assert real.room_with_two_waiting is not None and real.room_with_two_waiting.tokens == 0
     fake = asyncio.run(run_fake())
     assert fake == real

@@ -9,12 +9,12 @@ when every D is nearly idle (``0`` vs ``1`` request is not an imbalance).
 
 Before load, room: a D whose KV cache has no room for the request's prompt (its free
 blocks and those retention holds, which D releases on demand, as its own recent numbers
-say: ``NodeState.room_tokens``) would make the request wait (or preempt) while another D
-has room, and a request count does not show it (two long decodes fill a D; another
-replica's or the router-less traffic is not counted at all). So when some up D has room for
-``needed_tokens`` and some has not, only those with room are considered (a D whose room is
-unknown counts as having it); the affinity D too: its KV is of little use on a D that must
-evict to admit the request (``affinity_full``).
+say: ``NodeState.room_tokens``, from its sync or its gauges) would make the request wait
+(or preempt) while another D has room, and a request count does not show it (two long
+decodes fill a D; another replica's or the router-less traffic is not counted at all). So
+when some up D has room for ``needed_tokens`` and some has not, only those with room are
+considered (a D whose room is unknown counts as having it); the affinity D too: its KV is
+of little use on a D that must evict to admit the request (``affinity_full``).
 
 Ties are broken by the order nodes are given in, so equal inputs give equal choices. Down
 nodes are never chosen; when no node of the role is up the chooser returns ``None`` and the

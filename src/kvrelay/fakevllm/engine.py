@@ -386,6 +386,8 @@ class FakeEngine:
             waiting=state.waiting,
             kv_cache_usage=state.pool.usage,
             num_preemptions=state.scheduler.num_preemptions,
+            num_gpu_blocks=state.pool.num_blocks,
+            block_size=state.pool.block_size,
         )
 
     def describe(self) -> dict[str, object]:

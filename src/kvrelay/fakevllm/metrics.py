@@ -68,8 +68,12 @@ def render_metrics(
     waiting: int,
     kv_cache_usage: float,
     num_preemptions: int = 0,
+    num_gpu_blocks: int | None = None,
+    block_size: int | None = None,
 ) -> str:
-    """The ``/metrics`` body."""
+    """The ``/metrics`` body; with ``num_gpu_blocks`` and ``block_size``, vLLM's
+    ``cache_config_info`` too (its labels: the cache config's fields, of which the fake
+    has these, and ``engine``)."""
     base = _labels(model_name)
     lines: list[str] = []
 
@@ -97,6 +101,12 @@ def render_metrics(
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
     gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage)
+    if num_gpu_blocks is not None and block_size is not None:
+        info = {"block_size": str(block_size), "engine": "0",
+                "kv_cache_size_tokens": str(num_gpu_blocks * block_size),
+                "num_gpu_blocks": str(num_gpu_blocks)}
+        family("vllm:cache_config_info", "gauge", "Information of the LLMEngine CacheConfig",
+               [("", ",".join(f'{k}="{v}"' for k, v in sorted(info.items())), 1.0)])
     counter("vllm:num_preemptions_total", "Cumulative number of preemption from the engine.",
             num_preemptions)
     counter("vllm:prefix_cache_queries_total", "Prefix cache queries, in tokens.",

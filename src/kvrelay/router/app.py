@@ -108,9 +108,11 @@ class RouterApp:
             self.ctx.turn_log.close()
 
     async def _background(self) -> None:
-        """The health loop, stock D's release orders (``router.stock_release``), and the
-        turn log's idle flush (records are buffered)."""
+        """The health loop, the reads of D's room (``NodeRegistry.run_room_loop``), stock
+        D's release orders (``router.stock_release``), and the turn log's idle flush
+        (records are buffered)."""
         loops = [asyncio.ensure_future(self.ctx.nodes.run_health_loop()),
+                 asyncio.ensure_future(self.ctx.nodes.run_room_loop()),
                  asyncio.ensure_future(self.ctx.stock_releases.run())]
         try:
             while True:

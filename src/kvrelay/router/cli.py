@@ -103,6 +103,9 @@ def add_route_arguments(parser: argparse.ArgumentParser) -> None:
                              "(default 1.0)")
     parser.add_argument("--health-interval-s", type=float, default=None,
                         help="seconds between health checks of every node (default 5)")
+    parser.add_argument("--room-interval-s", type=float, default=None,
+                        help="seconds between reads of every D's room from vLLM's own "
+                             "/metrics (default 1; 0: never)")
     parser.add_argument("--max-entries", type=int, default=None,
                         help="conversation entries kept, least recently used evicted "
                              "first (default 100000; env KVRELAY_MAX_ENTRIES)")
@@ -211,6 +214,7 @@ def settings_from_args(args: argparse.Namespace) -> dict[str, Any]:
         "retain_quantile": getattr(args, "retain_quantile", None),
         "report_wait_s": args.report_wait_s,
         "health_interval_s": args.health_interval_s,
+        "room_interval_s": args.room_interval_s,
         "max_entries": getattr(args, "max_entries", None),
         "log_level": args.log_level,
         "api_keys": getattr(args, "api_key", None),

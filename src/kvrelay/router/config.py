@@ -212,6 +212,8 @@ class RouterConfig:
     report_wait_s: float = 1.0
     report_timeout_s: float = 10.0
     health_interval_s: float = 5.0
+    room_interval_s: float = 1.0
+    """Seconds between reads of every D's room from its ``/metrics`` (0: never read)."""
     health_timeout_s: float = 2.0
     health_failures_to_down: int = 2
     connect_timeout_s: float = 5.0
@@ -305,7 +307,8 @@ class RouterConfig:
             if parts.scheme not in ("http", "https") or not parts.netloc:
                 raise ConfigError(f"internal_url must be http(s)://host[:port], got "
                                   f"{self.internal_url!r}")
-        for name in ("report_wait_s", "report_timeout_s", "expired_retention_s"):
+        for name in ("report_wait_s", "report_timeout_s", "expired_retention_s",
+                     "room_interval_s"):
             if getattr(self, name) < 0:
                 raise ConfigError(f"{name} cannot be negative")
         for name in ("health_interval_s", "health_timeout_s", "connect_timeout_s",
@@ -695,6 +698,7 @@ ENV_KEYS = {
     "REPORT_WAIT_S": "report_wait_s",
     "REPORT_TIMEOUT_S": "report_timeout_s",
     "HEALTH_INTERVAL_S": "health_interval_s",
+    "ROOM_INTERVAL_S": "room_interval_s",
     "MAX_ENTRIES": "max_entries",
     "KV_RECOMPUTE_THRESHOLD": "kv_recompute_threshold",
     "NEAR_EXPIRY_S": "near_expiry_s",

@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.core.costs import CostEstimates
+from kvrelay.core.engine_load import EngineRoom, room_from_metrics
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
 from kvrelay.router.config import NodeConfig, RouterConfig
@@ -51,6 +52,10 @@ from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvrelay.router")
+
+ROOM_STALE_READS = 3
+"""A room read from D's ``/metrics`` is used for this many ``room_interval_s``: a missed
+read or two (D busy) keeps the last one, older is not D's state any more."""
 
 
 @dataclass
@@ -78,6 +83,8 @@ class _Node:
     answers_at_check: int = 0
     last_error: str | None = None
     costs: CostEstimates = field(default_factory=CostEstimates)
+    room: tuple[EngineRoom, float] | None = None
+    """D's room from its ``/metrics`` and when it was read (``read_rooms``)."""
 
     def state(self) -> NodeState:
         c = self.config
@@ -371,6 +378,51 @@ class NodeRegistry:
             except Exception:  # never let the loop die
                 log.exception("health check round failed")
             await asyncio.sleep(self._config.health_interval_s)
+
+    # -- room -------------------------------------------------------------------------------
+
+    async def read_room(self, node_id: str) -> EngineRoom | None:
+        """One ``GET /metrics`` of D: its room for a new request from vLLM's own gauges
+        (``core.engine_load``), kept for ``metrics_room``; ``None`` (and nothing kept) when
+        D did not answer them. A failed read changes nothing of D's health."""
+        node = self._nodes[node_id]
+        try:
+            answer = await self._upstream.get(
+                node.config, "/metrics", timeout_s=self._config.health_timeout_s)
+        except UpstreamError:
+            return None
+        room = room_from_metrics(answer.body.decode("utf-8", "replace")) \
+            if answer.status == 200 else None
+        node.room = (room, self._clock()) if room is not None else None
+        return room
+
+    async def read_rooms(self) -> None:
+        """``read_room`` of every D that is up, concurrently."""
+        decode = [n.config.node_id for n in self._nodes.values()
+                  if n.config.role == "decode" and n.up]
+        await asyncio.gather(*(self.read_room(i) for i in decode))
+
+    def metrics_room(self, node_id: str) -> tuple[EngineRoom, float] | None:
+        """D's room as its ``/metrics`` said at most ``ROOM_STALE_READS`` reads ago, and
+        when it was read; ``None`` without such a read."""
+        node = self._nodes.get(node_id)
+        if node is None or node.room is None or not node.up:
+            return None
+        room, read_at_s = node.room
+        if self._clock() - read_at_s > ROOM_STALE_READS * self._config.room_interval_s:
+            return None
+        return room, read_at_s
+
+    async def run_room_loop(self) -> None:
+        """``read_rooms`` every ``room_interval_s`` until cancelled (never when 0)."""
+        if self._config.room_interval_s <= 0:
+            return
+        while True:
+            try:
+                await self.read_rooms()
+            except Exception:  # never let the loop die
+                log.exception("room read round failed")
+            await asyncio.sleep(self._config.room_interval_s)
 
     def available(self) -> tuple[bool, bool]:
         """Whether at least one P, and at least one D, is up (last known state)."""

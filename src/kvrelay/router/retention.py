@@ -263,15 +263,20 @@ class RetentionDesk:
         return state
 
     def room_tokens(self, node_id: str) -> int | None:
-        """The tokens D's KV cache can take for live work now (free blocks and those
-        retention holds, which D releases on demand), from a sync of D's of the last
-        ``STALE_SYNC_S``; ``None`` when none is that recent (a D syncs only while it holds
-        turns: an older count may be long gone)."""
+        """The tokens D's KV cache can take for live work now, from D's own numbers: a
+        sync of the last ``STALE_SYNC_S`` (free blocks and those retention holds, which D
+        releases on demand), unless a later read of D's ``/metrics`` shows requests
+        waiting; else that read (``NodeRegistry.metrics_room``: free blocks only, none
+        while requests wait); ``None`` when neither is recent (a D syncs only while it
+        holds turns, and only with the routers whose requests it carried)."""
+        read = self._nodes.metrics_room(node_id)
         state = self.latest(node_id)
-        if state is None or self._clock() - state.synced_at_s > STALE_SYNC_S:
-            return None
-        sync = state.sync
-        return (sync.num_blocks_free + sync.retained_blocks) * sync.block_size
+        if state is not None and self._clock() - state.synced_at_s <= STALE_SYNC_S:
+            if read is not None and read[1] > state.synced_at_s and read[0].num_waiting:
+                return 0
+            sync = state.sync
+            return (sync.num_blocks_free + sync.retained_blocks) * sync.block_size
+        return read[0].tokens if read is not None else None
 
     async def accept(self, raw: bytes, token: str) -> RetentionOrders:
         """Handle one sync body posted to ``url_for`` a D (``token``: the URL's last part,

@@ -1,0 +1,97 @@
+"""A D's room for new work, read from vLLM's own gauges (``GET /metrics``).
+
+D's retention syncs tell the router D's free and retained blocks, but only while D holds
+retained turns, and only to the routers whose decode requests carried their URL. A D full
+of live work with nothing retained, or one that other replicas or router-less traffic
+filled, looked roomy to a replica, which then sent it new turns that waited 8.5 s while
+another D sat idle (probe 10, finding R2). vLLM's ``/metrics`` says it to anyone:
+
+* ``vllm:kv_cache_usage_perc{engine}``: the share of the KV cache in use (retained blocks
+  included: they are allocated until D frees them);
+* ``vllm:cache_config_info{engine,...}``: the cache's capacity, ``kv_cache_size_tokens``
+  (group-aware, vLLM >= 0.32), else ``num_gpu_blocks`` x ``block_size``;
+* ``vllm:num_requests_waiting{engine}``: requests already waiting (for blocks, or a slot).
+
+``room_from_metrics`` reads them as an ``EngineRoom``: the free tokens of the engine with
+the most, and the requests waiting. It does not count retained blocks as room, though a
+managing D releases them on demand: D's own sync, when recent, says so better
+(``router.retention``).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+USAGE = "vllm:kv_cache_usage_perc"
+WAITING = "vllm:num_requests_waiting"
+CACHE_INFO = "vllm:cache_config_info"
+
+_LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
+
+
+@dataclass(frozen=True)
+class EngineRoom:
+    """What D's gauges said: ``free_tokens`` of its KV cache (of the engine with the most),
+    ``num_waiting`` requests already waiting."""
+
+    free_tokens: int
+    num_waiting: int
+
+    @property
+    def tokens(self) -> int:
+        """What a new request can get at once: nothing while requests wait (it would queue
+        behind them), else the free tokens."""
+        return 0 if self.num_waiting > 0 else self.free_tokens
+
+
+def room_from_metrics(text: str) -> EngineRoom | None:
+    """D's room from its ``/metrics`` text; ``None`` when the gauges needed are not there
+    (not vLLM, or one too old)."""
+    usage: dict[str, float] = {}
+    capacity: dict[str, int] = {}
+    waiting = 0.0
+    for line in text.splitlines():
+        if not line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
+                                "vllm:cache_config_info")):
+            continue
+        match = _LINE.match(line)
+        if match is None:
+            continue
+        name, raw_labels, raw_value = match.groups()
+        labels = dict(_LABEL.findall(raw_labels or ""))
+        engine = labels.get("engine", "")
+        try:
+            value = float(raw_value)
+        except ValueError:
+            continue
+        if name == USAGE:
+            usage[engine] = value
+        elif name == WAITING:
+            waiting += value
+        elif name == CACHE_INFO:
+            tokens = _capacity_tokens(labels)
+            if tokens is not None:
+                capacity[engine] = tokens
+    rooms = [max(0.0, 1.0 - usage[e]) * capacity[e] for e in usage if e in capacity]
+    if not rooms:
+        return None
+    return EngineRoom(free_tokens=int(max(rooms)), num_waiting=int(waiting))
+
+
+def _capacity_tokens(labels: dict[str, str]) -> int | None:
+    """An engine's KV cache in tokens, from its ``cache_config_info`` labels."""
+    tokens = _positive_int(labels.get("kv_cache_size_tokens"))
+    if tokens is not None:
+        return tokens
+    blocks = _positive_int(labels.get("num_gpu_blocks"))
+    block_size = _positive_int(labels.get("block_size"))
+    return blocks * block_size if blocks is not None and block_size is not None else None
+
+
+def _positive_int(raw: str | None) -> int | None:
+    if raw is None or not raw.isdigit():
+        return None
+    value = int(raw)
+    return value if value > 0 else None

@@ -1,0 +1,58 @@
+"""D's room read from vLLM's own gauges (``core.engine_load``)."""
+
+from __future__ import annotations
+
+from kvrelay.core.engine_load import EngineRoom, room_from_metrics
+
+INFO = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="%s",'
+        'kv_cache_size_tokens="%s",num_gpu_blocks="%s",prefix_caching_hash_algo="sha256",'
+        'sliding_window="None",swap_space="4.0"} 1.0')
+
+
+def text(*lines: str) -> str:
+    return "\n".join(["# HELP vllm:kv_cache_usage_perc KV-cache usage.",
+                      "# TYPE vllm:kv_cache_usage_perc gauge", *lines, ""])
+
+
+def test_free_tokens_are_the_free_share_of_the_cache() -> None:
+    room = room_from_metrics(text(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.75',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0',
+        INFO % ("0", "4096", "256")))
+    assert room == EngineRoom(free_tokens=1024, num_waiting=0) and room.tokens == 1024
+
+
+def test_requests_waiting_leave_no_room_whatever_the_usage() -> None:
+    room = room_from_metrics(text(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        'vllm:num_requests_waiting{engine="0",model_name="m"} 2.0',
+        INFO % ("0", "4096", "256")))
+    assert room is not None and room.num_waiting == 2 and room.tokens == 0
+
+
+def test_blocks_times_block_size_without_a_token_capacity() -> None:
+    """vLLM before ``kv_cache_size_tokens`` (or ``None`` there): ``num_gpu_blocks`` x
+    ``block_size``."""
+    room = room_from_metrics(text(
+        'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+        INFO % ("0", "None", "100")))
+    assert room == EngineRoom(free_tokens=800, num_waiting=0)
+
+
+def test_the_engine_with_the_most_room_counts_and_waiting_adds_up() -> None:
+    """Data parallel: a request lands on one engine, so the roomiest one's free tokens."""
+    lines = ['vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.9',
+             'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25',
+             INFO % ("0", "1000", "10"), INFO % ("1", "1000", "10")]
+    assert room_from_metrics(text(*lines)) == EngineRoom(free_tokens=750, num_waiting=0)
+    waiting = ['vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
+               'vllm:num_requests_waiting{engine="1",model_name="m"} 1.0']
+    assert room_from_metrics(text(*lines, *waiting)) == EngineRoom(750, 2)
+
+
+def test_no_room_is_known_without_the_gauges() -> None:
+    assert room_from_metrics("") is None
+    assert room_from_metrics(text('vllm:kv_cache_usage_perc{engine="0"} 0.5')) is None
+    assert room_from_metrics(INFO % ("0", "4096", "256")) is None
+    assert room_from_metrics(text('vllm:kv_cache_usage_perc{engine="0"} nope',
+                                  INFO % ("0", "4096", "256"))) is None
