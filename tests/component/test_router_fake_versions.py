@@ -18,11 +18,14 @@ import asyncio
 from dataclasses import replace
 from typing import Any
 
+import httpx
 import pytest
 
-from kvrelay.core.params import REPORT_URL_KEY
+from kvrelay.core.params import REPORT_TURN_KEY, REPORT_URL_KEY
+from kvrelay.core.report import report_body
 from kvrelay.fakevllm import FakeEngine, FakeEngineConfig
 from kvrelay.fakevllm.versions import REGISTRATION_GENERATION_KEY, VLLM_VERSIONS, VllmVersion
+from kvrelay.router.engine_check import REFUTED_FOR_S
 from kvrelay.router.metrics import RouterMetrics
 from tests.component.router_fake import GUARD_CONFIGS, PermitSleep, Routed, routed, until
 from tests.component.router_rig import assert_no_internal_fields, sse_events, stream_text
@@ -390,7 +393,9 @@ async def test_a_d_restarted_unseen_is_asked_its_engine_and_its_streams_pull_aga
 async def test_a_report_naming_another_engine_is_checked_once_and_never_believed() -> None:
     """A report that names an engine D does not run (forged, or a stale process's) makes
     the router ask D once; D's answer names its own engine, so the report stays refused,
-    the known engine stays, and the same claim raises no second check."""
+    the known engine stays, and the same claim raises no second check for REFUTED_FOR_S:
+    after that it does (in a rolling replacement behind one URL the check can reach the old
+    process, and the refuted engine is D's once that one is gone: probe 11, finding 1)."""
     async with routed(engine_config=config("0.32")) as r:
         d = r.cluster.decode[0]
         chat = Chat(r, stream=True)
@@ -403,3 +408,39 @@ async def test_a_report_naming_another_engine_is_checked_once_and_never_believed
         assert checks.doubt("decode-0", "not-an-engine") is None
         assert r.ctx.nodes.trusted_identity("decode-0")[0] == d.engine_id
         assert checks.doubt("decode-0", d.engine_id) is None  # the known one: nothing to ask
+        r.clock.advance(REFUTED_FOR_S - 0.1)
+        assert checks.doubt("decode-0", "not-an-engine") is None
+        r.clock.advance(0.1)
+        again = checks.doubt("decode-0", "not-an-engine")
+        assert again is not None and await again == "same"
+
+
+async def test_reports_refused_while_a_check_runs_are_heard_again_once_per_turn() -> None:
+    """Forged reports naming other engines for one live turn, posted while the engine check
+    they raised waits on D, keep one hearing of that turn pending, not one per report (probe
+    11, finding 4: router memory 52 -> 228 MB); D's genuine report still commits."""
+    async with routed(engine_config=config("0.32", report_hosts=())) as r:
+        d = r.cluster.decode[0]
+        await Chat(r, stream=False).turn(FIRST)  # D's answer: the router knows its engine
+        chat = Chat(r, stream=True)
+        await chat.turn("Describe a storm at sea, as the keeper saw it. " * 5)
+        rec = d_records(d)[-1]
+        sent = rec.request_kv_transfer_params or {}
+        genuine = report_body(sent[REPORT_TURN_KEY], rec.kv_transfer_params,
+                              len(rec.prompt_token_ids), len(rec.output_token_ids))
+        d.faults.hang = True  # the check waits on D
+        async with httpx.AsyncClient(trust_env=False) as c:
+            for i in range(20):
+                forged = {**genuine, "kv_transfer_params": {
+                    **(genuine["kv_transfer_params"] or {}), "remote_engine_id": f"forged-{i}"}}
+                assert (await c.post(sent[REPORT_URL_KEY], json=forged)).status_code < 500
+            desk = r.ctx.desk
+            assert count(r.ctx.metrics, "reports", "mismatch_engine") == 20
+            assert len(desk._rehear) == 1 and len(desk._rehearings) == 1
+            d.faults.hang = False
+            await until(lambda: not desk._rehearings, "the one hearing again ended")
+            assert (await c.post(sent[REPORT_URL_KEY], json=genuine)).status_code < 500
+        await r.settle()
+        assert count(r.ctx.metrics, "turn_entries", "committed") == 2
+        await chat.turn(FOLLOW_UPS[0])
+        assert (await r.last_decision())["reason"] == "pull"

@@ -186,6 +186,8 @@ class ReportDesk:
         self._settled: OrderedDict[str, None] = OrderedDict()
         self._withdrawals: set[asyncio.Task[None]] = set()
         self._rehearings: set[asyncio.Task[None]] = set()
+        self._rehear: dict[str, object] = {}
+        """Per turn id, the refused report to hear again once its engine check ends."""
         self.engine_checks: EngineChecks | None = None
         """Asks a D whose reports name another engine than the one known (set by the app;
         ``None``: never asks)."""
@@ -365,7 +367,7 @@ class ReportDesk:
                     and self.engine_checks is not None:
                 check = self.engine_checks.doubt(p.decode_node_id, report.blocks.engine_id)
                 if check is not None:
-                    self._rehear_after(check, item)
+                    self._rehear_after(check, report.turn_id, item)
             return verdict
         p.report_received = True
         if report.blocks is None:
@@ -378,14 +380,21 @@ class ReportDesk:
             await self._commit(p)
         return "matched"
 
-    def _rehear_after(self, check: asyncio.Task[CheckOutcome], item: object) -> None:
+    def _rehear_after(self, check: asyncio.Task[CheckOutcome], turn_id: str,
+                      item: object) -> None:
         """Hear ``item`` again once ``check`` has ended, if its turn is still waiting: the
-        check may have taught the router D's new engine. Counted again only when the
-        outcome is another."""
+        check may have taught the router D's new engine. One hearing per turn: a later
+        refused report of the same turn replaces the item (forged ones cost no task each).
+        Counted again only when the outcome is another."""
+        if turn_id in self._rehear:
+            self._rehear[turn_id] = item
+            return
+        self._rehear[turn_id] = item
+
         async def rehear() -> None:
             with contextlib.suppress(Exception):
                 await asyncio.shield(check)
-            outcome = await self._accept(item)
+            outcome = await self._accept(self._rehear.pop(turn_id))
             if outcome not in ("mismatch_engine", "unknown_turn", "late"):
                 self._metrics.child(self._metrics.reports, outcome).inc()
 

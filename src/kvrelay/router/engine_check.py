@@ -16,8 +16,9 @@ a direct turn, which D answers with its retained params, and so with its engine 
 that manages its retention keeps that turn ``CHECK_RETAIN_S``, one a stock-keeping D holds
 is released through P (``router.stock_release``). A forged report or a stale process's
 sync costs at most one check per ``MIN_INTERVAL_S`` for each D, and an engine a check
-refuted is never checked again. ``ReportDesk`` hears the reports refused for their engine
-again once the check they raised has ended.
+refuted is not checked again for ``REFUTED_FOR_S``. ``ReportDesk`` hears the reports
+refused for their engine again once the check they raised has ended (the latest of each
+turn's, once).
 """
 
 from __future__ import annotations
@@ -57,6 +58,10 @@ CHECK_RETAIN_S = 0.001
 frees it."""
 REFUTED_KEPT = 32
 """Engine ids refuted by a check, remembered per D."""
+REFUTED_FOR_S = 30.0
+"""How long a refuted engine id raises no check. Not for good: during a rolling replacement
+behind one URL the check can reach the old process and refute the new one, which is D's
+alone once the old one is gone (probe 11, finding 1)."""
 
 
 class _Answer(msgspec.Struct):
@@ -89,20 +94,21 @@ class EngineChecks:
         self._release = release
         self._running: dict[str, asyncio.Task[CheckOutcome]] = {}
         self._began_s: dict[str, float] = {}
-        self._refuted: dict[str, OrderedDict[str, None]] = {}
+        self._refuted: dict[str, OrderedDict[str, float]] = {}
+        """Per D: engine ids a check refuted, and when."""
 
     def doubt(self, node_id: str, engine_id: str) -> asyncio.Task[CheckOutcome] | None:
         """Something not D's own answer says D ``node_id`` runs ``engine_id``: the check
         that will tell (the one in flight, else a new one), or ``None`` when none is due
-        (not a D that is up, the engine known or refuted already, a check began within
-        ``MIN_INTERVAL_S``)."""
+        (not a D that is up, the engine known or refuted within ``REFUTED_FOR_S``, a check
+        began within ``MIN_INTERVAL_S``)."""
         running = self._running.get(node_id)
         if running is not None:
             return running
         state = self._nodes.state(node_id)
         if state is None or state.role != "decode" or not state.up or not engine_id \
                 or self._nodes.trusted_identity(node_id)[0] == engine_id \
-                or engine_id in self._refuted.get(node_id, ()):
+                or self._refuted_s_ago(node_id, engine_id) < REFUTED_FOR_S:
             return None
         now = self._clock()
         began = self._began_s.get(node_id)
@@ -114,6 +120,12 @@ class EngineChecks:
         self._running[node_id] = task
         task.add_done_callback(lambda _: self._running.pop(node_id, None))
         return task
+
+    def _refuted_s_ago(self, node_id: str, engine_id: str) -> float:
+        """Seconds since a check refuted ``engine_id`` on D ``node_id`` (inf: never)."""
+        refuted = self._refuted.get(node_id)
+        at = refuted.get(engine_id) if refuted is not None else None
+        return float("inf") if at is None else self._clock() - at
 
     async def aclose(self) -> None:
         """Cancel the checks in flight."""
@@ -127,7 +139,8 @@ class EngineChecks:
         self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
         if outcome != "failed" and self._nodes.trusted_identity(node_id)[0] != claimed:
             refuted = self._refuted.setdefault(node_id, OrderedDict())
-            refuted[claimed] = None
+            refuted.pop(claimed, None)
+            refuted[claimed] = self._clock()
             while len(refuted) > REFUTED_KEPT:
                 refuted.popitem(last=False)
         log.info("D %s engine check (a report or sync named engine %s): %s",
