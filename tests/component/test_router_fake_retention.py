@@ -498,6 +498,27 @@ async def test_a_turn_goes_to_a_d_with_room_when_ds_own_numbers_say_one_is_full(
             assert (await r.last_decision())["decode_node"] == "decode-0"
 
 
+async def test_a_turn_goes_to_a_d_with_free_room_rather_than_release_retained_turns() -> None:
+    """D0's sync says its cache is full of retained turns (it could release them) and D1 has
+    free room: the new conversation goes to D1, which keeps D0's turns for their own
+    conversations. Retained blocks counted as room here, as free by D's sync and as used by
+    its gauges: the replica D0 synced with sent its turns to D0, where each release for one
+    cost another conversation its KV (3 of 3 follow-ups recomputed), while another replica
+    sent them to D1 (probe 11, finding 3)."""
+    async with routed(num_decode=2, engine_config=SILENT_D) as r:
+        _, entry = await one_first_turn(r)
+        assert entry.decode_node_id == "decode-0"
+        d0 = r.cluster.engine("decode-0")
+        retained = encode(RetentionSync(
+            engine_id=d0.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=64,
+            num_blocks_free=1, retained_requests=6, retained_blocks=62, retained_tokens=992))
+        assert (await post_sync(r, retained)).status_code == 200
+        assert r.ctx.retention.room_tokens("decode-0") == 16
+        async with r.client() as c:
+            await chat(c, [{"role": "user", "content": "A new task: " + FIRST}])
+        assert (await r.last_decision())["decode_node"] == "decode-1"
+
+
 RUN: dict[str, Any] = {"name": "run", "description": "Run a shell command",
                        "input_schema": {"type": "object", "properties": {
                            "input": {"type": "string"}}, "required": ["input"]}}

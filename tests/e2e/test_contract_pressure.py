@@ -72,6 +72,9 @@ class Observed:
     waiting_with_third_turn: float
     room_with_two_waiting: EngineRoom | None
     waiting_with_small_request_behind: float
+    waiting_for_capacity_with_small_request_behind: float
+    """``num_requests_waiting_by_reason{reason="capacity"}``, what a router reads as D's
+    queue (``core.engine_load``)."""
     pending_before_the_read: tuple[bool, bool]
     read_status: int
     read_pulled: bool
@@ -157,6 +160,9 @@ async def scenario(prefill: str, decode: str, model: str,
         small = asyncio.create_task(post(decode, [{"role": "user", "content": "Hi."}], 4, None))
         waiting_both = await await_metric("vllm:num_requests_waiting", 2.0)
         room_waiting = room_from_metrics((await http.get(f"{decode}/metrics")).text)
+        waiting_for_capacity = sum(
+            v for k, v in parse_prometheus((await http.get(f"{decode}/metrics")).text).items()
+            if k.startswith("vllm:num_requests_waiting_by_reason{") and 'reason="capacity"' in k)
         await settle()
         pending = (not third.done(), not small.done())
 
@@ -203,6 +209,7 @@ async def scenario(prefill: str, decode: str, model: str,
             waiting_with_third_turn=waiting_third,
             room_with_two_waiting=room_waiting,
             waiting_with_small_request_behind=waiting_both,
+            waiting_for_capacity_with_small_request_behind=waiting_for_capacity,
             pending_before_the_read=pending,
             read_status=read.status_code,
             read_pulled=pulled > 0,

@@ -56,3 +56,31 @@ def test_no_room_is_known_without_the_gauges() -> None:
     assert room_from_metrics(INFO % ("0", "4096", "256")) is None
     assert room_from_metrics(text('vllm:kv_cache_usage_perc{engine="0"} nope',
                                   INFO % ("0", "4096", "256"))) is None
+
+
+def test_only_requests_waiting_for_capacity_leave_no_room() -> None:
+    """vLLM's ``num_requests_waiting`` also counts the ``deferred`` requests, among them every
+    D request still pulling its KV from P: with the split exported, only ``capacity`` counts
+    (probe 11, finding 8)."""
+    lines = ['vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+             'vllm:num_requests_waiting{engine="0",model_name="m"} 3.0',
+             INFO % ("0", "4096", "256")]
+    by_reason = 'vllm:num_requests_waiting_by_reason{engine="0",model_name="m",reason="%s"} %s'
+    pulling = [by_reason % ("capacity", "0.0"), by_reason % ("deferred", "3.0")]
+    assert room_from_metrics(text(*lines, *pulling)) == EngineRoom(2048, 0)
+    queued = [by_reason % ("capacity", "1.0"), by_reason % ("deferred", "2.0")]
+    room = room_from_metrics(text(*lines, *queued))
+    assert room == EngineRoom(2048, 1) and room.tokens == 0
+    assert room_from_metrics(text(*lines)) == EngineRoom(2048, 3)  # no split: all of them
+
+
+def test_gauges_that_are_not_numbers_are_not_read() -> None:
+    for value in ("NaN", "+Inf", "-Inf"):
+        assert room_from_metrics(text(
+            f'vllm:kv_cache_usage_perc{{engine="0",model_name="m"}} {value}',
+            INFO % ("0", "4096", "256"))) is None
+        room = room_from_metrics(text(
+            'vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.5',
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {value}',
+            INFO % ("0", "4096", "256")))
+        assert room == EngineRoom(2048, 0)

@@ -10,7 +10,11 @@ another D sat idle (probe 10, finding R2). vLLM's ``/metrics`` says it to anyone
   included: they are allocated until D frees them);
 * ``vllm:cache_config_info{engine,...}``: the cache's capacity, ``kv_cache_size_tokens``
   (group-aware, vLLM >= 0.32), else ``num_gpu_blocks`` x ``block_size``;
-* ``vllm:num_requests_waiting{engine}``: requests already waiting (for blocks, or a slot).
+* ``vllm:num_requests_waiting_by_reason{engine,reason="capacity"}``: requests already
+  waiting for the scheduler's capacity (blocks, a slot). Not ``num_requests_waiting``,
+  which also counts the ``deferred`` ones, among them every D request still pulling its
+  prompt's KV from P (``WAITING_FOR_REMOTE_KVS``): a busy D would always read as full
+  (probe 11, finding 8). Where the split is not exported, ``num_requests_waiting``.
 
 ``room_from_metrics`` reads them as an ``EngineRoom``: the free tokens of the engine with
 the most, and the requests waiting. It does not count retained blocks as room, though a
@@ -20,11 +24,13 @@ managing D releases them on demand: D's own sync, when recent, says so better
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass
 
 USAGE = "vllm:kv_cache_usage_perc"
 WAITING = "vllm:num_requests_waiting"
+WAITING_BY_REASON = "vllm:num_requests_waiting_by_reason"
 CACHE_INFO = "vllm:cache_config_info"
 
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
@@ -34,7 +40,7 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 @dataclass(frozen=True)
 class EngineRoom:
     """What D's gauges said: ``free_tokens`` of its KV cache (of the engine with the most),
-    ``num_waiting`` requests already waiting."""
+    ``num_waiting`` requests already waiting for capacity."""
 
     free_tokens: int
     num_waiting: int
@@ -52,6 +58,7 @@ def room_from_metrics(text: str) -> EngineRoom | None:
     usage: dict[str, float] = {}
     capacity: dict[str, int] = {}
     waiting = 0.0
+    waiting_for_capacity: float | None = None
     for line in text.splitlines():
         if not line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
                                 "vllm:cache_config_info")):
@@ -66,18 +73,23 @@ def room_from_metrics(text: str) -> EngineRoom | None:
             value = float(raw_value)
         except ValueError:
             continue
+        if not math.isfinite(value):
+            continue  # a gauge no engine sets that way; never a number to act on
         if name == USAGE:
-            usage[engine] = value
+            usage[engine] = min(1.0, max(0.0, value))
         elif name == WAITING:
-            waiting += value
+            waiting += max(0.0, value)
+        elif name == WAITING_BY_REASON and labels.get("reason") == "capacity":
+            waiting_for_capacity = (waiting_for_capacity or 0.0) + max(0.0, value)
         elif name == CACHE_INFO:
             tokens = _capacity_tokens(labels)
             if tokens is not None:
                 capacity[engine] = tokens
-    rooms = [max(0.0, 1.0 - usage[e]) * capacity[e] for e in usage if e in capacity]
+    rooms = [(1.0 - usage[e]) * capacity[e] for e in usage if e in capacity]
     if not rooms:
         return None
-    return EngineRoom(free_tokens=int(max(rooms)), num_waiting=int(waiting))
+    num_waiting = waiting if waiting_for_capacity is None else waiting_for_capacity
+    return EngineRoom(free_tokens=int(max(rooms)), num_waiting=int(num_waiting))
 
 
 def _capacity_tokens(labels: dict[str, str]) -> int | None:

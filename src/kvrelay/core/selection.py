@@ -7,14 +7,15 @@ conversation's KV: it is preferred unless it is clearly busier than the least-lo
 ``load > overload_factor * least_load + overload_slack_requests``. The slack keeps affinity
 when every D is nearly idle (``0`` vs ``1`` request is not an imbalance).
 
-Before load, room: a D whose KV cache has no room for the request's prompt (its free
-blocks and those retention holds, which D releases on demand, as its own recent numbers
-say: ``NodeState.room_tokens``, from its sync or its gauges) would make the request wait
-(or preempt) while another D has room, and a request count does not show it (two long
-decodes fill a D; another replica's or the router-less traffic is not counted at all). So
-when some up D has room for ``needed_tokens`` and some has not, only those with room are
-considered (a D whose room is unknown counts as having it); the affinity D too: its KV is
-of little use on a D that must evict to admit the request (``affinity_full``).
+Before load, room: a D whose KV cache has no free room for the request's prompt (as its
+own recent numbers say: ``NodeState.room_tokens``, from its sync or its gauges) would make
+the request wait, preempt, or release retained turns while another D has room, and a
+request count does not show it (two long decodes fill a D; another replica's or the
+router-less traffic is not counted at all). So when some up D has room for
+``needed_tokens`` and some has not, only those with room are considered (a D whose room is
+unknown counts as having it); the affinity D too: its KV is of little use on a D that must
+evict to admit the request (``affinity_full``), and P pulls the conversation's KV from that
+D whichever D decodes.
 
 Ties are broken by the order nodes are given in, so equal inputs give equal choices. Down
 nodes are never chosen; when no node of the role is up the chooser returns ``None`` and the
@@ -46,7 +47,7 @@ class NodeState(msgspec.Struct, frozen=True):
 
     ``engine_id`` is the vLLM engine id last seen from the node (``None`` until known);
     ``outstanding_*`` count requests the router has sent and not yet seen finish;
-    ``room_tokens`` (D) the tokens its KV cache can take for live work now, from D's own
+    ``room_tokens`` (D) the tokens its KV cache has free for live work now, from D's own
     recent numbers (``None``: unknown).
     """
 

@@ -100,6 +100,12 @@ def render_metrics(
 
     gauge("vllm:num_requests_running", "Number of requests in model execution batches.", running)
     gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed.", waiting)
+    # vLLM splits the waiting by reason; the fake's wait only for capacity (blocks, a slot):
+    # it does not queue a request that pulls its KV as vLLM does (``deferred``)
+    family("vllm:num_requests_waiting_by_reason", "gauge",
+           "Number of waiting requests by reason.",
+           [("", _labels(model_name, reason="capacity"), waiting),
+            ("", _labels(model_name, reason="deferred"), 0)])
     gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", kv_cache_usage)
     if num_gpu_blocks is not None and block_size is not None:
         info = {"block_size": str(block_size), "engine": "0",

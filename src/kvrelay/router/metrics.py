@@ -29,6 +29,9 @@ Names (all prefixed ``kvrelay_router_``):
   ``turn_entries_total{outcome}`` – how each D turn
   settled (``committed``, ``no_kv``, ``report_timeout``, ``no_params`` (a stream without a
   report target ended without params), ``failed``, ...).
+* ``room_reads_total{node,outcome}`` – reads of each D's room from its own ``/metrics``
+  (``NodeRegistry.read_room``, every ``room_interval_s``): ``ok``, ``no_gauges`` (answered
+  without vLLM's gauges: D selection then has only D's syncs), ``failed``.
 * ``retained_tokens{node}`` – tokens each D retains for live entries (retention pressure);
   ``expired_unused_token_seconds_total`` – retention nobody read: tokens x seconds of
   entries that expired unused; ``turn_gap_seconds`` – time from a conversation's previous
@@ -137,6 +140,10 @@ class RouterMetrics:
         self.engine_checks = Counter(
             _P + "engine_checks_total", "Checks of a D's engine id that a report or a sync "
             "naming another engine raised, by how they ended", ["node", "outcome"], registry=r,
+        )
+        self.room_reads = Counter(
+            _P + "room_reads_total", "Reads of a D's room from its /metrics, by outcome",
+            ["node", "outcome"], registry=r,
         )
         self.turn_entries = Counter(
             _P + "turn_entries_total", "How D turns settled: committed or why not",

@@ -384,23 +384,27 @@ class NodeRegistry:
     async def read_room(self, node_id: str) -> EngineRoom | None:
         """One ``GET /metrics`` of D: its room for a new request from vLLM's own gauges
         (``core.engine_load``), kept for ``metrics_room``; ``None`` (and nothing kept) when
-        D did not answer them. A failed read changes nothing of D's health."""
+        D did not answer them. Counted by outcome (``room_reads_total``: ``ok``,
+        ``no_gauges``, ``failed``), so a D whose gauges cannot be read shows. A failed read
+        changes nothing of D's health."""
         node = self._nodes[node_id]
         try:
             answer = await self._upstream.get(
                 node.config, "/metrics", timeout_s=self._config.health_timeout_s)
         except UpstreamError:
+            self._metrics.child(self._metrics.room_reads, node_id, "failed").inc()
             return None
         room = room_from_metrics(answer.body.decode("utf-8", "replace")) \
             if answer.status == 200 else None
+        outcome = "ok" if room is not None else "no_gauges" if answer.status == 200 \
+            else "failed"
+        self._metrics.child(self._metrics.room_reads, node_id, outcome).inc()
         node.room = (room, self._clock()) if room is not None else None
         return room
 
     async def read_rooms(self) -> None:
         """``read_room`` of every D that is up, concurrently."""
-        decode = [n.config.node_id for n in self._nodes.values()
-                  if n.config.role == "decode" and n.up]
-        await asyncio.gather(*(self.read_room(i) for i in decode))
+        await asyncio.gather(*(self.read_room(i) for i in self._decode_ids() if self.is_up(i)))
 
     def metrics_room(self, node_id: str) -> tuple[EngineRoom, float] | None:
         """D's room as its ``/metrics`` said at most ``ROOM_STALE_READS`` reads ago, and
@@ -414,15 +418,23 @@ class NodeRegistry:
         return room, read_at_s
 
     async def run_room_loop(self) -> None:
-        """``read_rooms`` every ``room_interval_s`` until cancelled (never when 0)."""
+        """Read every D's room every ``room_interval_s`` until cancelled (never when 0),
+        each D on its own, so a D slow to answer delays no other's reads."""
         if self._config.room_interval_s <= 0:
             return
+        await asyncio.gather(*(self._room_loop(i) for i in self._decode_ids()))
+
+    async def _room_loop(self, node_id: str) -> None:
         while True:
-            try:
-                await self.read_rooms()
-            except Exception:  # never let the loop die
-                log.exception("room read round failed")
+            if self.is_up(node_id):
+                try:
+                    await self.read_room(node_id)
+                except Exception:  # never let the loop die
+                    log.exception("room read of %s failed", node_id)
             await asyncio.sleep(self._config.room_interval_s)
+
+    def _decode_ids(self) -> list[str]:
+        return [i for i in self._order if self._nodes[i].config.role == "decode"]
 
     def available(self) -> tuple[bool, bool]:
         """Whether at least one P, and at least one D, is up (last known state)."""
@@ -451,6 +463,11 @@ class NodeRegistry:
                     "outstanding_prefill_tokens": n.outstanding_prefill_tokens,
                     "costs": _costs_json(n.costs) if n.config.role == "prefill" else None,
                 })
+                if n.room is not None:  # D's last read of its gauges (``read_room``)
+                    room, read_at_s = n.room
+                    item["room"] = {"free_tokens": room.free_tokens,
+                                    "waiting": room.num_waiting,
+                                    "read_s_ago": round(self._clock() - read_at_s, 3)}
             if admin:
                 item.update({
                     "url": n.config.url,

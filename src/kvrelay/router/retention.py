@@ -263,19 +263,20 @@ class RetentionDesk:
         return state
 
     def room_tokens(self, node_id: str) -> int | None:
-        """The tokens D's KV cache can take for live work now, from D's own numbers: a
-        sync of the last ``STALE_SYNC_S`` (free blocks and those retention holds, which D
-        releases on demand), unless a later read of D's ``/metrics`` shows requests
-        waiting; else that read (``NodeRegistry.metrics_room``: free blocks only, none
-        while requests wait); ``None`` when neither is recent (a D syncs only while it
-        holds turns, and only with the routers whose requests it carried)."""
+        """The tokens D's KV cache has free for live work now, from D's own numbers: a sync
+        of the last ``STALE_SYNC_S``, unless a later read of D's ``/metrics`` shows requests
+        waiting for capacity; else that read (``NodeRegistry.metrics_room``, none while
+        requests wait); ``None`` when neither is recent (a D syncs only while it holds
+        turns, and only with the routers whose requests it carried). Retained blocks are not
+        room: D would release them for the work, while another D with free room keeps them
+        (P pulls a conversation's KV from whichever D holds it), so both sources count them
+        alike (they did not: replicas routed the same state apart, probe 11, finding 3)."""
         read = self._nodes.metrics_room(node_id)
         state = self.latest(node_id)
         if state is not None and self._clock() - state.synced_at_s <= STALE_SYNC_S:
             if read is not None and read[1] > state.synced_at_s and read[0].num_waiting:
                 return 0
-            sync = state.sync
-            return (sync.num_blocks_free + sync.retained_blocks) * sync.block_size
+            return state.sync.num_blocks_free * state.sync.block_size
         return read[0].tokens if read is not None else None
 
     async def accept(self, raw: bytes, token: str) -> RetentionOrders:

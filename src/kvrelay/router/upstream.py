@@ -26,6 +26,10 @@ from kvrelay.router.errors import RouterError, passthrough_error_body
 
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
+_GET_HEADERS = {"Accept-Encoding": "identity"}
+"""The router reads what nodes answer to a GET itself (``/metrics``, ``/health``, models)
+and does not decompress: it asks for plain bodies (a compressed ``/metrics`` read as no
+room at all, probe 11, finding 2)."""
 
 #: Idle keep-alive connections are closed before vLLM's uvicorn closes them (5 s), so a
 #: pooled connection is never reused just as the server hangs up on it.
@@ -219,7 +223,7 @@ class AiohttpTransport:
         try:
             async with session.request(
                 method, node.url + path, data=body,
-                headers=_JSON_HEADERS if body is not None else None, timeout=timeout,
+                headers=_JSON_HEADERS if body is not None else _GET_HEADERS, timeout=timeout,
             ) as response:
                 return Answer(response.status, await response.read())
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:

@@ -1,0 +1,72 @@
+"""Reading a D's room from its own ``/metrics`` (``NodeRegistry.read_room``) against servers
+that are not the fake engine: one that compresses what it may, one whose gauges are not
+numbers (probe 11, findings 2 and 5)."""
+
+from __future__ import annotations
+
+import gzip
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+from aiohttp import web
+
+from kvrelay.router.app import create_app
+from kvrelay.router.config import RouterConfig
+from tests.ports import free_ports
+
+GAUGES = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} %s\n'
+          'vllm:num_requests_waiting{engine="0",model_name="m"} 0.0\n'
+          'vllm:cache_config_info{block_size="16",engine="0",kv_cache_size_tokens="1600",'
+          'num_gpu_blocks="100"} 1.0\n')
+
+
+async def serve(handler: Callable[[web.Request], web.StreamResponse]) -> AsyncIterator[str]:
+    app = web.Application()
+    app.router.add_get("/metrics", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_ports(1)[0]
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+async def read_room_of(handler: Callable[[web.Request], web.StreamResponse]) -> tuple[
+        object, dict[str, float]]:
+    """D's room as the router reads it from ``handler``'s ``/metrics``, and the read counts."""
+    async for url in serve(handler):
+        config = RouterConfig.from_urls(["http://127.0.0.1:9"], [url])
+        ctx = create_app(config).ctx
+        try:
+            room = await ctx.nodes.read_room("decode-0")
+        finally:
+            await ctx.upstream.aclose()
+        counts = {outcome: ctx.metrics.room_reads.labels("decode-0", outcome)._value.get()
+                  for outcome in ("ok", "no_gauges", "failed")}
+        return room, counts
+    raise AssertionError("no server")
+
+
+async def test_a_d_that_compresses_what_it_may_is_read_plainly() -> None:
+    """``prometheus_client``'s ASGI app gzips ``/metrics`` for a client that accepts it, and
+    the router does not decompress: it asks for an identity body, so the room is read."""
+    async def compressing(request: web.Request) -> web.Response:
+        body = (GAUGES % "0.25").encode()
+        if "gzip" in request.headers.get("Accept-Encoding", ""):
+            return web.Response(body=gzip.compress(body), headers={"Content-Encoding": "gzip"})
+        return web.Response(body=body)
+
+    room, counts = await read_room_of(compressing)
+    assert room is not None and room.free_tokens == 1200  # type: ignore[attr-defined]
+    assert counts == {"ok": 1, "no_gauges": 0, "failed": 0}
+
+
+@pytest.mark.parametrize("value", ["NaN", "+Inf", "-Inf"])
+async def test_gauges_that_are_not_numbers_are_no_room_and_counted(value: str) -> None:
+    async def odd(request: web.Request) -> web.Response:
+        return web.Response(text=GAUGES % value)
+
+    room, counts = await read_room_of(odd)
+    assert room is None and counts == {"ok": 0, "no_gauges": 1, "failed": 0}
