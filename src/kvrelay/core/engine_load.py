@@ -17,9 +17,9 @@ another D sat idle (probe 10, finding R2). vLLM's ``/metrics`` says it to anyone
   (probe 11, finding 8). Where the split is not exported, ``num_requests_waiting``.
 
 ``room_from_metrics`` reads them as an ``EngineRoom``: the free tokens of the engine with
-the most, and the requests waiting. It does not count retained blocks as room, though a
-managing D releases them on demand: D's own sync, when recent, says so better
-(``router.retention``).
+the most, and the requests waiting. Retained blocks are not room, here as in D's own sync
+(``router.retention``): a turn goes to a D with free room rather than make another D
+release a retained turn.
 """
 
 from __future__ import annotations
