@@ -88,11 +88,13 @@ async def test_identical_conversations_finishing_together_all_pull(num_decode: i
 
 
 def sync_body(engine_id: str, *, released: tuple[tuple[str, str], ...] = (),
-              retained_blocks: int = 4, num_blocks_free: int = 100) -> bytes:
+              retained_blocks: int = 4, num_blocks_free: int = 100, retained_requests: int = 1,
+              num_blocks_total: int = 128) -> bytes:
     """A sync as D's connector sends it (``core.retention_sync``), written here by hand."""
     return encode(RetentionSync(
-        engine_id=engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=128,
-        num_blocks_free=num_blocks_free, retained_requests=1, retained_blocks=retained_blocks,
+        engine_id=engine_id, block_size=16, bytes_per_block=4096,
+        num_blocks_total=num_blocks_total, num_blocks_free=num_blocks_free,
+        retained_requests=retained_requests, retained_blocks=retained_blocks,
         retained_tokens=retained_blocks * 16,
         releases_total={cause: sum(1 for _, c in released if c == cause)
                         for cause in ("pressure", "router", "expired")},
@@ -483,9 +485,8 @@ async def test_a_turn_goes_to_a_d_with_room_when_ds_own_numbers_say_one_is_full(
         history, entry = await one_first_turn(r)
         assert entry.decode_node_id == "decode-0"
         d0 = r.cluster.engine("decode-0")
-        full = encode(RetentionSync(
-            engine_id=d0.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=64,
-            num_blocks_free=1, retained_requests=0, retained_blocks=0, retained_tokens=0))
+        full = sync_body(d0.engine_id, retained_blocks=0, num_blocks_free=1,
+                         retained_requests=0, num_blocks_total=64)
         assert (await post_sync(r, full)).status_code == 200
         async with r.client() as c:
             await chat(c, [{"role": "user", "content": "A new task: " + FIRST}])
@@ -509,9 +510,8 @@ async def test_a_turn_goes_to_a_d_with_free_room_rather_than_release_retained_tu
         _, entry = await one_first_turn(r)
         assert entry.decode_node_id == "decode-0"
         d0 = r.cluster.engine("decode-0")
-        retained = encode(RetentionSync(
-            engine_id=d0.engine_id, block_size=16, bytes_per_block=4096, num_blocks_total=64,
-            num_blocks_free=1, retained_requests=6, retained_blocks=62, retained_tokens=992))
+        retained = sync_body(d0.engine_id, retained_blocks=62, num_blocks_free=1,
+                             retained_requests=6, num_blocks_total=64)
         assert (await post_sync(r, retained)).status_code == 200
         assert r.ctx.retention.room_tokens("decode-0") == 16
         async with r.client() as c:
@@ -770,7 +770,8 @@ async def test_a_turn_goes_to_a_d_with_room_when_ds_metrics_say_one_is_full() ->
             long_work = asyncio.create_task(direct.post(d0.url + "/v1/completions", json={
                 "model": "tiny", "prompt": "The tide rolls in. " * 40, "max_tokens": 40}))
             await until(lambda: d0.state.pool.num_free <= 6, "D0 is full of live work")
-            await r.ctx.nodes.read_rooms()
+            for node_id in ("decode-0", "decode-1"):
+                await r.ctx.nodes.read_room(node_id)
             rooms = [r.ctx.retention.room_tokens(d) or 0 for d in ("decode-0", "decode-1")]
             free = [d0.state.pool.num_free * 16, 23 * 16]  # within a block: vLLM's usage
             assert all(abs(a - b) <= 16 for a, b in zip(rooms, free, strict=True)), rooms
@@ -781,6 +782,7 @@ async def test_a_turn_goes_to_a_d_with_room_when_ds_metrics_say_one_is_full() ->
             assert not long_work.done()  # D0 was still full when the turn went to D1
             d0.faults.slow_stream_s = 0.0
             assert (await long_work).status_code == 200
-            await r.ctx.nodes.read_rooms()
+            for node_id in ("decode-0", "decode-1"):
+                await r.ctx.nodes.read_room(node_id)
             await chat(c, [{"role": "user", "content": "Another task: " + FIRST}])
             assert (await r.last_decision())["decode_node"] == "decode-0"

@@ -84,7 +84,7 @@ class _Node:
     last_error: str | None = None
     costs: CostEstimates = field(default_factory=CostEstimates)
     room: tuple[EngineRoom, float] | None = None
-    """D's room from its ``/metrics`` and when it was read (``read_rooms``)."""
+    """D's room from its ``/metrics`` and when it was read (``read_room``)."""
 
     def state(self) -> NodeState:
         c = self.config
@@ -401,10 +401,6 @@ class NodeRegistry:
         self._metrics.child(self._metrics.room_reads, node_id, outcome).inc()
         node.room = (room, self._clock()) if room is not None else None
         return room
-
-    async def read_rooms(self) -> None:
-        """``read_room`` of every D that is up, concurrently."""
-        await asyncio.gather(*(self.read_room(i) for i in self._decode_ids() if self.is_up(i)))
 
     def metrics_room(self, node_id: str) -> tuple[EngineRoom, float] | None:
         """D's room as its ``/metrics`` said at most ``ROOM_STALE_READS`` reads ago, and
