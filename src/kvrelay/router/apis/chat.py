@@ -59,16 +59,15 @@ def sampling_fields(body: JsonObject) -> tuple[bool, Any]:
 
 
 def output_budget(body: JsonObject) -> int | None:
-    """``max_tokens`` / ``max_completion_tokens`` (the smaller of both); ``n`` must be 1."""
-    max_tokens: int | None = None
-    for name in ("max_tokens", "max_completion_tokens"):
-        value = positive(body, name)
-        if value is not None:
-            max_tokens = value if max_tokens is None else min(max_tokens, value)
+    """The output budget vLLM gives the request: ``max_completion_tokens`` when given, else
+    ``max_tokens`` (vLLM 0.32 / 0.33 read them in that order, not the smaller one; both
+    must be positive); ``n`` must be 1."""
+    max_tokens = positive(body, "max_tokens")
+    max_completion_tokens = positive(body, "max_completion_tokens")
     n = optional(body, "n", int)
     if n is not None and n != 1:
         raise ClientError("n > 1 is not supported by the P/D router", "n")
-    return max_tokens
+    return max_completion_tokens if max_completion_tokens is not None else max_tokens
 
 
 class ChatAdapter(OpenAIChunks):
