@@ -130,6 +130,97 @@ async def test_ttl(advance_s: float, reason: str, guard: str) -> None:
         assert (decision["p_record"].plan == "pull") == (reason == "pull")
 
 
+# -- a follow-up D must refuse for its length ---------------------------------------------
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("guard", GUARDS)
+@pytest.mark.parametrize("over", ["budget", "prompt"])
+async def test_a_follow_up_vllm_refuses_for_its_length_leaves_the_kv_for_its_retry(
+        over: str, guard: str, stream: bool) -> None:
+    """Probe 9, finding 4: a follow-up vLLM must refuse for its length was pulled first.
+    With an output budget over ``max_model_len``, P (asked for one token) accepts it and
+    reads D's blocks, which frees D's only copy, before D answers 400; with a prompt over
+    it P refuses, but the router's claim was spent. Either way the client's corrected retry
+    recomputed (``no_entry``). The router reads D's ``max_model_len`` from its
+    ``/v1/models`` and does not spend the entry on such a turn (``too_long``); the client
+    still gets vLLM's own 400, and the retry pulls."""
+    config = replace(GUARD_CONFIGS[guard], max_model_len=1024)
+    async with routed(engine_config=config) as r:
+        await r.ctx.nodes.check_all()
+        assert r.ctx.nodes.state("decode-0").max_model_len == 1024  # type: ignore[union-attr]
+        d = r.cluster.engine("decode-0")
+        conv = Conversation(r, stream=stream)
+        assert (await conv.turn(FIRST))[0] == 200
+        turn1 = d.records[-1]
+        assert holds(d, turn1)
+
+        question = "And what happens in winter?"
+        if over == "budget":
+            conv.max_tokens = 1025
+            status, _, payloads = await conv.turn(question)
+            message = "max_tokens=1025 cannot be greater than max_model_len=1024"
+        else:
+            status, _, payloads = await conv.turn(question + " Really?" * 600)
+            message = "maximum context length is 1024 tokens"
+        assert status == 400 and message in payloads[0]["error"]["message"]
+        decision = await r.last_decision()
+        assert (decision["action"], decision["reason"]) == ("recompute", "too_long")
+        assert holds(d, turn1) and await conv.entry() is not None
+
+        conv.max_tokens = 16
+        status, text, _ = await conv.turn(question)
+        assert status == 200
+        decision = await r.last_decision()
+        assert (decision["action"], decision["reason"]) == ("pull", "pull")
+        assert decision["reused_tokens"] > 0
+        assert text == await conv.recompute_of_last()
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_max_completion_tokens_is_the_budget_whatever_max_tokens_says(
+        stream: bool) -> None:
+    """vLLM generates up to ``max_completion_tokens`` when a chat request gives it, even
+    where ``max_tokens`` is smaller. The router took the smaller as the cap D's report
+    must keep to, and refused D's genuine report of a longer answer (``mismatch_tokens``):
+    the turn never committed, and its follow-up recomputed."""
+    async with routed() as r:
+        conv = Conversation(r, stream=stream, max_tokens=2)
+        body = conv.body(FIRST)
+        body["max_completion_tokens"] = 16
+        async with r.client() as c:
+            resp = await c.post("/v1/chat/completions", json=body)
+        assert resp.status_code == 200
+        await r.settle()
+        d_answer = r.cluster.engine("decode-0").records[-1]
+        assert len(d_answer.output_token_ids) > 2
+        text = (stream_text(sse_events(resp.text)) if stream
+                else resp.json()["choices"][0]["message"]["content"])
+        conv.messages = [*body["messages"], {"role": "assistant", "content": text}]
+        status, _, _ = await conv.turn("And what happens in winter?")
+        assert status == 200
+        decision = await r.last_decision()
+        assert (decision["action"], decision["reason"]) == ("pull", "pull")
+
+
+async def test_a_budget_that_only_does_not_fit_with_the_prompt_is_clamped_and_pulls() -> None:
+    """vLLM 0.32 / 0.33 clamp an output budget to what the prompt leaves of
+    ``max_model_len`` (``get_max_tokens``) instead of refusing it: such a follow-up pulls,
+    and D generates what fits."""
+    async with routed(engine_config=replace(ENGINE_CONFIG, max_model_len=1024)) as r:
+        await r.ctx.nodes.check_all()
+        conv = Conversation(r)
+        assert (await conv.turn(FIRST))[0] == 200
+        conv.max_tokens = 1000
+        status, _, payloads = await conv.turn("And what happens in winter?")
+        assert status == 200
+        decision = await r.last_decision()
+        assert (decision["action"], decision["reason"]) == ("pull", "pull")
+        usage = payloads[0]["usage"]
+        assert usage["prompt_tokens"] + 1000 > 1024
+        assert usage["prompt_tokens"] + usage["completion_tokens"] <= 1024
+
+
 # -- nodes going down, restarting ---------------------------------------------------------
 
 

@@ -18,6 +18,8 @@ stock retention on both (D keeps each finished turn for ``decoder_kv_blocks_ttl`
    ``update_state_after_alloc`` queueing the empty read). So a router could release a stock
    D's turn early through P;
 5. past the TTL, D frees every retained turn (usage 0) and counts the expiries;
+   then length: a budget that does not fit with the prompt is clamped, a budget or a
+   prompt over ``max_model_len`` is refused, and ``/v1/models`` says ``max_model_len``;
 6. two requests whose prompts fit together but whose outputs do not: the one that cannot
    grow is preempted (``vllm:num_preemptions_total``) and both still finish in full.
 
@@ -42,7 +44,7 @@ import pytest
 from kvrelay.bench.tokens import filler_words
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.cluster.arguments import add_cluster_arguments
-from kvrelay.core.engine_load import EngineRoom, room_from_metrics
+from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room_from_metrics
 from kvrelay.fakevllm import FakeCluster, FakeEngineConfig, ManualClock, latency_preset
 from tests.e2e.conftest import STARTUP_TIMEOUT_S, kvrelay_up
 from tests.ports import free_port_block
@@ -90,6 +92,16 @@ class Observed:
     growth_answers: tuple[int, int]
     growth_completion_tokens: tuple[int, int]
     growth_preempted: bool
+    clamped: tuple[int, int]
+    """A ~910-token prompt asking for 500 tokens (``ignore_eos``): the status and the
+    prompt plus completion tokens (vLLM clamps the budget to ``MAX_MODEL_LEN``)."""
+    budget_over_status: int
+    """A budget over ``MAX_MODEL_LEN`` itself: refused."""
+    prompt_over_status: int
+    """A prompt over ``MAX_MODEL_LEN``: refused."""
+    max_model_len: int | None
+    """What a router reads as D's ``max_model_len`` (``core.engine_load``, its
+    ``/v1/models``): a follow-up over it is not worth a pull (``too_long``)."""
 
 
 def first_turn_message(seed: int, words: list[str]) -> list[dict[str, Any]]:
@@ -196,6 +208,18 @@ async def scenario(prefill: str, decode: str, model: str,
         preemptions = await d_metric("vllm:num_preemptions_total")
         waiting_at_the_end = await d_metric("vllm:num_requests_waiting")
 
+        # Length: what vLLM refuses (what a pull must not be spent on, ``too_long``).
+        def long_message(name: str, num_words: int) -> list[dict[str, Any]]:
+            rng = random.Random(num_words)
+            return [{"role": "user", "content": f"Length {name}." + "".join(
+                rng.choice(words) for _ in range(num_words))}]
+
+        clamped = await post(decode, long_message("A", 900), 500, None, ignore_eos=True)
+        budget_over = await post(decode, [{"role": "user", "content": "Hi."}],
+                                 MAX_MODEL_LEN + 1, None)
+        prompt_over = await post(decode, long_message("B", 1100), 4, None)
+        models = await http.get(f"{decode}/v1/models")
+
         # Growth: both prompts fit, both outputs do not (ignore_eos: every token is made).
         stories = [[{"role": "user", "content": f"Story {name}." + "".join(words[:290])}]
                    for name in ("X", "Y")]
@@ -226,6 +250,11 @@ async def scenario(prefill: str, decode: str, model: str,
             growth_completion_tokens=(growth[0].json()["usage"]["completion_tokens"],
                                       growth[1].json()["usage"]["completion_tokens"]),
             growth_preempted=await d_metric("vllm:num_preemptions_total") > preemptions,
+            clamped=(clamped.status_code, clamped.json()["usage"]["total_tokens"]
+                     if clamped.status_code == 200 else 0),
+            budget_over_status=budget_over.status_code,
+            prompt_over_status=prompt_over.status_code,
+            max_model_len=max_model_len_from_models(models.content),
         )
 
 
@@ -285,5 +314,8 @@ def test_fake_engine_matches_real_vllm_under_kv_pressure(tmp_path: Path) -> None
     assert real.usage_after_the_notify < real.usage_after_the_read
     assert real.room_after_two_turns is not None and real.room_after_two_turns.free_tokens > 0
     assert real.room_with_two_waiting is not None and real.room_with_two_waiting.tokens == 0
+    assert real.clamped == (200, MAX_MODEL_LEN)
+    assert (real.budget_over_status, real.prompt_over_status) == (400, 400)
+    assert real.max_model_len == MAX_MODEL_LEN
     fake = asyncio.run(run_fake())
     assert fake == real

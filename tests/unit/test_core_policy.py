@@ -65,8 +65,10 @@ def make_entry(
 ENTRY = make_entry()
 
 
-def d0(up: bool = True, engine_id: str | None = ENGINE) -> NodeState:
-    return NodeState("d0", "decode", "http://d0", up=up, engine_id=engine_id)
+def d0(up: bool = True, engine_id: str | None = ENGINE,
+       max_model_len: int | None = None) -> NodeState:
+    return NodeState("d0", "decode", "http://d0", up=up, engine_id=engine_id,
+                     max_model_len=max_model_len)
 
 
 def decide(
@@ -77,6 +79,7 @@ def decide(
     node: NodeState | None = None,
     config: PolicyConfig = CONFIG,
     costs: CostEstimates = COSTS,
+    max_output_tokens: int | None = None,
 ) -> TurnDecision:
     """Exact mode: the router knows the prompt's ids."""
     return decide_turn(
@@ -86,6 +89,7 @@ def decide(
         decode_node=d0() if node is None else node,
         config=config,
         costs=costs,
+        max_output_tokens=max_output_tokens,
     )
 
 
@@ -273,6 +277,8 @@ def test_checks_run_in_documented_order() -> None:
     assert decide(diverged, now_s=EXPIRES_S - 1, node=down).reason == "near_expiry"
     assert decide(diverged, node=down).reason == "node_down"
     assert decide(diverged, node=d0(engine_id="other")).reason == "engine_restarted"
+    short = d0(max_model_len=len(diverged))
+    assert decide(diverged, node=short).reason == "too_long"
     assert decide(diverged).reason == "prefix_mismatch"
 
 
@@ -400,15 +406,18 @@ def estimate(
     entry: ConversationEntry | None = ENTRY,
     config: PolicyConfig = CONFIG,
     costs: CostEstimates = COSTS,
+    node: NodeState | None = None,
+    max_output_tokens: int | None = None,
 ) -> TurnDecision:
     """Estimate mode: P's connector proves the tokens; the router knows sizes only."""
     return decide_turn(
         entry=entry,
         prompt=Prompt(est_tokens, est_new),
         now_s=CREATED_S + 5.0,
-        decode_node=d0(),
+        decode_node=d0() if node is None else node,
         config=config,
         costs=costs,
+        max_output_tokens=max_output_tokens,
     )
 
 
@@ -441,3 +450,31 @@ def test_estimate_mode_direct_and_cost_model_use_the_estimates() -> None:
     assert estimate(2100, 44, config=config).action == "direct"
     assert estimate(2300, 244, config=config).action == "pull"
     assert_recompute(estimate(2300, 244, costs=huge_transfer_costs()), "cost_model")
+
+
+# -- a follow-up D must refuse for its length --------------------------------------------
+
+
+@pytest.mark.parametrize("exact", [True, False])
+def test_a_turn_vllm_refuses_for_its_length_recomputes_and_keeps_the_entry(exact: bool) -> None:
+    """A prompt that leaves D's ``max_model_len`` no token, or an output budget over it:
+    vLLM refuses the request (400), so the entry is not spent on it (a pull would free D's
+    blocks first): the client's corrected retry still pulls. A budget that only does not
+    fit with the prompt is clamped by vLLM, not refused: that turn pulls."""
+    prompt = next_turn_prompt()
+    n = len(prompt)
+
+    def run(limit: int | None, max_output_tokens: int | None) -> TurnDecision:
+        node = d0(max_model_len=limit)
+        if exact:
+            return decide(prompt, node=node, max_output_tokens=max_output_tokens)
+        return estimate(n, len(NEW_USER), node=node, max_output_tokens=max_output_tokens)
+
+    budget_over = run(n + 100, n + 101)
+    assert_recompute(budget_over, "too_long")
+    assert budget_over.verified_tokens == 0 and budget_over.predicted_transfer_s == 0.0
+    assert run(n + 100, n + 100).action == "pull"
+    assert run(n + 1, 600).action == "pull"  # clamped to one token by vLLM
+    assert_recompute(run(n, None), "too_long")  # no token left
+    assert_recompute(run(n - 1, 1), "too_long")
+    assert run(None, 10**6).action == "pull"  # D's length unknown: no check

@@ -1,8 +1,13 @@
-"""D's room read from vLLM's own gauges (``core.engine_load``)."""
+"""D's room read from vLLM's own gauges, and its ``max_model_len`` from its ``/v1/models``
+(``core.engine_load``)."""
 
 from __future__ import annotations
 
-from kvrelay.core.engine_load import EngineRoom, room_from_metrics
+import json
+
+import pytest
+
+from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room_from_metrics
 
 INFO = ('vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="%s",'
         'kv_cache_size_tokens="%s",num_gpu_blocks="%s",prefix_caching_hash_algo="sha256",'
@@ -84,3 +89,26 @@ def test_gauges_that_are_not_numbers_are_not_read() -> None:
             f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {value}',
             INFO % ("0", "4096", "256")))
         assert room == EngineRoom(2048, 0)
+
+
+def card(model_id: str, max_model_len: object) -> dict[str, object]:
+    return {"id": model_id, "object": "model", "owned_by": "vllm", "root": "/models/m",
+            "parent": None, "max_model_len": max_model_len, "permission": []}
+
+
+def test_max_model_len_is_the_smallest_a_served_model_card_says() -> None:
+    body = {"object": "list", "data": [card("m", 4096), card("m-lora", 2048)]}
+    assert max_model_len_from_models(json.dumps(body).encode()) == 2048
+
+
+@pytest.mark.parametrize("body", [
+    b'{"object": "list", "data": []}',
+    json.dumps({"data": [card("m", None)]}).encode(),
+    json.dumps({"data": [card("m", 0)]}).encode(),
+    json.dumps({"data": [card("m", "4096")]}).encode(),
+    b'{"data": "nope"}',
+    b"<html>not found</html>",
+    b"",
+])
+def test_no_max_model_len_when_no_card_says_one(body: bytes) -> None:
+    assert max_model_len_from_models(body) is None

@@ -20,6 +20,10 @@ another D sat idle (probe 10, finding R2). vLLM's ``/metrics`` says it to anyone
 the most, and the requests waiting. Retained blocks are not room, here as in D's own sync
 (``router.retention``): a turn goes to a D with free room rather than make another D
 release a retained turn.
+
+``max_model_len_from_models`` reads the other limit of what D takes, a request's length,
+from ``GET /v1/models``: a follow-up D must refuse is not worth its conversation's KV
+(``core.policy``, ``too_long``).
 """
 
 from __future__ import annotations
@@ -27,6 +31,8 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
+
+import msgspec
 
 USAGE = "vllm:kv_cache_usage_perc"
 WAITING = "vllm:num_requests_waiting"
@@ -107,3 +113,28 @@ def _positive_int(raw: str | None) -> int | None:
         return None
     value = int(raw)
     return value if value > 0 else None
+
+
+class _ModelCard(msgspec.Struct):
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[_ModelCard] = []
+
+
+_MODELS = msgspec.json.Decoder(_ModelList)
+
+
+def max_model_len_from_models(body: bytes) -> int | None:
+    """The most tokens (prompt and output) D accepts for one request, from its
+    ``GET /v1/models`` (vLLM's model cards carry ``max_model_len``): the smallest of its
+    served models' (a LoRA adapter is a card of its own, with the base model's length);
+    ``None`` when no card says it, or the body is not such a list."""
+    try:
+        cards = _MODELS.decode(body).data
+    except (msgspec.DecodeError, msgspec.ValidationError):
+        return None
+    lengths = [c.max_model_len for c in cards if c.max_model_len is not None
+               and c.max_model_len > 0]
+    return min(lengths) if lengths else None

@@ -15,17 +15,25 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
 5. ``node_down`` – the D that holds the blocks is down or unknown to the router.
 6. ``engine_restarted`` – D's current engine id differs from the one that retained the
    blocks (an unknown current id, ``None``, is not treated as a restart).
-7. The prefix guard. With the prompt's exact token ids (``Prompt.token_ids``: the fallback
+7. ``too_long`` – the request is one vLLM refuses for its length: the prompt (its exact
+   length, else the estimate) leaves D's ``max_model_len`` no token to generate, or the
+   client's output budget (``max_output_tokens``) alone is over it. (A budget that only
+   does not fit *with* the prompt is not refused: vLLM 0.32 and 0.33 clamp it.) A pull
+   would spend the entry on it: P, asked for one token, accepts the budget and reads D's
+   blocks, which frees them, before D refuses; and the claim is spent even when P refuses
+   the prompt. So the client's corrected retry would find nothing. Recompute (the client
+   gets vLLM's own 400), and keep the entry for that retry.
+8. The prefix guard. With the prompt's exact token ids (``Prompt.token_ids``: the fallback
    for P nodes without kvrelay's connector, ids from P's ``/tokenize``) the router runs the
    guard itself (``core.guard.check_pull``): ``prefix_mismatch`` / ``below_threshold`` when
    too little is proven. Without them the router decides from estimates (the entry's held
    tokens, the request's new bytes): ``below_threshold`` when even a full match would be too
    small; P's connector proves every token before loading and cuts the pull itself.
-8. ``direct`` – if enabled and the new suffix is at most ``direct_max_new_tokens``, the
+9. ``direct`` – if enabled and the new suffix is at most ``direct_max_new_tokens``, the
    whole turn goes to the holding D, which reuses its local prefix cache.
-9. ``cost_model`` – recompute when ``pull_s(reused) * pull_cost_factor`` exceeds
+10. ``cost_model`` – recompute when ``pull_s(reused) * pull_cost_factor`` exceeds
    ``prefill_s(reused)``.
-10. ``partial_reuse_unsafe`` – (exact mode) the verified part is shorter than what D holds
+11. ``partial_reuse_unsafe`` – (exact mode) the verified part is shorter than what D holds
     and D's block size is unknown, so the block list cannot be cut. Else ``pull``.
 
 ``state_unavailable`` is never returned here: the router uses it for a turn whose entry could
@@ -69,6 +77,7 @@ TurnReason = Literal[
     "direct",
     "state_unavailable",
     "released",
+    "too_long",
 ]
 
 DEFAULT_KV_RECOMPUTE_THRESHOLD = 64
@@ -144,12 +153,14 @@ def decide_turn(
     decode_node: NodeState | None,
     config: PolicyConfig,
     costs: CostEstimates,
+    max_output_tokens: int | None = None,
 ) -> TurnDecision:
     """Decide how to serve a turn (module docstring).
 
     ``decode_node`` is the router's current state of ``entry.decode_node_id`` (``None`` if the
     router no longer knows that node). ``costs`` are the estimates for the P that would do the
-    work and the D -> P link; the caller picks them.
+    work and the D -> P link; the caller picks them. ``max_output_tokens``: the client's
+    output budget (``None``: not given).
     """
     if entry is None:
         return TurnDecision("recompute", "no_entry")
@@ -167,6 +178,9 @@ def decide_turn(
         return TurnDecision("recompute", "node_down")
     if decode_node.engine_id is not None and decode_node.engine_id != entry.decode_engine_id:
         return TurnDecision("recompute", "engine_restarted")
+    limit = decode_node.max_model_len
+    if limit is not None and (prompt.est_tokens >= limit or (max_output_tokens or 0) > limit):
+        return TurnDecision("recompute", "too_long")
 
     exact = prompt.token_ids is not None
     threshold = config.kv_recompute_threshold

@@ -48,7 +48,8 @@ class NodeState(msgspec.Struct, frozen=True):
     ``engine_id`` is the vLLM engine id last seen from the node (``None`` until known);
     ``outstanding_*`` count requests the router has sent and not yet seen finish;
     ``room_tokens`` (D) the tokens its KV cache has free for live work now, from D's own
-    recent numbers (``None``: unknown).
+    recent numbers (``None``: unknown); ``max_model_len`` (D) the most tokens, prompt and
+    output, D accepts for one request, as its ``/v1/models`` says (``None``: unknown).
     """
 
     node_id: str
@@ -59,6 +60,7 @@ class NodeState(msgspec.Struct, frozen=True):
     outstanding_requests: int = 0
     outstanding_prefill_tokens: int = 0
     room_tokens: int | None = None
+    max_model_len: int | None = None
 
     def __post_init__(self) -> None:
         if not self.node_id:

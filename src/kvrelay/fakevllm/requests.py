@@ -45,6 +45,31 @@ class ParsedRequest:
     body: Mapping[str, Any]
 
 
+def _output_budget(max_model_len: int, num_prompt_tokens: int, max_tokens: int | None,
+                   param: str, default: int | None) -> int:
+    """The tokens a request may generate, as vLLM 0.32 / 0.33 decide it: a budget over the
+    context itself is refused (``TokenizeParams``), so is a prompt over it; otherwise the
+    budget (else the default, else the whole context) is clamped to what the prompt leaves
+    (``get_max_tokens``: a budget that does not fit with the prompt is *not* refused), and
+    a prompt that leaves no token is refused (``SamplingParams``)."""
+    if max_tokens is not None and max_tokens > max_model_len:
+        raise BadRequest(
+            f"{param}={max_tokens} cannot be greater than max_model_len={max_model_len}. "
+            "Please request fewer output tokens.", param=param)
+    if num_prompt_tokens > max_model_len:
+        raise BadRequest(
+            f"This model's maximum context length is {max_model_len} tokens. However, your "
+            f"prompt contains {num_prompt_tokens} input tokens, which exceeds this limit even "
+            "without any output tokens. Please reduce the length of the input prompt.",
+            param="input_tokens")
+    left = max_model_len - num_prompt_tokens
+    budget = max_tokens if max_tokens is not None else default
+    budget = left if budget is None else min(budget, left)
+    if budget < 1:
+        raise BadRequest(f"max_tokens must be at least 1, got {budget}.", param="max_tokens")
+    return budget
+
+
 def parse_generation(
     engine: FakeEngine, body: Mapping[str, Any], endpoint: str, header_request_id: str | None
 ) -> ParsedRequest:
@@ -58,35 +83,28 @@ def parse_generation(
         raise BadRequest("the fake engine only supports n=1", param="n")
     if endpoint in ("responses", "messages"):
         prompt = agent_prompt(engine, body, endpoint)
-        max_tokens = body.get("max_output_tokens" if endpoint == "responses" else "max_tokens")
-        if max_tokens is None:
-            if endpoint == "messages":
-                raise BadRequest("max_tokens: Field required", param="max_tokens")
-            default = cfg.default_max_tokens
-            max_tokens = default if default is not None else cfg.max_model_len - len(prompt)
+        param = "max_output_tokens" if endpoint == "responses" else "max_tokens"
+        max_tokens = body.get(param)
+        if max_tokens is None and endpoint == "messages":
+            raise BadRequest("max_tokens: Field required", param="max_tokens")
     elif endpoint == "chat":
         prompt = _chat_prompt(engine, body)
-        max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-        default = cfg.default_max_tokens
-        if max_tokens is None:
-            max_tokens = default if default is not None else cfg.max_model_len - len(prompt)
+        param = ("max_completion_tokens" if body.get("max_completion_tokens") is not None
+                 else "max_tokens")
+        max_tokens = body.get(param)
     else:
         prompt = _completion_prompt(engine, body)
+        param = "max_tokens"
         max_tokens = body.get("max_tokens", COMPLETIONS_DEFAULT_MAX_TOKENS)
         if max_tokens is None:
             max_tokens = COMPLETIONS_DEFAULT_MAX_TOKENS
-    if not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1:
+    if max_tokens is not None and (
+            not isinstance(max_tokens, int) or isinstance(max_tokens, bool) or max_tokens < 1):
         raise BadRequest("max_tokens must be an integer >= 1", param="max_tokens")
     if not prompt:
         raise BadRequest("The prompt cannot be empty.", param="prompt")
-    if len(prompt) + max_tokens > cfg.max_model_len:
-        raise BadRequest(
-            f"This model's maximum context length is {cfg.max_model_len} tokens. However, you "
-            f"requested {len(prompt) + max_tokens} tokens ({len(prompt)} in the messages, "
-            f"{max_tokens} in the completion). Please reduce the length of the messages or "
-            "completion.",
-            param="max_tokens",
-        )
+    max_tokens = _output_budget(cfg.max_model_len, len(prompt), max_tokens, param,
+                                cfg.default_max_tokens if endpoint != "completions" else None)
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, Mapping):
         raise BadRequest("kv_transfer_params must be an object", param="kv_transfer_params")

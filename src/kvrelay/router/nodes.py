@@ -26,6 +26,10 @@ checked report) carry a fingerprint needs no ``return_token_ids``, and one whose
 params carry ``kvrelay_guard`` runs kvrelay's connector: it syncs its retention with the
 router (``router.retention``).
 
+A D's ``max_model_len`` is read from its ``/v1/models`` by the first passing health check
+(again after it restarted or was down): a follow-up D would refuse for its length must not
+spend the conversation's KV first (``core.policy``, ``too_long``).
+
 Load (``outstanding_requests``, ``outstanding_prefill_tokens``) counts requests in flight.
 ``CostEstimates`` are kept per P node: its prefill line and the line of its pulls from any D,
 starting at ``RouterConfig.costs`` (else the priors); ``set_costs`` is how the P step
@@ -43,7 +47,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.core.costs import CostEstimates
-from kvrelay.core.engine_load import EngineRoom, room_from_metrics
+from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room_from_metrics
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
 from kvrelay.router.config import NodeConfig, RouterConfig
@@ -85,6 +89,9 @@ class _Node:
     costs: CostEstimates = field(default_factory=CostEstimates)
     room: tuple[EngineRoom, float] | None = None
     """D's room from its ``/metrics`` and when it was read (``read_room``)."""
+    max_model_len: int | None = None
+    """D's ``max_model_len`` from its ``/v1/models``, read by the first passing health
+    check of each engine (``None``: not read yet, or D did not say)."""
 
     def state(self) -> NodeState:
         c = self.config
@@ -96,6 +103,7 @@ class _Node:
             engine_id=self.engine_id,
             outstanding_requests=self.outstanding_requests,
             outstanding_prefill_tokens=self.outstanding_prefill_tokens,
+            max_model_len=self.max_model_len,
         )
 
 
@@ -287,6 +295,7 @@ class NodeRegistry:
         old, node.engine_id = node.engine_id, engine_id
         node.param_streams = frozenset()
         if old is not None:
+            node.max_model_len = None  # the new engine's may differ: the next check reads it
             log.warning("node %s restarted: engine %s -> %s", node_id, old, engine_id)
             return True
         return False
@@ -321,6 +330,7 @@ class NodeRegistry:
         node.report_identity = None
         node.engine_id = None
         node.side_channel = None
+        node.max_model_len = None
         self._publish(node)
         dropped = await self._index.drop_node(node_id)
         if dropped:
@@ -353,6 +363,8 @@ class NodeRegistry:
             busy = exc.kind == "timeout" and node.answers > answered_before
         if ok:
             self.mark_up(node_id)
+            if node.config.role == "decode" and node.max_model_len is None:
+                await self._read_max_model_len(node)
             return True
         if busy:
             log.debug("node %s: health check timed out while it answers requests", node_id)
@@ -362,6 +374,17 @@ class NodeRegistry:
         if node.failures >= self._config.health_failures_to_down:
             await self.mark_down(node_id, why)
         return False
+
+    async def _read_max_model_len(self, node: _Node) -> None:
+        """Learn D's ``max_model_len`` from its ``/v1/models`` (``core.engine_load``); a
+        failed read leaves it unknown (the policy then does not check a turn's length)."""
+        try:
+            answer = await self._upstream.get(
+                node.config, "/v1/models", timeout_s=self._config.health_timeout_s)
+        except UpstreamError:
+            return
+        if answer.status == 200:
+            node.max_model_len = max_model_len_from_models(answer.body)
 
     async def check_all(self) -> dict[str, bool]:
         """Health-check every node concurrently."""
@@ -472,6 +495,7 @@ class NodeRegistry:
                     "verifies_pulls": n.verifies_pulls if n.config.role == "prefill" else None,
                     "fingerprints": n.fingerprints if n.config.role == "decode" else None,
                     "guard": self.guard_mode(node_id),
+                    "max_model_len": n.max_model_len if n.config.role == "decode" else None,
                     "last_error": n.last_error,
                 })
             out.append(item)

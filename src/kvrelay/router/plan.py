@@ -89,7 +89,7 @@ class Planner:
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")
         else:
-            decision = self._decide(found, prompt, p)
+            decision = self._decide(found, prompt, p, req.max_output_tokens)
         fate = entry_fate(decision)
         if found is not None and fate.claim:
             found, decision = await self._claim(req, found, decision, prompt, p)
@@ -133,7 +133,7 @@ class Planner:
         if claimed == found.entry:
             return found, decision
         other = Found(found.ref, claimed, found.probe)
-        again = self._decide(other, prompt, p)
+        again = self._decide(other, prompt, p, req.max_output_tokens)
         if again.action == "pull":
             return other, again
         await ctx.index.put(found.ref, claimed, tenant=req.tenant)
@@ -161,7 +161,8 @@ class Planner:
         log.info("turn continues one another replica announced; its entry did not come")
         return None
 
-    def _decide(self, found: Found | None, prompt: Prompt, p: NodeConfig) -> TurnDecision:
+    def _decide(self, found: Found | None, prompt: Prompt, p: NodeConfig,
+                max_output_tokens: int | None = None) -> TurnDecision:
         ctx = self._ctx
         entry = found.entry if found is not None else None
         return decide_turn(
@@ -171,6 +172,7 @@ class Planner:
             decode_node=ctx.nodes.state(entry.decode_node_id) if entry is not None else None,
             config=ctx.config.policy,
             costs=ctx.nodes.costs(p.node_id),
+            max_output_tokens=max_output_tokens,
         )
 
     async def _prompt(
