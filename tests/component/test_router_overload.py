@@ -39,13 +39,18 @@ async def test_requests_beyond_the_limit_get_429_until_others_finish() -> None:
                 assert resp.headers["retry-after"] == "1"
                 err = resp.json()["error"]
                 assert (err["code"], err["type"]) == (429, "RateLimitError")
-            assert rejected(r) == 2
+            # count_tokens costs P a prompt's rendering: it takes a slot too (probe 12, G1)
+            resp = await c.post("/v1/messages/count_tokens", json={
+                "model": "tiny", "messages": MESSAGES})
+            assert resp.status_code == 429 and resp.headers["retry-after"] == "1"
+            assert resp.json()["error"]["type"] == "rate_limit_error"
+            assert rejected(r) == 3
             # other endpoints are not limited
             assert (await c.get("/stats")).status_code == 200
             assert (await c.get("/health")).status_code == 200
             metrics = (await c.get("/metrics")).text
             assert "kvrelay_router_in_flight 2.0" in metrics
-            assert 'kvrelay_router_rejected_requests_total{reason="overload"} 2.0' in metrics
+            assert 'kvrelay_router_rejected_requests_total{reason="overload"} 3.0' in metrics
 
             d.faults.hang = False
             assert [t.status_code for t in await asyncio.gather(*held)] == [200, 200]
@@ -54,7 +59,11 @@ async def test_requests_beyond_the_limit_get_429_until_others_finish() -> None:
             results = await asyncio.gather(*(c.post("/v1/chat/completions", json=body())
                                              for _ in range(2)))
             assert [x.status_code for x in results] == [200, 200]
-            assert rejected(r) == 2
+            counted = await c.post("/v1/messages/count_tokens", json={
+                "model": "tiny", "messages": MESSAGES})
+            assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+            assert rejected(r) == 3
+            assert r.ctx.admission.in_flight == 0
 
 
 async def test_a_stream_holds_its_slot_until_it_ends() -> None:

@@ -114,6 +114,40 @@ OVER_IN_OTHER_APIS = [
     ("65 Messages stop_sequences", "/v1/messages",
      {"model": "tiny", "max_tokens": 2, "messages": [USER],
       "stop_sequences": [f"s{i}" for i in range(65)]}, "stop_sequences"),
+    # probe 12, finding G1: count_tokens was counted nowhere (150 000 messages answered)
+    ("10 001 messages to count", "/v1/messages/count_tokens",
+     {"model": "tiny", "messages": [USER] * 10_001}, "messages"),
+    # finding G2: a namespace counted as one tool; vLLM renders every tool in it
+    ("1 001 tools in a Responses namespace", "/v1/responses",
+     {"model": "tiny", "max_output_tokens": 16, "input": "hi", "tools": [
+         {"type": "namespace", "name": "ns", "description": "d", "tools": [
+             {"type": "function", "name": f"f{i}", "parameters": {}}
+             for i in range(1_001)]}]}, "tools"),
+    ("1 001 tools across namespaces", "/v1/responses",
+     {"model": "tiny", "max_output_tokens": 16, "input": "hi", "tools": [
+         {"type": "namespace", "name": f"ns{n}", "description": "d", "tools": [
+             {"type": "function", "name": f"f{i}", "parameters": {}}
+             for i in range(143)]} for n in range(7)]}, "tools"),
+    # finding G4: parts nested below an item's content were not counted
+    ("1 001 blocks in a Messages tool_result", "/v1/messages",
+     {"model": "tiny", "max_tokens": 2, "messages": [
+         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t1",
+                                       "content": [{"type": "text", "text": "x"}] * 1_001}]}]},
+     "messages"),
+    ("1 001 Messages system blocks", "/v1/messages",
+     {"model": "tiny", "max_tokens": 2, "messages": [USER],
+      "system": [{"type": "text", "text": "x"}] * 1_001}, "system"),
+    ("1 001 parts in a function_call_output", "/v1/responses",
+     {"model": "tiny", "max_output_tokens": 16, "input": [
+         USER, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+         {"type": "function_call_output", "call_id": "c1",
+          "output": [{"type": "input_text", "text": "x"}] * 1_001}]}, "input"),
+    ("20 001 nested parts in all", "/v1/messages",
+     {"model": "tiny", "max_tokens": 2, "system": [{"type": "text", "text": "x"}],
+      "messages": [{"role": "user", "content": [
+          {"type": "tool_result", "tool_use_id": f"t{i}",
+           "content": [{"type": "text", "text": "x"}] * 1_000}]} for i in range(20)]},
+     "messages"),
 ]
 
 
@@ -162,8 +196,8 @@ async def test_every_api_s_lists_are_counted_and_refused_in_its_own_error_shape(
             resp = await c.post(path, json=body)
             doc = resp.json() if resp.status_code == 400 else {}
             error = doc.get("error", {})
-            if path == "/v1/messages":  # Anthropic's shape: no param, the field in the text
-                ok = doc.get("type") == "error" and f"'{field}'" in error.get("message", "")
+            if path.startswith("/v1/messages"):  # Anthropic's shape: the field in the text
+                ok = doc.get("type") == "error" and f"'{field}" in error.get("message", "")
             else:
                 ok = error.get("param") == field
             if not ok or "array too long" not in error.get("message", ""):

@@ -30,18 +30,13 @@ from kvrelay.router.decode import BeforeFirstByte, Decoder
 from kvrelay.router.errors import ClientError, RouterError
 from kvrelay.router.plan import Planner
 from kvrelay.router.prefill import Prefiller
-from kvrelay.router.request import parse_request
+from kvrelay.router.request import PARSE_INLINE_BYTES, parse_request
 from kvrelay.router.state import RouterContext
 from kvrelay.router.stored_responses import RESPONSES_PREFIX, ResponseRoutes, StoredResponses
 from kvrelay.router.turn import Turn
 from kvrelay.router.turnlog import TurnLogWriter
 
 log = logging.getLogger("kvrelay.router")
-
-PARSE_INLINE_BYTES = 64 * 1024
-"""Bodies up to this are parsed on the event loop (well under a millisecond; a thread hop
-would cost more); larger ones in a worker thread (module docstring)."""
-
 
 class GenerationHandler:
     """The generation endpoints (one per API adapter, ``router.apis``) of one router app;

@@ -137,6 +137,13 @@ def parse_request(
     return request_from_body(endpoint, load_body(raw, limits), headers, tenant, rules)
 
 
+PARSE_INLINE_BYTES = 64 * 1024
+"""Bodies up to this are parsed on the event loop (well under a millisecond; a thread hop
+would cost more); larger ones in a worker thread, so the event loop keeps serving other
+clients meanwhile (the interpreter switches threads every few ms) instead of stalling for
+the whole parse."""
+
+
 def load_body(raw: bytes, limits: RequestLimits | None = None) -> JsonObject:
     """A request body as a JSON object, within ``limits``; ``ClientError`` if not."""
     body = load_json(raw, limits)

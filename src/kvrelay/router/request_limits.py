@@ -38,40 +38,90 @@ class RequestLimits:
 
 def check_counts(body: Mapping[str, Any], limits: RequestLimits) -> None:
     """``ClientError`` 400 when ``body`` carries more than ``limits`` allow: history items
-    (chat and Messages ``messages``, Responses ``input``), content parts in one item or in
-    all, tool calls in the history, tools, stop sequences (chat and completions ``stop``,
-    ``stop_token_ids``, Messages ``stop_sequences``). Only counts lists: their shape is
-    judged later (by the router or by vLLM). Every API's lists, whatever the endpoint: a
-    list another API would read costs the parse the same."""
+    (chat and Messages ``messages``, Responses ``input``), content parts in one list or in
+    all (an item's ``content``, a ``tool_result``'s nested ``content``, a Responses
+    ``function_call_output``'s ``output``, Messages' ``system`` blocks), tool calls in the
+    history, tools (a Responses ``namespace`` counts the tools it holds: vLLM renders each
+    of them), stop sequences (chat and completions ``stop``, ``stop_token_ids``, Messages
+    ``stop_sequences``). Only counts lists: their shape is judged later (by the router or
+    by vLLM). Every API's lists, whatever the endpoint: a list another API would read costs
+    the parse the same."""
+    parts = _Parts(limits)
     for key in ("messages", "input"):
         history = body.get(key)
         if isinstance(history, list):
-            _check_history(key, history, limits)
-    for name, limit in (("tools", limits.max_tools), ("functions", limits.max_tools),
-                        ("stop", limits.max_stop_sequences),
-                        ("stop_token_ids", limits.max_stop_sequences),
-                        ("stop_sequences", limits.max_stop_sequences)):
+            _check_history(key, history, limits, parts)
+    system = body.get("system")
+    if isinstance(system, list):
+        parts.add("system", system)
+    parts.check_total()
+    for name in ("tools", "functions"):
         value = body.get(name)
         if isinstance(value, list):
-            _at_most(name, len(value), limit)
+            _at_most(name, _num_tools(value), limits.max_tools)
+    for name in ("stop", "stop_token_ids", "stop_sequences"):
+        value = body.get(name)
+        if isinstance(value, list):
+            _at_most(name, len(value), limits.max_stop_sequences)
 
 
-def _check_history(key: str, history: list[Any], limits: RequestLimits) -> None:
+class _Parts:
+    """Content parts counted across a request: each list at most ``max_content_parts``,
+    all of them at most ``max_content_parts_total``."""
+
+    def __init__(self, limits: RequestLimits) -> None:
+        self._limits = limits
+        self.total = 0
+        self._param: str | None = None
+
+    def add(self, what: str, parts: list[Any]) -> None:
+        _at_most(what, len(parts), self._limits.max_content_parts)
+        self.total += len(parts)
+        if self._param is None:
+            self._param = what.split("[", 1)[0]
+
+    def check_total(self) -> None:
+        if self._param is not None:
+            _at_most(f"{self._param}[] content parts (all lists)", self.total,
+                     self._limits.max_content_parts_total, param=self._param)
+
+
+def _num_tools(tools: list[Any]) -> int:
+    """Tools as vLLM renders them: a tool holding a ``tools`` list (a Responses
+    ``namespace``) is the tools it holds, however deep."""
+    count = 0
+    stack = [tools]
+    while stack:
+        for tool in stack.pop():
+            nested = tool.get("tools") if isinstance(tool, dict) else None
+            if isinstance(nested, list):
+                stack.append(nested)
+            else:
+                count += 1
+    return count
+
+
+def _check_history(key: str, history: list[Any], limits: RequestLimits,
+                   parts: _Parts) -> None:
     """The counts of one history list (``key``: its field)."""
     _at_most(key, len(history), limits.max_messages)
-    parts = calls = 0
+    calls = 0
     for item in history:
         if not isinstance(item, dict):
             continue
         content = item.get("content")
         if isinstance(content, list):
-            _at_most(f"{key}[].content", len(content), limits.max_content_parts)
-            parts += len(content)
+            parts.add(f"{key}[].content", content)
+            for part in content:
+                nested = part.get("content") if isinstance(part, dict) else None
+                if isinstance(nested, list):  # a Messages tool_result's blocks
+                    parts.add(f"{key}[].content[].content", nested)
+        output = item.get("output")
+        if isinstance(output, list):  # a Responses function_call_output's parts
+            parts.add(f"{key}[].output", output)
         tool_calls = item.get("tool_calls")
         if isinstance(tool_calls, list):
             calls += len(tool_calls)
-    _at_most(f"{key}[].content (all items)", parts, limits.max_content_parts_total,
-             param=key)
     _at_most(f"{key}[].tool_calls (all items)", calls, limits.max_tool_calls, param=key)
 
 
