@@ -199,6 +199,19 @@ async def test_nothing_from_the_request_is_reflected_in_headers(rig: Routed) -> 
             assert b"Injected" not in value
 
 
+async def test_tool_call_arguments_nested_too_deep_to_read_are_no_crash() -> None:
+    """An assistant tool call whose arguments string nests deeper than Python's JSON reader
+    goes (the body's own nesting is limited, a string's is not): its digest raised
+    ``RecursionError``, which escaped the turn as a 500. Now it digests as sent."""
+    history = [*MSG, {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function",
+         "function": {"name": "f", "arguments": "[" * 5000 + "]" * 5000}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "ok"}]
+    async with routed() as r, r.client() as c:  # the rig's 1000-byte bodies are too small
+        resp = await c.post(CHAT, json={"model": "tiny", "messages": history, "max_tokens": 4})
+    assert resp.status_code == 200, resp.text
+
+
 async def test_huge_max_tokens_is_left_to_the_engine(rig: Routed) -> None:
     resp = await rig.post(CHAT, body(max_tokens=10**30))
     assert resp.status_code == 400  # the engine's answer (vLLM: exceeds max_model_len)

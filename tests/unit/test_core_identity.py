@@ -63,6 +63,24 @@ def test_answers_compare_content_and_tool_calls_not_formatting() -> None:
         "", [ToolCall("f", "not json")])
 
 
+def test_tool_arguments_digest_as_the_numbers_a_javascript_client_re_sends() -> None:
+    """Probe 12: a JavaScript client (Claude Code, Codex) parses D's arguments into doubles
+    and re-sends them: ``1.0`` as ``1``, ``1e3`` as ``1000``, an integer past 2**53 as the
+    double it rounds to, and Infinity as ``null``. Each must digest as D's answer did."""
+    from_d = ToolCall("f", '{"a": 1.0, "b": [1e3, 2.5, -0.0], "c": 12345678901234567890, '
+                           '"d": true, "e": 1e400, "f": 0, "g": "1.0"}')
+    re_sent = ToolCall("f", '{"a":1,"b":[1000,2.5,0],"c":12345678901234567000,"d":true,'
+                            '"e":null,"f":0,"g":"1.0"}')
+    assert answer_digest("", [from_d]) == answer_digest("", [re_sent])
+    for other in ('{"a":1.5}', '{"a":"1"}', '{"a":true}', '{"a":1,"g":"1"}'):
+        assert answer_digest("", [ToolCall("f", '{"a": 1.0}')]) != answer_digest(
+            "", [ToolCall("f", other)])
+    assert answer_digest("", [ToolCall("f", "[" * 5000 + "]" * 5000)]) != answer_digest(
+        "", [ToolCall("f", "[]")])  # too deep to read: digested as sent, never an error
+    assert answer_digest("", [ToolCall("f", "[" * 100_000)]) == answer_digest(
+        "", [ToolCall("f", "[" * 100_000)])
+
+
 def test_scopes_differ_by_tenant_and_id() -> None:
     assert scope_of("t", None) != scope_of("t", "")
     assert scope_of("t", "a") != scope_of("u", "a")

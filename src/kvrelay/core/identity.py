@@ -61,11 +61,12 @@ in them).
 from __future__ import annotations
 
 import hashlib
-import json
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import msgspec
+
+from kvrelay.core.tool_arguments import canonical_arguments
 
 DIGEST_BYTES = 16
 TEXT_BLOCK_BYTES = 1024
@@ -202,7 +203,7 @@ def answer_digest(content: str, tool_calls: Sequence[ToolCall] = ()) -> Continua
     parts = [b"answer", content.strip().encode("utf-8")]
     for call in tool_calls:
         parts.append(call.name.encode("utf-8"))
-        parts.append(_canonical_arguments(call.arguments).encode("utf-8"))
+        parts.append(canonical_arguments(call.arguments).encode("utf-8"))
     return Continuation(digest(*parts), 0)
 
 
@@ -376,10 +377,3 @@ def text_carries(identity: RequestIdentity, anchor: bytes, continuation: Continu
                              continuation.num_bytes)
             return found == continuation
     return False
-
-
-def _canonical_arguments(arguments: str) -> str:
-    try:
-        return json.dumps(json.loads(arguments), sort_keys=True, separators=(",", ":"))
-    except ValueError:
-        return arguments
