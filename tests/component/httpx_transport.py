@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from kvrelay.router.config import NodeConfig
-from kvrelay.router.upstream import Answer, ByteStream, UpstreamError
+from kvrelay.router.upstream import Answer, ByteStream, UpstreamError, too_large
 
 
 def _translate(node_id: str, exc: httpx.HTTPError) -> UpstreamError:
@@ -50,7 +50,7 @@ class HttpxTransport:
 
     async def request(
         self, node: NodeConfig, method: str, path: str, body: bytes | None,
-        timeout_s: float | None,
+        timeout_s: float | None, max_bytes: int | None = None,
     ) -> Answer:
         try:
             response = await self._client.request(
@@ -59,6 +59,8 @@ class HttpxTransport:
             )
         except httpx.HTTPError as exc:
             raise _translate(node.node_id, exc) from exc
+        if max_bytes is not None and len(response.content) > max_bytes:
+            raise too_large(node.node_id, max_bytes)
         return Answer(response.status_code, response.content)
 
     async def stream(

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from kvrelay.router.app import create_app
 from kvrelay.router.config import RouterConfig
+from kvrelay.router.upstream import MAX_GET_BYTES
 from tests.ports import free_ports
 
 GAUGES = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} %s\n'
@@ -70,3 +71,32 @@ async def test_gauges_that_are_not_numbers_are_no_room_and_counted(value: str) -
 
     room, counts = await read_room_of(odd)
     assert room is None and counts == {"ok": 0, "no_gauges": 1, "failed": 0}
+
+
+@pytest.mark.parametrize("chunked", [False, True])
+async def test_a_metrics_answer_over_the_bound_is_not_read(chunked: bool) -> None:
+    """Probe 11, finding F6: a 30 MB ``/metrics`` was read whole and parsed on the event
+    loop every second (80 ms each). An answer over ``MAX_GET_BYTES`` is a failed read, with
+    or without a ``Content-Length``; one just under it is read."""
+    padding = "# " + "x" * 1022 + "\n"
+
+    def body(num_bytes: int) -> bytes:
+        text = (GAUGES % "0.25") + padding * (num_bytes // len(padding) + 1)
+        return text.encode()[:num_bytes]
+
+    for size, outcome in ((MAX_GET_BYTES + 1, "failed"), (MAX_GET_BYTES - 1, "ok")):
+        async def answer(request: web.Request, size: int = size) -> web.StreamResponse:
+            if not chunked:
+                return web.Response(body=body(size))
+            response = web.StreamResponse()
+            response.enable_chunked_encoding()
+            await response.prepare(request)
+            data = body(size)
+            for at in range(0, len(data), 256 * 1024):
+                await response.write(data[at:at + 256 * 1024])
+            await response.write_eof()
+            return response
+
+        room, counts = await read_room_of(answer)
+        assert counts[outcome] == 1, (size, counts)
+        assert (room is None) == (outcome == "failed")

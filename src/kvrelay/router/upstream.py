@@ -105,7 +105,7 @@ class Transport(Protocol):
 
     async def request(
         self, node: NodeConfig, method: str, path: str, body: bytes | None,
-        timeout_s: float | None,
+        timeout_s: float | None, max_bytes: int | None = None,
     ) -> Answer: ...
 
     async def stream(
@@ -113,6 +113,17 @@ class Transport(Protocol):
     ) -> tuple[int, ByteStream | bytes]: ...
 
     async def aclose(self) -> None: ...
+
+
+MAX_GET_BYTES = 4 * 1024 * 1024
+"""The most a GET to a node (``/health``, ``/v1/models``, ``/metrics``) may answer. vLLM's
+``/metrics`` is ~100-300 KB; a broken or hostile node's 30 MB one, read every second and
+parsed on the event loop, blocked it 80 ms a read (probe 11, finding F6)."""
+
+
+def too_large(node_id: str, max_bytes: int) -> UpstreamError:
+    """The error of a node answer over ``max_bytes``."""
+    return UpstreamError(node_id, "protocol", f"answer over {max_bytes} bytes")
 
 
 class Upstream:
@@ -129,8 +140,10 @@ class Upstream:
         return answer.body
 
     async def get(self, node: NodeConfig, path: str, timeout_s: float | None = None) -> Answer:
-        """GET; any status is returned, transport failures raise ``UpstreamError``."""
-        return await self.transport.request(node, "GET", path, None, timeout_s)
+        """GET; any status is returned, transport failures raise ``UpstreamError``, and so
+        does an answer over ``MAX_GET_BYTES`` (``protocol``: no vLLM sends one)."""
+        return await self.transport.request(node, "GET", path, None, timeout_s,
+                                            MAX_GET_BYTES)
 
     async def open_stream(self, node: NodeConfig, path: str, body: bytes) -> ByteStream:
         """POST and return the open SSE response once its headers arrived with a 2xx status
@@ -216,7 +229,7 @@ class AiohttpTransport:
 
     async def request(
         self, node: NodeConfig, method: str, path: str, body: bytes | None,
-        timeout_s: float | None,
+        timeout_s: float | None, max_bytes: int | None = None,
     ) -> Answer:
         session = self._client()
         timeout = self._timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
@@ -225,7 +238,16 @@ class AiohttpTransport:
                 method, node.url + path, data=body,
                 headers=_JSON_HEADERS if body is not None else _GET_HEADERS, timeout=timeout,
             ) as response:
-                return Answer(response.status, await response.read())
+                if max_bytes is None:
+                    return Answer(response.status, await response.read())
+                if (response.content_length or 0) > max_bytes:
+                    raise too_large(node.node_id, max_bytes)
+                data = bytearray()
+                async for chunk in response.content.iter_chunked(64 * 1024):
+                    data += chunk
+                    if len(data) > max_bytes:
+                        raise too_large(node.node_id, max_bytes)
+                return Answer(response.status, bytes(data))
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise _translate(node.node_id, exc) from exc
 
