@@ -264,6 +264,7 @@ async def run_router(
         ports = [port] if internal_port is None else [port, internal_port]
         for p in ports:
             await _wait_listening(router, p)
+        await _wait_engines_asked(cluster)
         yield router
     finally:
         router.kill()
@@ -292,6 +293,16 @@ async def fake_rig(
     async with FakeCluster(1, 1, config or engine_config(report_delay_s=0.0)) as cluster, \
             run_router(cluster, log_dir, *args) as router:
         yield Rig(cluster, router)
+
+
+async def _wait_engines_asked(cluster: FakeCluster, bound_s: float = 10.0) -> None:
+    """The router asks each D that comes up which engine it runs (``EngineChecks.learn``: a
+    one-token completion): wait until every D got that request, so that what a test counts
+    at the engines begins after it. Bounded: a D that is not up is not asked."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while any(not d.records for d in cluster.decode) and loop.time() < deadline:
+        await asyncio.sleep(0.02)
 
 
 async def _wait_listening(router: RouterProcess, port: int) -> None:

@@ -444,3 +444,43 @@ async def test_reports_refused_while_a_check_runs_are_heard_again_once_per_turn(
         assert count(r.ctx.metrics, "turn_entries", "committed") == 2
         await chat.turn(FOLLOW_UPS[0])
         assert (await r.last_decision())["reason"] == "pull"
+
+
+async def test_a_d_that_comes_up_is_asked_its_engine_so_no_report_fixes_it() -> None:
+    """While D has answered nothing but streams (0.32), the router knew D's engine and side
+    channel from nothing but reports: the first report that passed the other checks fixed
+    them, so one forged with a live turn id, naming another engine and side channel, was
+    believed, and later pulls would have gone there. Now a D that passes a health check with
+    its engine unknown is asked (``EngineChecks.learn``): the forged report names an engine
+    D's own answer refuted, D's genuine one commits, and the next turn pulls from D."""
+    async with routed(engine_config=config("0.32", report_hosts=())) as r:
+        d = r.cluster.decode[0]
+        assert r.ctx.nodes.trusted_identity("decode-0") == (None, None)
+        await r.ctx.nodes.check_all()
+        engine, side_channel = r.ctx.nodes.trusted_identity("decode-0")
+        assert engine == d.engine_id and side_channel is not None
+        checks = r.ctx.metrics.engine_checks
+        assert checks.labels("decode-0", "learned")._value.get() == 1
+        await r.ctx.nodes.check_all()  # known now: not asked again
+        assert checks.labels("decode-0", "learned")._value.get() == 1
+        chat = Chat(r, stream=True)
+        await chat.turn(FIRST)
+        rec = d_records(d)[-1]
+        sent = rec.request_kv_transfer_params or {}
+        genuine = report_body(sent[REPORT_TURN_KEY], rec.kv_transfer_params,
+                              len(rec.prompt_token_ids), len(rec.output_token_ids))
+        forged = {**genuine, "kv_transfer_params": {
+            **(genuine["kv_transfer_params"] or {}), "remote_engine_id": "not-ds-engine",
+            "remote_host": "10.0.0.66", "remote_port": 7777}}
+        async with httpx.AsyncClient(trust_env=False) as c:
+            told = await c.post(sent[REPORT_URL_KEY], json=forged)
+            assert told.json() == {"outcome": "mismatch_engine"}
+            await until(lambda: not r.ctx.desk._rehearings, "the report was heard again")
+            assert r.ctx.nodes.trusted_identity("decode-0") == (engine, side_channel)
+            assert (await c.post(sent[REPORT_URL_KEY], json=genuine)).json() == {
+                "outcome": "matched"}
+        await r.settle()
+        await chat.turn(FOLLOW_UPS[0])
+        assert (await r.last_decision())["reason"] == "pull"
+        pull = [rec for rec in r.cluster.prefill[0].records if rec.plan == "pull"][-1]
+        assert pull.pulled_from_engine == d.engine_id

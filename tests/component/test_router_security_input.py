@@ -41,6 +41,7 @@ def nested(kind: str, depth: int) -> str:
 async def test_deep_nesting_in_an_unknown_field_is_400_never_500(rig: Rig) -> None:
     depths = [300, *range(950, 986), 2000]
     by_status: dict[str, list[str]] = {}
+    before = rig.generation_requests()  # the router's own (a D's engine asked at startup)
     async with rig.router.client() as c:
         for kind in ("dict", "list"):
             for depth in depths:
@@ -52,7 +53,7 @@ async def test_deep_nesting_in_an_unknown_field_is_400_never_500(rig: Rig) -> No
     wrong = {k: v for k, v in by_status.items() if k != "400 + OpenAI error"}
     assert not wrong, "nesting depths not refused with a 400: " + "; ".join(
         f"{status} at {_ranges(where)}" for status, where in wrong.items())
-    assert rig.generation_requests() == 0, "a deeply nested body reached an engine"
+    assert rig.generation_requests() == before, "a deeply nested body reached an engine"
 
 
 def _ranges(labels: list[str]) -> str:

@@ -218,6 +218,7 @@ def create_app(
                                      retention_url=ctx.retention.url_for,
                                      release=ctx.stock_releases.release)
     ctx.retention.engine_checks = ctx.engine_checks
+    nodes.engine_unknown = ctx.engine_checks.learn
     ctx.desk.engine_checks = ctx.engine_checks
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))

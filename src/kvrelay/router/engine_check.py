@@ -19,6 +19,14 @@ sync costs at most one check per ``MIN_INTERVAL_S`` for each D, and an engine a 
 refuted is not checked again for ``REFUTED_FOR_S``. ``ReportDesk`` hears the reports
 refused for their engine again once the check they raised has ended (the latest of each
 turn's, once).
+
+A D that comes up with its engine unknown is asked the same way (``learn``, from its
+passing health check: ``NodeRegistry.engine_unknown``), before it serves a turn where it
+can. Before, while such a D answered nothing but streams, the first report that passed the
+other checks fixed D's engine and side channel (trust on first use): one forged with a
+live turn id, naming another engine and side channel, was believed, and later pulls would
+have gone there. The first report is now trusted that way only when the check got no
+answer.
 """
 
 from __future__ import annotations
@@ -26,7 +34,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Literal
 
 import msgspec
@@ -45,9 +53,10 @@ from kvrelay.router.upstream import Answer, Upstream, UpstreamError
 
 log = logging.getLogger("kvrelay.router")
 
-CheckOutcome = Literal["restarted", "same", "no_params", "failed"]
-"""How a check ended: D's answer named another engine than the one the router trusted (now
-learned), the same, none (D retained nothing: not a bidirectional D), or D gave no answer."""
+CheckOutcome = Literal["learned", "restarted", "same", "no_params", "failed"]
+"""How a check ended: D's answer named its engine where the router knew none (a D that came
+up: ``EngineChecks.learn``), another engine than the one the router trusted (now learned),
+the same, none (D retained nothing: not a bidirectional D), or D gave no answer."""
 
 MIN_INTERVAL_S = 5.0
 """At most one check of a D begins within this many seconds."""
@@ -110,16 +119,44 @@ class EngineChecks:
                 or self._nodes.trusted_identity(node_id)[0] == engine_id \
                 or self._refuted_s_ago(node_id, engine_id) < REFUTED_FOR_S:
             return None
+        return self._start(node_id, self._check(node_id, engine_id))
+
+    def learn(self, node_id: str) -> asyncio.Task[CheckOutcome] | None:
+        """D ``node_id`` is up and the router knows none of its engine: the check that asks
+        it (the one in flight, else a new one), or ``None`` when none is due (not a D that
+        is up, its engine known, a check began within ``MIN_INTERVAL_S``)."""
+        running = self._running.get(node_id)
+        if running is not None:
+            return running
+        state = self._nodes.state(node_id)
+        if state is None or state.role != "decode" or not state.up \
+                or self._nodes.trusted_identity(node_id)[0] is not None:
+            return None
+        return self._start(node_id, self._learn(node_id))
+
+    def _start(self, node_id: str, check: Coroutine[object, object, CheckOutcome]
+               ) -> asyncio.Task[CheckOutcome] | None:
+        """Run ``check`` as D ``node_id``'s one check, unless one began within
+        ``MIN_INTERVAL_S`` (then ``None``)."""
         now = self._clock()
         began = self._began_s.get(node_id)
         if began is not None and now - began < MIN_INTERVAL_S:
+            check.close()
             return None
         self._began_s[node_id] = now
         task = asyncio.get_running_loop().create_task(
-            self._check(node_id, engine_id), name=f"kvrelay-engine-check-{node_id}")
+            check, name=f"kvrelay-engine-check-{node_id}")
         self._running[node_id] = task
         task.add_done_callback(lambda _: self._running.pop(node_id, None))
         return task
+
+    async def _learn(self, node_id: str) -> CheckOutcome:
+        outcome = await self._ask(self._nodes.config(node_id))
+        if outcome == "restarted":
+            outcome = "learned"  # there was no engine to restart from
+        self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
+        log.info("D %s came up with its engine unknown; asked it: %s", node_id, outcome)
+        return outcome
 
     def _refuted_s_ago(self, node_id: str, engine_id: str) -> float:
         """Seconds since a check refuted ``engine_id`` on D ``node_id`` (inf: never)."""

@@ -23,9 +23,10 @@ Names (all prefixed ``kvrelay_router_``):
   own response), ``invalid`` (not the connector's format), ``mismatch_*`` (content disagrees
   with the turn, see ``core.report``; one refused for D's engine alone is heard again once
   the engine check it raised has ended, and counted again if that gives another outcome);
-  ``engine_checks_total{node,outcome}`` – checks of a D's engine that a report or a sync
-  naming another engine raised (``router.engine_check``): ``restarted`` (D's own answer
-  named a new engine, now known), ``same``, ``no_params``, ``failed``;
+  ``engine_checks_total{node,outcome}`` – checks of a D's engine (``router.engine_check``)
+  that a report or a sync naming another engine raised, or a D that came up with its engine
+  unknown: ``learned`` (the latter, answered), ``restarted`` (D's own answer named a new
+  engine, now known), ``same``, ``no_params``, ``failed``;
   ``turn_entries_total{outcome}`` – how each D turn
   settled (``committed``, ``no_kv``, ``report_timeout``, ``no_params`` (a stream without a
   report target ended without params), ``failed``, ...).
@@ -138,8 +139,9 @@ class RouterMetrics:
             ["outcome"], registry=r,
         )
         self.engine_checks = Counter(
-            _P + "engine_checks_total", "Checks of a D's engine id that a report or a sync "
-            "naming another engine raised, by how they ended", ["node", "outcome"], registry=r,
+            _P + "engine_checks_total", "Checks of a D's engine id (a D up with its engine "
+            "unknown, or a report or sync naming another engine), by how they ended",
+            ["node", "outcome"], registry=r,
         )
         self.room_reads = Counter(
             _P + "room_reads_total", "Reads of a D's room from its /metrics, by outcome",

@@ -15,7 +15,10 @@ Engine ids and side channels are learned only from what a node itself answers
 (``remote_engine_id``/``remote_host``/``remote_port`` in its params), never from D's reports:
 a report is checked against them (``core.report``). While a D has answered nothing but
 streams since it came up, the first report that passes every other check fixes the identity
-later reports must match (``report_identity``); a node that goes down forgets it. A new
+later reports must match (``report_identity``); a node that goes down forgets it. That
+window is closed where D answers: a D that passes a health check with its engine unknown
+is asked it (``engine_unknown``, ``router.engine_check``), so a forged first report is not
+believed. A new
 engine id from a node means it restarted: its old entries are rejected by the policy
 (``engine_restarted``). With replicas, ``observe_entry`` adopts the engine id of an entry
 another replica wrote after this router last saw the node.
@@ -41,7 +44,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 import msgspec
@@ -92,6 +95,8 @@ class _Node:
     max_model_len: int | None = None
     """D's ``max_model_len`` from its ``/v1/models``, read by the first passing health
     check of each engine (``None``: not read yet, or D did not say)."""
+    engine_asked: bool = False
+    """Whether D was asked its engine since it came up (``engine_unknown``)."""
 
     def state(self) -> NodeState:
         c = self.config
@@ -130,6 +135,9 @@ class NodeRegistry:
                        for n in config.nodes}
         self._order = [n.node_id for n in config.nodes]
         self._drained: set[str] = set()
+        self.engine_unknown: Callable[[str], Awaitable[str] | None] | None = None
+        """Asks D ``node_id``, up with its engine unknown, which engine it runs
+        (``EngineChecks.learn``; set by the app): returns the check, else ``None``."""
         for node in self._nodes.values():
             self._publish(node)
 
@@ -331,6 +339,7 @@ class NodeRegistry:
         node.engine_id = None
         node.side_channel = None
         node.max_model_len = None
+        node.engine_asked = False
         self._publish(node)
         dropped = await self._index.drop_node(node_id)
         if dropped:
@@ -363,8 +372,11 @@ class NodeRegistry:
             busy = exc.kind == "timeout" and node.answers > answered_before
         if ok:
             self.mark_up(node_id)
-            if node.config.role == "decode" and node.max_model_len is None:
-                await self._read_max_model_len(node)
+            if node.config.role == "decode":
+                if node.max_model_len is None:
+                    await self._read_max_model_len(node)
+                if node.engine_id is None and not node.engine_asked:
+                    await self._ask_engine(node)
             return True
         if busy:
             log.debug("node %s: health check timed out while it answers requests", node_id)
@@ -374,6 +386,24 @@ class NodeRegistry:
         if node.failures >= self._config.health_failures_to_down:
             await self.mark_down(node_id, why)
         return False
+
+    async def _ask_engine(self, node: _Node) -> None:
+        """Have D, up with its engine unknown, asked its engine (``engine_unknown``), and
+        wait for the answer at most ``health_timeout_s`` (the check goes on beyond it). Asked
+        once while D stays up; again at the next check if D gave no answer."""
+        if self.engine_unknown is None:
+            return
+        check = self.engine_unknown(node.config.node_id)
+        if check is None:
+            return
+        node.engine_asked = True
+        try:
+            outcome = await asyncio.wait_for(asyncio.shield(check),
+                                             self._config.health_timeout_s)
+        except TimeoutError:
+            return
+        if outcome == "failed":
+            node.engine_asked = False
 
     async def _read_max_model_len(self, node: _Node) -> None:
         """Learn D's ``max_model_len`` from its ``/v1/models`` (``core.engine_load``); a
