@@ -18,10 +18,9 @@ streams since it came up, the first report that passes every other check fixes t
 later reports must match (``report_identity``); a node that goes down forgets it. That
 window is closed where D answers: a D that passes a health check with its engine unknown
 is asked it (``engine_unknown``, ``router.engine_check``), so a forged first report is not
-believed. A new
-engine id from a node means it restarted: its old entries are rejected by the policy
-(``engine_restarted``). With replicas, ``observe_entry`` adopts the engine id of an entry
-another replica wrote after this router last saw the node.
+believed. A new engine id from a node means it restarted: its old entries are rejected by
+the policy (``engine_restarted``). With replicas, ``observe_entry`` adopts the engine id of
+an entry another replica wrote after this router last saw the node.
 
 Capabilities, learned from the params a node returns: a P whose answers carry
 ``kvrelay_guard`` verifies pulls itself; a D whose retained params (in its answers or in a
