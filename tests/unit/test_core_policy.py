@@ -457,10 +457,10 @@ def test_estimate_mode_direct_and_cost_model_use_the_estimates() -> None:
 
 @pytest.mark.parametrize("exact", [True, False])
 def test_a_turn_vllm_refuses_for_its_length_recomputes_and_keeps_the_entry(exact: bool) -> None:
-    """A prompt that leaves D's ``max_model_len`` no token, or an output budget over it:
-    vLLM refuses the request (400), so the entry is not spent on it (a pull would free D's
-    blocks first): the client's corrected retry still pulls. A budget that only does not
-    fit with the prompt is clamped by vLLM, not refused: that turn pulls."""
+    """An output budget over D's ``max_model_len``, or a prompt (its ids known) that leaves
+    it no token: vLLM refuses the request (400), so the entry is not spent on it (a pull
+    would free D's blocks first): the client's corrected retry still pulls. A budget that
+    only does not fit with the prompt is clamped by vLLM, not refused: that turn pulls."""
     prompt = next_turn_prompt()
     n = len(prompt)
 
@@ -475,6 +475,10 @@ def test_a_turn_vllm_refuses_for_its_length_recomputes_and_keeps_the_entry(exact
     assert budget_over.verified_tokens == 0 and budget_over.predicted_transfer_s == 0.0
     assert run(n + 100, n + 100).action == "pull"
     assert run(n + 1, 600).action == "pull"  # clamped to one token by vLLM
-    assert_recompute(run(n, None), "too_long")  # no token left
-    assert_recompute(run(n - 1, 1), "too_long")
+    if exact:
+        assert_recompute(run(n, None), "too_long")  # no token left
+        assert_recompute(run(n - 1, 1), "too_long")
+    else:  # an estimated length runs high as well as low: never judged on (probe 13, H2)
+        assert run(n, None).action == "pull"
+        assert run(n - 1, 1).action == "pull"
     assert run(None, 10**6).action == "pull"  # D's length unknown: no check

@@ -15,9 +15,11 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
 5. ``node_down`` – the D that holds the blocks is down or unknown to the router.
 6. ``engine_restarted`` – D's current engine id differs from the one that retained the
    blocks (an unknown current id, ``None``, is not treated as a restart).
-7. ``too_long`` – the request is one vLLM refuses for its length: the prompt (its exact
-   length, else the estimate) leaves D's ``max_model_len`` no token to generate, or the
-   client's output budget (``max_output_tokens``) alone is over it. (A budget that only
+7. ``too_long`` – the request is one vLLM refuses for its length: the client's output
+   budget (``max_output_tokens``) alone is over D's ``max_model_len``, or the prompt (when
+   its exact ids are known) leaves it no token to generate. Not on an estimated length:
+   estimates run high as well as low, and one too high recomputed follow-ups vLLM accepts
+   (probe 13, H2: from 68% of the limit). (A budget that only
    does not fit *with* the prompt is not refused: vLLM 0.32 and 0.33 clamp it.) A pull
    would spend the entry on it: P, asked for one token, accepts the budget and reads D's
    blocks, which frees them, before D refuses; and the claim is spent even when P refuses
@@ -179,7 +181,8 @@ def decide_turn(
     if decode_node.engine_id is not None and decode_node.engine_id != entry.decode_engine_id:
         return TurnDecision("recompute", "engine_restarted")
     limit = decode_node.max_model_len
-    if limit is not None and (prompt.est_tokens >= limit or (max_output_tokens or 0) > limit):
+    if limit is not None and ((max_output_tokens or 0) > limit or (
+            prompt.token_ids is not None and len(prompt.token_ids) >= limit)):
         return TurnDecision("recompute", "too_long")
 
     exact = prompt.token_ids is not None
