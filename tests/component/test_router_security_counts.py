@@ -128,6 +128,14 @@ OVER_IN_OTHER_APIS = [
          {"type": "namespace", "name": f"ns{n}", "description": "d", "tools": [
              {"type": "function", "name": f"f{i}", "parameters": {}}
              for i in range(143)]} for n in range(7)]}, "tools"),
+    # probe 13, H1: a tool carrying a ``tools`` list counted as the list's (none)
+    ("1 001 chat tools each carrying an empty tools list", "/v1/chat/completions",
+     chat(tools=[{**t, "tools": []} for t in tools(1_001)]), "tools"),
+    ("1 001 Messages tools to count, each with an empty tools list",
+     "/v1/messages/count_tokens",
+     {"model": "tiny", "messages": [USER], "tools": [
+         {"name": f"t{i}", "input_schema": {"type": "object"}, "tools": []}
+         for i in range(1_001)]}, "tools"),
     # finding G4: parts nested below an item's content were not counted
     ("1 001 blocks in a Messages tool_result", "/v1/messages",
      {"model": "tiny", "max_tokens": 2, "messages": [

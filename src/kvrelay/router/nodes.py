@@ -59,6 +59,10 @@ from kvrelay.router.upstream import Upstream, UpstreamError
 
 log = logging.getLogger("kvrelay.router")
 
+METRICS_INLINE_BYTES = 512 * 1024
+"""A D's ``/metrics`` up to this is read on the event loop (vLLM's is ~100-300 KB, under a
+millisecond); a larger one in a worker thread: one of 3.9 MB dense in gauge lines (under
+``upstream.MAX_GET_BYTES``) blocked the loop 180 ms a read (probe 13, H4)."""
 ROOM_STALE_READS = 3
 """A room read from D's ``/metrics`` is used for this many ``room_interval_s``: a missed
 read or two (D busy) keeps the last one, older is not D's state any more."""
@@ -446,8 +450,11 @@ class NodeRegistry:
         except UpstreamError:
             self._metrics.child(self._metrics.room_reads, node_id, "failed").inc()
             return None
-        room = room_from_metrics(answer.body.decode("utf-8", "replace")) \
-            if answer.status == 200 else None
+        room = None
+        if answer.status == 200:
+            text = answer.body.decode("utf-8", "replace")
+            room = room_from_metrics(text) if len(answer.body) <= METRICS_INLINE_BYTES \
+                else await asyncio.to_thread(room_from_metrics, text)
         outcome = "ok" if room is not None else "no_gauges" if answer.status == 200 \
             else "failed"
         self._metrics.child(self._metrics.room_reads, node_id, outcome).inc()

@@ -87,17 +87,19 @@ class _Parts:
 
 
 def _num_tools(tools: list[Any]) -> int:
-    """Tools as vLLM renders them: a tool holding a ``tools`` list (a Responses
-    ``namespace``) is the tools it holds, however deep."""
+    """Tools as vLLM renders them: every tool counts one, and a Responses ``namespace`` also
+    the tools it holds, however deep. (Any other tool counts one whatever it carries: a
+    ``tools`` list in a function tool is rendered with it, not as tools, and counting it
+    as such let 60,000 tools carrying ``"tools": []`` count none; probe 13, H1.)"""
     count = 0
     stack = [tools]
     while stack:
         for tool in stack.pop():
-            nested = tool.get("tools") if isinstance(tool, dict) else None
+            count += 1
+            nested = tool.get("tools") if isinstance(tool, dict) \
+                and tool.get("type") == "namespace" else None
             if isinstance(nested, list):
                 stack.append(nested)
-            else:
-                count += 1
     return count
 
 
