@@ -150,6 +150,11 @@ OVER_IN_OTHER_APIS = [
          USER, {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
          {"type": "function_call_output", "call_id": "c1",
           "output": [{"type": "input_text", "text": "x"}] * 1_001}]}, "input"),
+    ("1 001 parts in a reasoning item's summary", "/v1/responses",
+     {"model": "tiny", "max_output_tokens": 16, "input": [
+         USER, {"type": "reasoning", "id": "rs_1",
+                "summary": [{"type": "summary_text", "text": "x"}] * 1_001}, USER]},
+     "input"),
     ("20 001 nested parts in all", "/v1/messages",
      {"model": "tiny", "max_tokens": 2, "system": [{"type": "text", "text": "x"}],
       "messages": [{"role": "user", "content": [

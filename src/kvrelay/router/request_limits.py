@@ -40,7 +40,8 @@ def check_counts(body: Mapping[str, Any], limits: RequestLimits) -> None:
     """``ClientError`` 400 when ``body`` carries more than ``limits`` allow: history items
     (chat and Messages ``messages``, Responses ``input``), content parts in one list or in
     all (an item's ``content``, a ``tool_result``'s nested ``content``, a Responses
-    ``function_call_output``'s ``output``, Messages' ``system`` blocks), tool calls in the
+    ``function_call_output``'s ``output`` and a reasoning item's ``summary``, Messages'
+    ``system`` blocks), tool calls in the
     history, tools (a Responses ``namespace`` counts the tools it holds: vLLM renders each
     of them), stop sequences (chat and completions ``stop``, ``stop_token_ids``, Messages
     ``stop_sequences``). Only counts lists: their shape is judged later (by the router or
@@ -121,6 +122,9 @@ def _check_history(key: str, history: list[Any], limits: RequestLimits,
         output = item.get("output")
         if isinstance(output, list):  # a Responses function_call_output's parts
             parts.add(f"{key}[].output", output)
+        summary = item.get("summary")
+        if isinstance(summary, list):  # a Responses reasoning item's summary parts
+            parts.add(f"{key}[].summary", summary)
         tool_calls = item.get("tool_calls")
         if isinstance(tool_calls, list):
             calls += len(tool_calls)
