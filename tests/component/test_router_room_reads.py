@@ -100,3 +100,37 @@ async def test_a_metrics_answer_over_the_bound_is_not_read(chunked: bool) -> Non
         room, counts = await read_room_of(answer)
         assert counts[outcome] == 1, (size, counts)
         assert (room is None) == (outcome == "failed")
+
+
+async def test_a_d_whose_models_carry_no_length_is_asked_them_once() -> None:
+    """``max_model_len`` is read from D's ``/v1/models`` at the first passing health check;
+    a D whose cards carry none (not vLLM, or an old one) is not asked again at every
+    check: the policy then checks no turn's length."""
+    gets: list[str] = []
+
+    async def models(request: web.Request) -> web.Response:
+        gets.append(request.path)
+        return web.json_response({"object": "list", "data": [{"id": "m"}]})
+
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="")
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    port = free_ports(1)[0]
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+    try:
+        config = RouterConfig.from_urls(["http://127.0.0.1:9"], [f"http://127.0.0.1:{port}"])
+        ctx = create_app(config).ctx
+        try:
+            for _ in range(3):
+                assert await ctx.nodes.check("decode-0")
+        finally:
+            await ctx.upstream.aclose()
+        assert gets == ["/v1/models"]
+        assert ctx.nodes.state("decode-0").max_model_len is None  # type: ignore[union-attr]
+    finally:
+        await runner.cleanup()

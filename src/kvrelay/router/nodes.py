@@ -98,6 +98,9 @@ class _Node:
     max_model_len: int | None = None
     """D's ``max_model_len`` from its ``/v1/models``, read by the first passing health
     check of each engine (``None``: not read yet, or D did not say)."""
+    models_read: bool = False
+    """Whether this engine's ``/v1/models`` was read (so a D whose cards carry no length is
+    not asked again at every health check)."""
     engine_asked: bool = False
     """Whether D was asked its engine since it came up (``engine_unknown``)."""
 
@@ -307,6 +310,7 @@ class NodeRegistry:
         node.param_streams = frozenset()
         if old is not None:
             node.max_model_len = None  # the new engine's may differ: the next check reads it
+            node.models_read = False
             log.warning("node %s restarted: engine %s -> %s", node_id, old, engine_id)
             return True
         return False
@@ -342,6 +346,7 @@ class NodeRegistry:
         node.engine_id = None
         node.side_channel = None
         node.max_model_len = None
+        node.models_read = False
         node.engine_asked = False
         self._publish(node)
         dropped = await self._index.drop_node(node_id)
@@ -376,7 +381,7 @@ class NodeRegistry:
         if ok:
             self.mark_up(node_id)
             if node.config.role == "decode":
-                if node.max_model_len is None:
+                if not node.models_read:
                     await self._read_max_model_len(node)
                 if node.engine_id is None and not node.engine_asked:
                     await self._ask_engine(node)
@@ -418,6 +423,7 @@ class NodeRegistry:
             return
         if answer.status == 200:
             node.max_model_len = max_model_len_from_models(answer.body)
+            node.models_read = True
 
     async def check_all(self) -> dict[str, bool]:
         """Health-check every node concurrently."""
