@@ -5,7 +5,7 @@ numbers (probe 11, findings 2 and 5)."""
 from __future__ import annotations
 
 import gzip
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 from aiohttp import web
@@ -21,9 +21,17 @@ GAUGES = ('vllm:kv_cache_usage_perc{engine="0",model_name="m"} %s\n'
           'num_gpu_blocks="100"} 1.0\n')
 
 
-async def serve(handler: Callable[[web.Request], web.StreamResponse]) -> AsyncIterator[str]:
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+async def serve(handler: Handler, path: str = "/metrics",
+                **more: Handler) -> AsyncIterator[str]:
+    """A server answering GET ``path`` with ``handler`` (and GET ``/<name>`` with each of
+    ``more``); yields its URL."""
     app = web.Application()
-    app.router.add_get("/metrics", handler)
+    app.router.add_get(path, handler)
+    for name, other in more.items():
+        app.router.add_get(f"/{name}", other)
     runner = web.AppRunner(app)
     await runner.setup()
     port = free_ports(1)[0]
@@ -34,7 +42,7 @@ async def serve(handler: Callable[[web.Request], web.StreamResponse]) -> AsyncIt
         await runner.cleanup()
 
 
-async def read_room_of(handler: Callable[[web.Request], web.StreamResponse]) -> tuple[
+async def read_room_of(handler: Handler) -> tuple[
         object, dict[str, float]]:
     """D's room as the router reads it from ``handler``'s ``/metrics``, and the read counts."""
     async for url in serve(handler):
@@ -115,22 +123,13 @@ async def test_a_d_whose_models_carry_no_length_is_asked_them_once() -> None:
     async def health(request: web.Request) -> web.Response:
         return web.Response(text="")
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_get("/health", health)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    port = free_ports(1)[0]
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-    try:
-        config = RouterConfig.from_urls(["http://127.0.0.1:9"], [f"http://127.0.0.1:{port}"])
+    async for url in serve(models, "/v1/models", health=health):
+        config = RouterConfig.from_urls(["http://127.0.0.1:9"], [url])
         ctx = create_app(config).ctx
         try:
             for _ in range(3):
                 assert await ctx.nodes.check("decode-0")
         finally:
             await ctx.upstream.aclose()
-        assert gets == ["/v1/models"]
-        assert ctx.nodes.state("decode-0").max_model_len is None  # type: ignore[union-attr]
-    finally:
-        await runner.cleanup()
+    assert gets == ["/v1/models"]
+    assert ctx.nodes.state("decode-0").max_model_len is None  # type: ignore[union-attr]
