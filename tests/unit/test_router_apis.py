@@ -239,3 +239,25 @@ def test_a_chat_message_of_one_text_part_digests_as_its_string() -> None:
     for other in ([{"type": "text", "text": "Name three "}, {"type": "text", "text": "rivers."}],
                   [{"type": "text", "text": "Name three rivers.", "extra": 1}]):
         assert chat(other).probes != as_string.probes
+
+
+def test_a_lone_surrogate_escape_is_named_as_such() -> None:
+    """msgspec calls a high surrogate escape with no low one after it "Input data was
+    truncated" (probe 13, H5: a client re-sending D's tool input with ``\\ud800`` was told
+    its body was cut); the router names it. A pair decodes; a cut body is still "truncated"."""
+    from kvrelay.router.apis.fields import load_json
+    from kvrelay.router.errors import ClientError
+
+    def refusal(raw: bytes) -> str:
+        try:
+            load_json(raw)
+        except ClientError as exc:
+            return str(exc)
+        raise AssertionError("accepted")
+
+    for raw in (rb'{"input": {"q": "\ud800"}}', rb'{"a": ["x\uDBFF"]}'):
+        assert "lone UTF-16 surrogate" in refusal(raw)
+    assert "surrogate" in refusal(rb'{"a": "x\uDBFF", "b": 1}')  # msgspec names this one
+    assert load_json(rb'{"a": "\ud83d\ude00"}') == {"a": "\U0001F600"}
+    assert refusal(rb'{"a": "\ud83d\ude00"') == "Invalid JSON body: Input data was truncated"
+    assert "surrogate" in refusal(rb'{"a": "\udc00"}')  # a lone low one: msgspec names it

@@ -25,6 +25,7 @@ JsonObject = dict[str, Any]
 """A client body: free-form JSON the router forwards, touching only the keys it owns."""
 
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+_LONE_HIGH = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
 _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 
@@ -43,6 +44,10 @@ def load_json(raw: bytes, limits: RequestLimits | None = None) -> Any:
     except msgspec.ValidationError as exc:
         raise ClientError(f"Invalid JSON body: {exc}") from None
     except msgspec.DecodeError as exc:
+        if str(exc) == "Input data was truncated" and _LONE_HIGH.search(raw):
+            # msgspec's words for a high surrogate with no low one after it (probe 13, H5)
+            raise ClientError("Invalid JSON body: a lone UTF-16 surrogate escape (\\ud800-"
+                              "\\udbff not followed by \\udc00-\\udfff)") from None
         raise ClientError(f"Invalid JSON body: {exc}") from None
     if limits is not None and isinstance(body, dict):
         check_counts(body, limits)
