@@ -161,13 +161,17 @@ async def routed(
     *,
     sleep: Any = None,
     clock: ManualClock | None = None,
+    prefill_config: FakeEngineConfig | None = None,
     **settings: Any,
 ) -> AsyncIterator[Routed]:
     """The router in front of a fresh ``FakeCluster``; ``settings`` over the rig's defaults
     (fixed costs where every pull pays: ``tests.costs``). ``clock`` is the shared clock
-    (a new ``ManualClock`` if not given), ``sleep`` the engines' simulated-latency sleep."""
+    (a new ``ManualClock`` if not given), ``sleep`` the engines' simulated-latency sleep,
+    ``prefill_config`` P's engines' own config (else ``engine_config``)."""
     clock = clock if clock is not None else ManualClock()
-    extra = {"sleep": sleep} if sleep is not None else {}
+    extra: dict[str, Any] = {"sleep": sleep} if sleep is not None else {}
+    if prefill_config is not None:
+        extra["prefill_config"] = prefill_config
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
                            **extra) as cluster, \
             FakeCluster(1, 0, engine_config, model=cluster.model) as reference:

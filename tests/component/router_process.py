@@ -296,12 +296,12 @@ async def fake_rig(
 
 
 async def _wait_engines_asked(cluster: FakeCluster, bound_s: float = 10.0) -> None:
-    """The router asks each D that comes up which engine it runs (``EngineChecks.learn``: a
-    one-token completion): wait until every D got that request, so that what a test counts
-    at the engines begins after it. Bounded: a D that is not up is not asked."""
+    """The router asks each node that comes up which engine it runs (``EngineChecks.learn``:
+    a one-token completion): wait until every node got that request, so that what a test
+    counts at the engines begins after it. Bounded: a node that is not up is not asked."""
     loop = asyncio.get_running_loop()
     deadline = loop.time() + bound_s
-    while any(not d.records for d in cluster.decode) and loop.time() < deadline:
+    while any(not e.records for e in cluster.engines) and loop.time() < deadline:
         await asyncio.sleep(0.02)
 
 

@@ -18,7 +18,15 @@ import pytest
 
 from kvrelay.client.prometheus import external_kv_tokens, parse_prometheus
 from kvrelay.fakevllm import FakeEngine
-from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed
+from kvrelay.router.engine_check import MIN_INTERVAL_S
+from tests.component.router_fake import (
+    ENGINE_CONFIG,
+    GUARD_CONFIGS,
+    STOCK_CONFIG,
+    Routed,
+    routed,
+    until,
+)
 from tests.component.router_rig import walk_keys
 
 HARNESS = Path(__file__).parents[1] / "data" / "harness"
@@ -152,8 +160,11 @@ def r_client() -> Any:
 async def test_follow_ups_pull_without_an_id_and_match_a_recompute(
     api: str, stream: bool, guard: str
 ) -> None:
-    """Turns 2..4 pull with the kvrelay connector on P; a stock P (``/tokenize`` mode)
-    cannot render these APIs' prompts for the router's guard, so they recompute there."""
+    """Turns 2..4 pull with the kvrelay connector on P; stock vLLM (``/tokenize`` mode)
+    cannot render these APIs' prompts for the router's guard, nor return their token ids
+    for a fingerprint, so no turn becomes an entry and they recompute. The turns stock D
+    retained are released through P (``StockReleases.unheld``): before, each stayed on D
+    for its TTL with nothing that could ever pull it."""
     async with routed(engine_config=GUARD_CONFIGS[guard]) as r:
         p, d = r.cluster.prefill[0], r.cluster.decode[0]
         bodies, replies = await conversation(r, api, stream)
@@ -161,6 +172,11 @@ async def test_follow_ups_pull_without_an_id_and_match_a_recompute(
         if guard == "tokenize":
             assert [x["reason"] for x in decisions] == ["no_entry"] * 4
             assert all(rec.plan == "none" for rec in p.records)
+            if stream and r.cluster.decode_config.vllm_version == "0.32":
+                return  # a stock 0.32 D streams no params and reports nothing: unknown
+            assert len(d.held()) == 4
+            assert await r.ctx.stock_releases.run_once() == 4
+            await until(lambda: not d.held(), "the turns no entry points at released")
             return
         assert [x["reason"] for x in decisions] == ["no_entry", "pull", "pull", "pull"]
         assert len({x["key"] for x in decisions}) == 1
@@ -176,6 +192,57 @@ async def test_follow_ups_pull_without_an_id_and_match_a_recompute(
         assert external_kv_tokens(metrics) == sum(x["reused_tokens"] for x in decisions)
         assert [await recompute(r.reference, api, b) for b in bodies] == [
             x.text for x in replies]
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_stock_p_recomputes_unverifiable_and_d_keeps_only_the_last_turn(
+        api: str) -> None:
+    """kvrelay's connector on D, stock vLLM on P: the router cannot prove a pull of these
+    APIs' prompts (no ``/tokenize`` for them), so each follow-up recomputes, reported as
+    ``unverifiable`` in the conversation it continues, and supersedes the turn it continued:
+    D is ordered to release it and holds only the last turn. Before, the router dropped the
+    entry it found, so the follow-up was reported as a new conversation (``no_entry``) and
+    every turn stayed on D until its retention ran out, with nothing that could pull it."""
+    async with routed(prefill_config=STOCK_CONFIG) as r:
+        p, d = r.cluster.prefill[0], r.cluster.decode[0]
+        await conversation(r, api, False)
+        decisions = (await r.stats())["decisions"]["recent"]
+        assert [x["reason"] for x in decisions] == ["no_entry"] + ["unverifiable"] * 3
+        assert [x["turn"] for x in decisions] == [1, 2, 3, 4]
+        assert len({x["key"] for x in decisions}) == 1
+        assert all(rec.plan == "none" for rec in p.records)
+        assert d.state.syncer is not None
+        await d.state.syncer.sync_now()
+        await until(lambda: len(d.held()) == 1, "the superseded turns released")
+        assert d.held()[0].request_id == d.records[-1].internal_request_id
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_router_asks_p_at_its_health_check_so_its_first_follow_up_pulls(
+        api: str) -> None:
+    """A router learns whether P runs kvrelay's connector from P's answers. One that had
+    sent P no turn yet (a replica, a router restarted on shared state) did not know, and
+    recomputed its first Responses or Messages follow-up (probe 13, H3). Now P is asked at
+    its first passing health check (``EngineChecks.learn``), as a D is its engine."""
+    async with routed() as r:
+        p = r.cluster.prefill[0]
+        assert not r.ctx.nodes.verifies_pulls("prefill-0")
+        await r.ctx.nodes.check_all()
+        assert r.ctx.nodes.verifies_pulls("prefill-0")
+        assert r.ctx.nodes.trusted_identity("prefill-0")[0] == p.engine_id
+        checks = r.ctx.metrics.engine_checks
+        assert checks.labels("prefill-0", "learned")._value.get() == 1
+        await r.ctx.nodes.check_all()  # known now: not asked again
+        assert checks.labels("prefill-0", "learned")._value.get() == 1
+        await r.ctx.nodes.mark_down("prefill-0", "test")
+        assert not r.ctx.nodes.verifies_pulls("prefill-0")  # it may come back without it
+        r.clock.advance(MIN_INTERVAL_S)
+        await r.ctx.nodes.check_all()
+        assert r.ctx.nodes.verifies_pulls("prefill-0")
+    async with routed(prefill_config=STOCK_CONFIG) as r:
+        await r.ctx.nodes.check_all()
+        assert not r.ctx.nodes.verifies_pulls("prefill-0")
+        assert r.ctx.metrics.engine_checks.labels("prefill-0", "learned")._value.get() == 1
 
 
 @pytest.mark.parametrize("api", ["responses", "messages"])

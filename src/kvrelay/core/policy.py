@@ -38,8 +38,10 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
 11. ``partial_reuse_unsafe`` – (exact mode) the verified part is shorter than what D holds
     and D's block size is unknown, so the block list cannot be cut. Else ``pull``.
 
-``state_unavailable`` is never returned here: the router uses it for a turn whose entry could
-not be looked up (shared store down or slow), which it recomputes.
+``state_unavailable`` and ``unverifiable`` are never returned here: the router uses them for
+a turn whose entry could not be looked up (shared store down or slow), and for one whose pull
+nothing could prove (a P without kvrelay's connector, an API ``/tokenize`` cannot render);
+it recomputes both.
 
 Contracts: ``blocks_to_send`` is set only for ``pull``; in exact mode it never claims more
 tokens than the verified prefix (nor the whole prompt) and holds exactly their blocks; in
@@ -80,6 +82,7 @@ TurnReason = Literal[
     "state_unavailable",
     "released",
     "too_long",
+    "unverifiable",
 ]
 
 DEFAULT_KV_RECOMPUTE_THRESHOLD = 64

@@ -220,6 +220,7 @@ def create_app(
     ctx.retention.engine_checks = ctx.engine_checks
     nodes.engine_unknown = ctx.engine_checks.learn
     ctx.desk.engine_checks = ctx.engine_checks
+    ctx.desk.unheld = ctx.stock_releases.unheld
     metrics.track_live_entries(lambda: len(ctx.index))
     metrics.track_pending_reports(lambda: len(ctx.desk))
     no_tokens = {node.node_id: 0 for node in config.decode}  # a D without entries reads 0

@@ -191,6 +191,11 @@ class ReportDesk:
         self.engine_checks: EngineChecks | None = None
         """Asks a D whose reports name another engine than the one known (set by the app;
         ``None``: never asks)."""
+        self.unheld: Callable[[str, RemoteBlocks], None] | None = None
+        """Told of a turn D retained that no entry will point at (``_commit``: no
+        fingerprint, another prompt, a bad block layout, the index down), so a D that does
+        not sync frees it now instead of at its TTL (``StockReleases.unheld``; set by the
+        app)."""
 
     def __len__(self) -> int:
         return len(self._by_turn)
@@ -433,6 +438,12 @@ class ReportDesk:
         for callback in p.on_settle:
             callback(p)
 
+    def _unheld(self, p: PendingTurn, blocks: RemoteBlocks, outcome: str) -> None:
+        """Settle a turn D retained without an entry, and have its blocks freed."""
+        self.settle(p, outcome)
+        if self.unheld is not None and blocks.num_tokens > 0:
+            self.unheld(p.decode_node_id, blocks)
+
     async def _commit(self, p: PendingTurn) -> None:
         blocks, slot = p.blocks, p.slot
         if p.outcome is not None or blocks is None or slot is None:
@@ -441,12 +452,12 @@ class ReportDesk:
             prompt_ids, output_ids = p.token_ids
             expected = p.num_prompt_tokens
             if expected is not None and expected != len(prompt_ids):
-                self.settle(p, "token_ids_mismatch")
+                self._unheld(p, blocks, "token_ids_mismatch")
                 return
             fingerprint = held_fingerprint(prompt_ids, output_ids, blocks.num_tokens)
             blocks = with_fingerprint(blocks, fingerprint)
         if blocks.fingerprint is None or blocks.fingerprint.num_tokens == 0:
-            self.settle(p, "no_fingerprint")
+            self._unheld(p, blocks, "no_fingerprint")
             return
         try:
             blocks, block_size = retained_layout(
@@ -456,7 +467,7 @@ class ReportDesk:
                 blocks = replace(blocks, block_size=block_size)
         except LayoutError as exc:
             log.warning("D %s: %s", p.decode_node_id, exc)
-            self.settle(p, "bad_block_layout")
+            self._unheld(p, blocks, "bad_block_layout")
             return
         done = p.response_done_s if p.response_done_s is not None else self._clock()
         if blocks.retention == "stock":  # D kept its TTL, whatever it was told
@@ -483,7 +494,7 @@ class ReportDesk:
         try:
             await self._index.put(ref, entry, tenant=p.tenant)
         except IndexUnavailable:
-            self.settle(p, "index_unavailable")
+            self._unheld(p, blocks, "index_unavailable")
             return
         if p.flushed:  # dropped by an admin while under way: D is ordered to release it
             await self._index.drop(ref, entry)

@@ -27,6 +27,12 @@ other checks fixed D's engine and side channel (trust on first use): one forged 
 live turn id, naming another engine and side channel, was believed, and later pulls would
 have gone there. The first report is now trusted that way only when the check got no
 answer.
+
+A P that comes up is asked too (``learn``): one token with ``do_remote_decode``, whose
+answer names P's engine and says whether P runs kvrelay's connector (``kvrelay_guard``).
+Until a replica had sent P a turn it did not know, so the first Responses or Messages
+follow-up it served there recomputed (probe 13, H3). vLLM holds the one block of that
+answer for D's read until its ``kv_lease_duration`` (30 s by default) runs out.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from kvrelay.core.params import (
     KVParamsError,
     RemoteBlocks,
     parse_optional_remote_blocks,
+    request_remote_decode,
 )
 from kvrelay.core.retention_sync import RETAIN_S_KEY, RETENTION_URL_KEY
 from kvrelay.router.config import NodeConfig
@@ -122,17 +129,36 @@ class EngineChecks:
         return self._start(node_id, self._check(node_id, engine_id))
 
     def learn(self, node_id: str) -> asyncio.Task[CheckOutcome] | None:
-        """D ``node_id`` is up and the router knows none of its engine: the check that asks
-        it (the one in flight, else a new one), or ``None`` when none is due (not a D that
-        is up, its engine known, a check began within ``MIN_INTERVAL_S``)."""
+        """Node ``node_id`` is up and the router knows none of its engine: the check that
+        asks it (the one in flight, else a new one), or ``None`` when none is due (not a
+        node that is up, its engine known, a check began within ``MIN_INTERVAL_S``)."""
         running = self._running.get(node_id)
         if running is not None:
             return running
         state = self._nodes.state(node_id)
-        if state is None or state.role != "decode" or not state.up \
+        if state is None or not state.up \
                 or self._nodes.trusted_identity(node_id)[0] is not None:
             return None
+        if state.role == "prefill":
+            return self._start(node_id, self._learn_prefill(node_id))
         return self._start(node_id, self._learn(node_id))
+
+    async def _learn_prefill(self, node_id: str) -> CheckOutcome:
+        outcome = await self._ask_prefill(self._nodes.config(node_id))
+        self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
+        log.info("P %s came up with its engine unknown; asked it: %s (%s)", node_id, outcome,
+                 "kvrelay's connector" if self._nodes.verifies_pulls(node_id) else "no guard")
+        return outcome
+
+    async def _ask_prefill(self, node: NodeConfig) -> CheckOutcome:
+        body = msgspec.json.encode({"prompt": CHECK_PROMPT, "max_tokens": 1,
+                                    "temperature": 0, "stream": False,
+                                    "kv_transfer_params": request_remote_decode()})
+        blocks = await self._answer(node, body, "prefill_to_decode")
+        if isinstance(blocks, str):
+            return blocks
+        self._nodes.observe_params(node.node_id, blocks)
+        return "learned"
 
     def _start(self, node_id: str, check: Coroutine[object, object, CheckOutcome]
                ) -> asyncio.Task[CheckOutcome] | None:
@@ -192,24 +218,33 @@ class EngineChecks:
         body = msgspec.json.encode({"prompt": CHECK_PROMPT, "max_tokens": 1,
                                     "temperature": 0, "stream": False,
                                     "kv_transfer_params": params})
-        answer = await self._post(node, body)
-        if answer is None:
-            return "failed"
-        if answer.status >= 400:
-            log.warning("D %s engine check answered %d", node.node_id, answer.status)
-            return "failed"
-        try:
-            blocks = parse_optional_remote_blocks(_ANSWER.decode(answer.body).kv_transfer_params)
-        except (msgspec.DecodeError, msgspec.ValidationError, KVParamsError) as exc:
-            log.warning("D %s engine check: a bad answer: %s", node.node_id, exc)
-            return "failed"
-        if blocks is None or blocks.direction != "decode_to_prefill":
-            return "no_params"
+        blocks = await self._answer(node, body, "decode_to_prefill")
+        if isinstance(blocks, str):
+            return blocks
         known = self._nodes.trusted_identity(node.node_id)[0]
         self._nodes.observe_params(node.node_id, blocks)
         if blocks.retention == "stock" or not self._nodes.manages_retention(node.node_id):
             await self._release(node, blocks)
         return "same" if blocks.engine_id == known else "restarted"
+
+    async def _answer(self, node: NodeConfig, body: bytes, direction: str
+                      ) -> RemoteBlocks | CheckOutcome:
+        """The params of the node's answer to the check ``body``, or how it failed
+        (``failed``; ``no_params``: none in ``direction``)."""
+        answer = await self._post(node, body)
+        if answer is None:
+            return "failed"
+        if answer.status >= 400:
+            log.warning("%s engine check answered %d", node.node_id, answer.status)
+            return "failed"
+        try:
+            blocks = parse_optional_remote_blocks(_ANSWER.decode(answer.body).kv_transfer_params)
+        except (msgspec.DecodeError, msgspec.ValidationError, KVParamsError) as exc:
+            log.warning("%s engine check: a bad answer: %s", node.node_id, exc)
+            return "failed"
+        if blocks is None or blocks.direction != direction:
+            return "no_params"
+        return blocks
 
     async def _post(self, node: NodeConfig, body: bytes) -> Answer | None:
         """D's answer, or ``None`` if D gave none. Tried twice when the connection closed:
@@ -221,6 +256,6 @@ class EngineChecks:
                         node, "POST", "/v1/completions", body, CHECK_TIMEOUT_S)
             except UpstreamError as exc:
                 if exc.kind != "closed" or attempt:
-                    log.warning("D %s engine check failed: %s", node.node_id, exc)
+                    log.warning("%s engine check failed: %s", node.node_id, exc)
                     return None
         return None

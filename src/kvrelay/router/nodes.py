@@ -23,10 +23,12 @@ the policy (``engine_restarted``). With replicas, ``observe_entry`` adopts the e
 an entry another replica wrote after this router last saw the node.
 
 Capabilities, learned from the params a node returns: a P whose answers carry
-``kvrelay_guard`` verifies pulls itself; a D whose retained params (in its answers or in a
-checked report) carry a fingerprint needs no ``return_token_ids``, and one whose retained
-params carry ``kvrelay_guard`` runs kvrelay's connector: it syncs its retention with the
-router (``router.retention``).
+``kvrelay_guard`` verifies pulls itself (a P that comes up is asked at its first passing
+health check, as a D is its engine, so a replica or a restarted router knows before the
+first Responses or Messages follow-up it serves there: probe 13, H3); a D whose retained
+params (in its answers or in a checked report) carry a fingerprint needs no
+``return_token_ids``, and one whose retained params carry ``kvrelay_guard`` runs kvrelay's
+connector: it syncs its retention with the router (``router.retention``).
 
 A D's ``max_model_len`` is read from its ``/v1/models`` by the first passing health check
 (again after it restarted or was down): a follow-up D would refuse for its length must not
@@ -77,6 +79,8 @@ class _Node:
     side_channel: tuple[str, int] | None = None
     report_identity: tuple[str, str, int] | None = None
     verifies_pulls: bool = False
+    """Whether P runs kvrelay's connector: from P's own answers (the first passing health
+    check asks it, ``engine_unknown``), forgotten while P is down."""
     fingerprints: bool = False
     retains: bool | None = None
     """Whether D runs kvrelay's connector (its params carry ``kvrelay_guard``); ``None``
@@ -102,7 +106,7 @@ class _Node:
     """Whether this engine's ``/v1/models`` was read (so a D whose cards carry no length is
     not asked again at every health check)."""
     engine_asked: bool = False
-    """Whether D was asked its engine since it came up (``engine_unknown``)."""
+    """Whether the node was asked its engine since it came up (``engine_unknown``)."""
 
     def state(self) -> NodeState:
         c = self.config
@@ -348,6 +352,7 @@ class NodeRegistry:
         node.max_model_len = None
         node.models_read = False
         node.engine_asked = False
+        node.verifies_pulls = False  # a P that comes back may run another connector
         self._publish(node)
         dropped = await self._index.drop_node(node_id)
         if dropped:
@@ -380,11 +385,10 @@ class NodeRegistry:
             busy = exc.kind == "timeout" and node.answers > answered_before
         if ok:
             self.mark_up(node_id)
-            if node.config.role == "decode":
-                if not node.models_read:
-                    await self._read_max_model_len(node)
-                if node.engine_id is None and not node.engine_asked:
-                    await self._ask_engine(node)
+            if node.config.role == "decode" and not node.models_read:
+                await self._read_max_model_len(node)
+            if node.engine_id is None and not node.engine_asked:
+                await self._ask_engine(node)
             return True
         if busy:
             log.debug("node %s: health check timed out while it answers requests", node_id)
@@ -396,9 +400,10 @@ class NodeRegistry:
         return False
 
     async def _ask_engine(self, node: _Node) -> None:
-        """Have D, up with its engine unknown, asked its engine (``engine_unknown``), and
-        wait for the answer at most ``health_timeout_s`` (the check goes on beyond it). Asked
-        once while D stays up; again at the next check if D gave no answer."""
+        """Have a node, up with its engine unknown, asked its engine (``engine_unknown``; a
+        P's answer also says whether it runs kvrelay's connector), and wait for the answer
+        at most ``health_timeout_s`` (the check goes on beyond it). Asked once while the
+        node stays up; again at the next check if it gave no answer."""
         if self.engine_unknown is None:
             return
         check = self.engine_unknown(node.config.node_id)

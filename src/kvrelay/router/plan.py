@@ -13,8 +13,12 @@
 3. Pick the P (least outstanding prefill work). When that P cannot prove a pull itself
    (stock vLLM), get the prompt's exact ids from its ``/tokenize`` and let the policy run
    the guard; otherwise decide from estimates (``core.policy.Prompt``). An API whose prompt
-   ``/tokenize`` cannot render (Responses, Messages: ``ApiAdapter.tokenizable``) finds no
-   entry for such a P: no pull the router could prove.
+   ``/tokenize`` cannot render (Responses, Messages: ``ApiAdapter.tokenizable``) cannot be
+   pulled through such a P: no pull the router could prove. The turn recomputes
+   (``unverifiable``) and supersedes the entry it continued, so D releases that turn when
+   this one commits instead of holding it for nothing. Whether a P runs kvrelay's
+   connector is asked at its first passing health check (``NodeRegistry``), so a replica
+   knows before its first turn there.
 4. ``core.policy.decide_turn``, then ``core.consequences.entry_fate``: a pull claims the
    entry before P is ever called (losing the claim to a concurrent turn makes it
    ``no_entry``); entries the decision proves useless are dropped.
@@ -82,12 +86,14 @@ class Planner:
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
             ctx.retention.observe_gap(req, gap_s, entry.waits_for)
-        if found is not None and not req.adapter.tokenizable \
-                and not ctx.nodes.verifies_pulls(p.node_id):
-            found = None  # a stock P, and no /tokenize for this API: no pull can be proven
-        prompt, p = await self._prompt(req, found, p)
+        # a stock P, and no /tokenize for this API: no pull can be proven
+        unverifiable = found is not None and not req.adapter.tokenizable \
+            and not ctx.nodes.verifies_pulls(p.node_id)
+        prompt, p = await self._prompt(req, found, p, exact=not unverifiable)
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")
+        elif unverifiable:
+            decision = TurnDecision("recompute", "unverifiable")
         else:
             decision = self._decide(found, prompt, p, req.max_output_tokens)
         fate = entry_fate(decision)
@@ -176,10 +182,11 @@ class Planner:
         )
 
     async def _prompt(
-        self, req: TurnRequest, found: Found | None, p: NodeConfig
+        self, req: TurnRequest, found: Found | None, p: NodeConfig, *, exact: bool = True
     ) -> tuple[Prompt, NodeConfig]:
         """What the policy knows of the prompt, and the P to use (another one if ``p``
-        could not tokenize)."""
+        could not tokenize); an estimate where P verifies pulls itself or ``exact`` is
+        off."""
         if req.prompt_token_ids is not None:
             given = req.prompt_token_ids
             return Prompt(len(given), token_ids=given), p
@@ -189,7 +196,7 @@ class Planner:
         covered = found.probe.covered_bytes if found.probe is not None else entry.num_bytes
         new_bytes = max(0, req.num_bytes - covered)
         est_new = round(new_bytes * entry.tokens_per_byte())
-        if self._ctx.nodes.verifies_pulls(p.node_id):
+        if not exact or self._ctx.nodes.verifies_pulls(p.node_id):
             return Prompt(entry.num_tokens + est_new, est_new), p
         ids, p = await self._tokenize(req, p)
         return Prompt(len(ids), token_ids=ids), p

@@ -30,6 +30,12 @@ what keeps an otherwise idle P stepping until its notification reaches D: before
 handshake with D the notification goes out in a later step (freeing the prompt at once,
 tried, left D's turn held on a fresh cluster). A failed request is logged; the turn then
 stays pinned until D's TTL, as before.
+
+Turns such a D retained that never became an entry (``ReportDesk.unheld``: no fingerprint,
+as for every Responses or Messages turn on a stock D, which cannot return token ids; a
+prompt other than P's; the index down) are released the same way (``unheld``: queued, at
+most ``MAX_UNHELD``, sent by the next round before the index's orders). Before, each stayed
+on D for its whole TTL with nothing that could ever pull it.
 """
 
 from __future__ import annotations
@@ -60,6 +66,9 @@ MAX_LEASED = 1024
 """At most this many release prompts within ``LEASE_WINDOW_S`` (every D together), so the
 blocks P leases for them stay bounded: a flush of many entries drains over minutes (what is
 left, D frees at its TTL as before)."""
+MAX_UNHELD = 4096
+"""Turns without an entry queued for release (``unheld``); past it the oldest is left to
+D's TTL."""
 RELEASE_PROMPT = "."
 """A prompt far below any ``kv_recompute_threshold`` worth setting (a token or two)."""
 
@@ -79,6 +88,14 @@ class StockReleases:
         self._max_leased = max_leased
         self._sent_at: deque[float] = deque()
         """When each release prompt of the last ``LEASE_WINDOW_S`` was sent."""
+        self._unheld: deque[tuple[str, RemoteBlocks]] = deque(maxlen=MAX_UNHELD)
+
+    def unheld(self, node_id: str, blocks: RemoteBlocks) -> None:
+        """D ``node_id`` retained ``blocks`` (its params as it answered them) for a turn no
+        entry points at: release it with the next round if D does not take orders in its
+        sync (a D that does frees it at the turn's retention time)."""
+        if not self._nodes.takes_orders(node_id):
+            self._unheld.append((node_id, blocks.for_release()))
 
     async def run(self) -> None:
         """``run_once`` every ``INTERVAL_S`` until cancelled."""
@@ -105,11 +122,30 @@ class StockReleases:
             engine_id = self._nodes.trusted_identity(node.node_id)[0]
             if engine_id is None:
                 continue  # no turn of this D's current engine was ever stored
-            orders = await self._index.take_release_blocks(node.node_id, engine_id, room)
+            unheld = self._take_unheld(node.node_id, engine_id, room)
+            orders = unheld + await self._index.take_release_blocks(
+                node.node_id, engine_id, room - len(unheld))
             if orders:
                 self._sent_at.extend([now] * len(orders))
                 sent += await self._send(node, orders)
         return sent
+
+    def _take_unheld(self, node_id: str, engine_id: str, limit: int
+                     ) -> tuple[RemoteBlocks, ...]:
+        """Up to ``limit`` of D ``node_id``'s queued turns without an entry, of its current
+        engine (another engine's are gone with it: dropped)."""
+        taken: list[RemoteBlocks] = []
+        kept: list[tuple[str, RemoteBlocks]] = []
+        for node, blocks in self._unheld:
+            if node != node_id:
+                kept.append((node, blocks))
+            elif blocks.engine_id == engine_id and len(taken) < limit:
+                taken.append(blocks)
+            elif blocks.engine_id == engine_id:
+                kept.append((node, blocks))
+        self._unheld.clear()
+        self._unheld.extend(kept)
+        return tuple(taken)
 
     async def _send(self, holder: NodeConfig, orders: tuple[RemoteBlocks, ...]) -> int:
         gate = asyncio.Semaphore(CONCURRENCY)
