@@ -279,6 +279,37 @@ async def test_keys_are_namespaced_and_hold_no_content(redis_server: RedisServer
         await green.aclose()
 
 
+async def test_a_flush_through_one_replica_drops_what_the_other_commits_after_it(
+    redis_server: RedisServer,
+) -> None:
+    """``drop_scope`` marks the scope flushed in Redis: another replica's ``put`` of an entry
+    whose turn began before the flush drops it (False, D ordered to release it); one whose
+    turn began after the flush, or another scope's, is kept (True)."""
+    clock = Clock()
+    one, other = redis_index(redis_server, clock), redis_index(redis_server, clock)
+    try:
+        scope = scope_of("t", "forget-me")
+        turn = chat(SYSTEM, FIRST, scope=scope)
+        opened_s = clock.now
+        clock.now += 1.0
+        assert await one.drop_scope(scope) == 0
+        clock.now += 1.0
+        ref, e = stored_at(turn, "a"), entry(request="under-way")
+        assert await other.put(ref, e, tenant="t", opened_at_s=opened_s) is False
+        assert await other.lookup(follow("a", scope)) is None  # type: ignore[arg-type]
+        assert [b.request_id for b in await other.take_release_blocks("d0", e.decode_engine_id)] \
+            == ["under-way"]
+        later = entry(request="after")
+        assert await other.put(ref, later, tenant="t", opened_at_s=clock.now) is True
+        assert await other.put(stored_at(TURN1, "b"), entry(request="elsewhere"), tenant="t",
+                               opened_at_s=opened_s) is True
+        found = await one.lookup(follow("a", scope))  # type: ignore[arg-type]
+        assert found is not None and found.entry == later
+    finally:
+        await one.aclose()
+        await other.aclose()
+
+
 async def test_a_chat_lookup_is_one_round_trip(redis_server: RedisServer) -> None:
     clock = Clock()
     index = redis_index(redis_server, clock)

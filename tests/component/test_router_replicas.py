@@ -401,3 +401,48 @@ async def test_a_replica_that_lost_redis_fails_d_s_sync_and_d_asks_one_that_has_
             assert metrics['kvrelay_router_retention_syncs_total{outcome="unavailable"}'] >= 1
     finally:
         await link.aclose()
+
+
+async def test_an_admin_drop_through_one_replica_reaches_a_turn_the_other_is_serving(
+    redis_server: RedisServer,
+) -> None:
+    """Replica 0 serves a streamed turn whose D report is still on its way when an admin
+    drops the conversation through replica 1 (probe 9, N6): the turn is dropped as it
+    commits on replica 0 (the flush is marked in Redis), D is ordered to release it, and the
+    conversation's next turn recomputes. Before, it committed there and the next turn
+    pulled. A turn that begins after the drop commits as usual. (The router clock is the
+    test's: it is moved on as the wall clock moves, as a real one would be.)"""
+    config = replace(ENGINE_CONFIG, report_delay_s=1.0, vllm_version="0.32",
+                     retention_sync=False)
+    async with replicas(redis_server, engine_config=config, admin_key="root") as r:
+        d = r.cluster.decode[0]
+        messages: list[dict[str, Any]] = [{"role": "user", "content": "Forget me. " + FIRST}]
+        body = {"model": "tiny", "messages": messages, "max_tokens": 16, "stream": True,
+                "conversation_id": "forget-me"}
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            resp = await c.post(r.urls[0] + "/v1/chat/completions", json=body)
+            text = stream_text(sse_events(resp.text))
+            assert r.ctxs[0].desk.pending_of(None) == 1  # D's report is not in yet
+            r.cluster.clock.advance(5.0)
+            dropped = await c.post(r.urls[1] + "/admin/conversations/drop",
+                                   json={"conversation_id": "forget-me"},
+                                   headers={"Authorization": "Bearer root"})
+        assert dropped.json() == {"dropped": False, "entries": 0, "turns_under_way": 0}
+        await r.settle()
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "?"}]
+        follow_up = {"model": "tiny", "messages": messages, "conversation_id": "forget-me"}
+        assert await lookup(r.ctxs[0], follow_up) is None
+        rid = d_request_id(d)
+        assert await post_sync(r.ctxs[1], d.engine_id) == [rid]  # D is told to free it
+        r.cluster.clock.advance(5.0)
+        action, reason, text = await r.turn(0, messages, "forget-me")
+        assert (action, reason) == ("recompute", "no_entry")
+        await r.settle()
+        messages += [{"role": "assistant", "content": text}, {"role": "user", "content": "!"}]
+        assert (await r.turn(1, messages, "forget-me"))[:2] == ("pull", "pull")
+
+
+def d_request_id(d: Any) -> str:
+    """The D request id of D's latest generation request (its retained turn)."""
+    rid: str = [rec for rec in d.records if rec.request_kv_transfer_params][-1].internal_request_id
+    return rid

@@ -30,9 +30,11 @@ async def test_short_soak_has_no_errors_and_respects_the_entry_cap(
         peak = [0]
         put = index.put
 
-        async def counting_put(ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
-            await put(ref, entry, tenant=tenant)
+        async def counting_put(ref: EntryRef, entry: ConversationEntry, *, tenant: str,
+                               opened_at_s: float | None = None) -> bool:
+            kept = await put(ref, entry, tenant=tenant, opened_at_s=opened_at_s)
             peak[0] = max(peak[0], len(index))
+            return kept
 
         monkeypatch.setattr(index, "put", counting_put)
         target = Target(router=r.url, prefill=r.cluster.prefill_urls,

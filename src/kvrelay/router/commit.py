@@ -130,6 +130,9 @@ class PendingTurn:
     announced: EntryRef | None = None
     flushed: bool = False
     """An admin dropped the turn's conversation while it was under way (``flush_scope``)."""
+    opened_at_s: float = 0.0
+    """When the router opened the turn (its clock): an admin's drop through another replica
+    after it reaches the turn through the index (``ConversationIndex.put``)."""
     outcome: str | None = None
     settled: asyncio.Event = field(default_factory=asyncio.Event)
     timer: asyncio.TimerHandle | None = None
@@ -233,6 +236,7 @@ class ReportDesk:
             num_prompt_tokens=num_prompt_tokens,
             max_output_tokens=max_output_tokens,
             plan=plan,
+            opened_at_s=self._clock(),
         )
         self._by_turn[p.turn_id] = p
         self._by_anchor.setdefault((identity.scope, identity.anchor), set()).add(p)
@@ -243,8 +247,8 @@ class ReportDesk:
     def flush_scope(self, scope: bytes) -> int:
         """An admin dropped the conversation ``scope`` names: its turns still under way here
         leave nothing to pull either (their entry is dropped as it commits, so D is ordered
-        to release the turn). Returns how many. A turn another replica serves commits
-        there (the drop reaches only this replica's own pending turns)."""
+        to release the turn). Returns how many. A turn another replica serves is dropped as
+        it commits there, by the index's mark of the flush (``ConversationIndex.put``)."""
         flushed = [p for p in self._by_turn.values()
                    if p.identity.scope == scope and p.outcome is None]
         for p in flushed:
@@ -492,12 +496,13 @@ class ReportDesk:
         )
         ref = EntryRef(p.identity.scope, p.anchor or p.identity.anchor, slot.slot())
         try:
-            await self._index.put(ref, entry, tenant=p.tenant)
+            kept = await self._index.put(ref, entry, tenant=p.tenant, opened_at_s=p.opened_at_s)
         except IndexUnavailable:
             self._unheld(p, blocks, "index_unavailable")
             return
-        if p.flushed:  # dropped by an admin while under way: D is ordered to release it
-            await self._index.drop(ref, entry)
+        if p.flushed or not kept:  # an admin dropped it while under way: D releases it
+            if kept:
+                await self._index.drop(ref, entry)
             self._metrics.dropped.labels("admin").inc()
             self.settle(p, "flushed")
             return

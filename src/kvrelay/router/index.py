@@ -38,6 +38,14 @@ Contracts:
   desk knows (``InMemoryIndex`` announces nothing).
 * ``drop(ref, entry=None)`` (``None``: every entry of the ref), ``drop_scope`` (an explicit
   conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many.
+* Flushes reach turns under way on other replicas: a networked index's ``drop_scope`` marks
+  the scope flushed (for ``FLUSH_MARK_S``), and ``put(..., opened_at_s=t)`` of an entry
+  whose scope was flushed after ``t`` (its turn began before the flush, on any replica)
+  drops it at once, ordering D to release it, and returns False: an admin's drop through
+  one replica reaches a turn another replica is serving (probe 9, N6: it committed there).
+  The mark is read in the same step that stores the entry, so a flush either finds the
+  entry or is found by it. One process's index has nothing to share: its desk knows its
+  own turns under way (``ReportDesk.flush_scope``), so ``InMemoryIndex.put`` returns True.
 * Release orders: every entry the index removes but a claimed one (a pull consumes it: P's
   read frees D's blocks; but a claim whose read was spent, ``read_spent`` below, is ordered
   released once its grace is over, as P may never have read it), a released one, one already
@@ -154,7 +162,8 @@ class ConversationIndex(Protocol):
 
     async def lookup(self, identity: RequestIdentity) -> Found | None: ...
 
-    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None: ...
+    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str,
+                  opened_at_s: float | None = None) -> bool: ...
 
     async def claim(
         self, ref: EntryRef, entry: ConversationEntry
@@ -282,6 +291,11 @@ RELEASING = "releasing"
 READ_TTL_S = 600.0
 """How long a networked index keeps a claimed entry's read in progress when the P leg never
 said it ended (a router that died mid-pull): P's read timeout, by default."""
+
+FLUSH_MARK_S = 3600.0
+"""How long a networked index's mark of a flushed scope lasts: a turn under way at the flush
+that commits within it is dropped as it commits (longer than any turn's stream and report
+wait)."""
 
 MAX_QUEUED_RELEASES = 4 * MAX_ORDERS
 """Release orders kept per D until its next sync (the oldest dropped beyond)."""
@@ -520,7 +534,8 @@ class InMemoryIndex:
                     return found
         return None
 
-    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
+    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str,
+                  opened_at_s: float | None = None) -> bool:
         self._maybe_sweep()
         self._note_own(entry)
         same = self._member(ref, entry, same_expiry=False)
@@ -553,6 +568,7 @@ class InMemoryIndex:
             self._evict(next(iter(mine)), "capacity")
         while len(self._items) > self._max:
             self._evict(next(iter(self._items)), "capacity")
+        return True
 
     async def claim(self, ref: EntryRef, entry: ConversationEntry) -> ConversationEntry | None:
         key = self._member(ref, entry)

@@ -19,7 +19,8 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:f:{scope}:{anchor}:{fine}`` – a hash: the end offsets (in the block) of the
   completions refs under one fine digest, each with how many refs end there.
 * ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
-  an explicit id's latest entry).
+  an explicit id's latest entry). ``{ns}:fl:{scope}`` – when ``drop_scope`` last flushed it
+  (wall s, PX ``FLUSH_MARK_S``): ``put`` drops an entry whose turn began before it.
 * ``{ns}:node:{node_id}`` – a sorted set of a D's entries by expiry (``drop_node``,
   ``drop_engine``, retained tokens).
 * ``{ns}:t:{tenant}`` and ``{ns}:all`` – sorted sets by last use (a counter, ``{ns}:seq``,
@@ -99,6 +100,7 @@ from kvrelay.core.identity import Probe, RequestIdentity, text_fine_of
 from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
 from kvrelay.router.index import (
+    FLUSH_MARK_S,
     MAX_ENTRIES_PER_REF,
     MAX_QUEUED_RELEASES,
     MAX_TEXT_BLOCKS,
@@ -245,8 +247,10 @@ return out
 # (else its bucket again), D's due set. ARGV = json, id, exp (wall s), node, engine, tokens,
 # ttl ms, slot, member, tenant cap, total cap, node-set score (exp ms), D request id, per-ref
 # cap, fine digest (hex) and end offset ('' for chat), due-set score (exp ms rounded up; ''
-# unless flagged release_at_expiry), the release params (JSON, ``for_release``). Returns
-# {evicted for capacity, total size, pushed out of the ref}.
+# unless flagged release_at_expiry), the release params (JSON, ``for_release``); KEYS[13] =
+# the scope's flush mark, ARGV[19] = when the turn began (wall s; '' for none). Returns
+# {evicted for capacity, total size, pushed out of the ref, 1 if dropped for a flush since
+# the turn began (released like any drop) else 0}.
 _PUT = _REMOVE + """
 if redis.call('EXISTS', KEYS[1]) == 1 then remove(KEYS[1], 0) end
 redis.call('HSET', KEYS[1], 'json', ARGV[1], 'id', ARGV[2], 'exp', ARGV[3], 'node', ARGV[4],
@@ -300,7 +304,12 @@ while redis.call('ZCARD', KEYS[6]) > tonumber(ARGV[11]) do
   local old = redis.call('ZPOPMIN', KEYS[6])[1]
   evicted = evicted + remove(old, 1)
 end
-return {evicted, redis.call('ZCARD', KEYS[6]), overflow}
+local flushed = 0
+if ARGV[19] ~= '' then
+  local mark = redis.call('GET', KEYS[13])
+  if mark and tonumber(mark) > tonumber(ARGV[19]) then flushed = remove(KEYS[1], 1) end
+end
+return {evicted, redis.call('ZCARD', KEYS[6]), overflow, flushed}
 """
 
 # queue one release order: KEYS = D's release queue; ARGV = the order (engine TAB request
@@ -661,6 +670,10 @@ class RedisIndex:
     def _scope_key(self, scope: bytes) -> str:
         return f"{self._ns}:s:{scope.hex()}"
 
+    def _flush_key(self, scope: bytes) -> str:
+        """When ``drop_scope`` last flushed ``scope`` (wall s; ``FLUSH_MARK_S``)."""
+        return f"{self._ns}:fl:{scope.hex()}"
+
     def _ref_of(self, key: str) -> EntryRef | None:
         """The ref an entry key names (``entry_key`` inverted)."""
         parts = key.rsplit(":", 4)
@@ -771,11 +784,12 @@ class RedisIndex:
                         return refs
         return refs
 
-    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str) -> None:
+    async def put(self, ref: EntryRef, entry: ConversationEntry, *, tenant: str,
+                  opened_at_s: float | None = None) -> bool:
         offset = self._offset()
         ttl_ms = math.ceil((entry.expires_at_s - self._clock() + self._retention) * 1000)
         if ttl_ms <= 0:
-            return
+            return True
         expires_wall = entry.expires_at_s + offset
         node = entry.decode_node_id
         member = entry_identity(entry)
@@ -790,22 +804,26 @@ class RedisIndex:
                   self._bucket(ref.scope, ref.anchor), self._scope_key(ref.scope),
                   self._tenant_lru(tenant), f"{self._ns}:all", f"{self._ns}:seq",
                   self.ref_key(ref), self._request_key(node, entry.request_id),
-                  self.release_queue(node), fine_key, self.due_set(node)],
+                  self.release_queue(node), fine_key, self.due_set(node),
+                  self._flush_key(ref.scope)],
             args=[entry_to_json(entry, wall_offset_s=offset), member,
                   repr(expires_wall), node, entry.decode_engine_id, entry.num_tokens, ttl_ms,
                   ref.slot.hex(), member, self._max_tenant, self._max,
                   math.floor(expires_wall * 1000), entry.request_id, self._max_ref,
                   fine, end,
                   math.ceil(expires_wall * 1000) if entry.release_at_expiry else "",
-                  json.dumps(entry.blocks.for_release().to_json(), separators=(",", ":"))],
+                  json.dumps(entry.blocks.for_release().to_json(), separators=(",", ":")),
+                  "" if opened_at_s is None else repr(opened_at_s + offset)],
         ), None)
         self._nodes_seen.add(node)
-        if result is not None:
-            self._size = int(result[1])
-            if self._on_evict is not None:
-                for reason, count in (("capacity", int(result[0])), ("overflow", int(result[2]))):
-                    if count:
-                        self._on_evict(reason, count)
+        if result is None:
+            return True
+        self._size = int(result[1])
+        if self._on_evict is not None:
+            for reason, count in (("capacity", int(result[0])), ("overflow", int(result[2]))):
+                if count:
+                    self._on_evict(reason, count)
+        return not int(result[3])
 
     async def claim(self, ref: EntryRef, entry: ConversationEntry) -> ConversationEntry | None:
         expires_wall = entry.expires_at_s + self._offset()
@@ -841,6 +859,8 @@ class RedisIndex:
 
     async def drop_scope(self, scope: bytes) -> int:
         key = self._scope_key(scope)
+        await self._quiet("drop", self._client.set(
+            self._flush_key(scope), repr(self._wall()), px=math.ceil(FLUSH_MARK_S * 1000)), None)
         return int(await self._quiet("drop", self._drop_set(keys=[key], args=["", "", 1]), 0))
 
     async def drop_node(self, node_id: str) -> int:
