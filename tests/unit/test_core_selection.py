@@ -105,8 +105,9 @@ def test_decode_goes_where_there_is_room_for_the_prompt() -> None:
     """A D whose KV cache cannot take the prompt (its own numbers) would make the request
     wait while another D has room: only Ds with room are chosen from, the affinity D too,
     whatever the request counts say (two long decodes fill a D; another replica's load is
-    not counted: probe 9, finding 1). Unknown room counts as room; when no D has room, or
-    the need is unknown, load decides as before."""
+    not counted: probe 9, finding 1). Unknown room counts as room; when no D has room, the
+    most room decides, then load (the first D took every such request before: probe 14,
+    K1); when the need is unknown, load decides."""
     full, roomy = d("d0", 0, room=256), d("d1", 3, room=4096)
     assert choose_decode([full, roomy], needed_tokens=1000) == NodeChoice("d1", "least_loaded")
     assert choose_decode([full, roomy], "d0", needed_tokens=1000) == NodeChoice(
@@ -114,8 +115,15 @@ def test_decode_goes_where_there_is_room_for_the_prompt() -> None:
     assert choose_decode([full, roomy], "d0", needed_tokens=200) == NodeChoice("d0", "affinity")
     assert choose_decode([full, d("d1", 3)], needed_tokens=1000) == NodeChoice(
         "d1", "least_loaded")  # d1's room is unknown
-    assert choose_decode([full, d("d1", 3, room=512)], needed_tokens=1000) == NodeChoice(
-        "d0", "least_loaded")  # none has room: load decides
+    short = d("d1", 3, room=512)
+    assert choose_decode([full, short], needed_tokens=1000) == NodeChoice(
+        "d1", "least_loaded")  # none has room: the most room
+    assert choose_decode([full, short], "d0", needed_tokens=1000) == NodeChoice(
+        "d1", "affinity_full")
+    assert choose_decode([full, short], "d1", needed_tokens=1000) == NodeChoice(
+        "d1", "affinity")
+    assert choose_decode([d("d0", 2, room=512), short, full], needed_tokens=1000) == \
+        NodeChoice("d0", "least_loaded")  # as much room: load decides
     assert choose_decode([full, roomy]) == NodeChoice("d0", "least_loaded")
     assert choose_decode([full, roomy, d("d2", 1, room=9000)], "d1",
                          needed_tokens=1000) == NodeChoice("d1", "affinity")

@@ -15,7 +15,12 @@ router-less traffic is not counted at all). So when some up D has room for
 ``needed_tokens`` and some has not, only those with room are considered (a D whose room is
 unknown counts as having it); the affinity D too: its KV is of little use on a D that must
 evict to admit the request (``affinity_full``), and P pulls the conversation's KV from that
-D whichever D decodes.
+D whichever D decodes. When no D has room (every one's room known and short), those with the
+most room are considered: the least would have to be released or waited for there. Before,
+the first D given (or the affinity D) took every such request, so one D released all
+retained turns under pressure while the others kept theirs, stale ones included (probe 14,
+K1: 60 of 60 turns and 51 of 51 pressure releases on one of three D's, follow-ups pulled
+0.17 against 0.60).
 
 Ties are broken by the order nodes are given in, so equal inputs give equal choices. Down
 nodes are never chosen; when no node of the role is up the chooser returns ``None`` and the
@@ -112,8 +117,8 @@ def choose_decode(
     needed_tokens: int | None = None,
 ) -> NodeChoice | None:
     """The D for a request: among the up Ds with room for ``needed_tokens`` when some have
-    and some have not (module docstring), the affinity D unless overloaded, else the least
-    loaded.
+    and some have not, or with the most room when none has (module docstring), the affinity
+    D unless overloaded, else the least loaded.
 
     Load is outstanding requests, ties broken by outstanding prefill tokens (direct turns
     prefill on D), then by order. ``None`` when no D is up.
@@ -126,7 +131,10 @@ def choose_decode(
     if needed_tokens is not None:
         roomy = [(i, node) for i, node in candidates
                  if node.room_tokens is None or node.room_tokens >= needed_tokens]
-        if roomy and len(roomy) < len(candidates):
+        if not roomy:  # every room known and short: the most room
+            most = max(node.room_tokens or 0 for _, node in candidates)
+            roomy = [(i, node) for i, node in candidates if node.room_tokens == most]
+        if len(roomy) < len(candidates):
             full = affinity_node_id in {node.node_id for _, node in candidates} - {
                 node.node_id for _, node in roomy}
             candidates = roomy
