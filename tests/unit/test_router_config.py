@@ -293,3 +293,16 @@ def test_settings_that_would_leave_the_router_inert_are_refused(
 def test_an_integer_is_ascii_digits(value: str) -> None:
     with pytest.raises(ConfigError, match="KVRELAY_PORT must be an integer"):
         settings_from_env({"KVRELAY_PORT": value})
+
+
+@pytest.mark.parametrize("keys", [[""], ["  "], ["", " "]])
+def test_api_keys_given_but_all_empty_are_refused(keys: list[str]) -> None:
+    """``--api-key "$KEY"`` with ``KEY`` unset ran the router with no keys at all, open to
+    everyone (probe 14, K4), where an empty admin or metrics key, or ``TENANT:``, is
+    refused. Leaving the setting out is how to run without keys."""
+    argv = [a for k in keys for a in ("--api-key", k)]
+    with pytest.raises(ConfigError, match="none is non-empty"):
+        config_from_args(parse(["--prefill", P, "--decode", D, *argv]))
+    with pytest.raises(ConfigError, match="none is non-empty"):
+        build_config({"prefill": [P], "decode": [D], "api_keys": keys})
+    assert config_from_args(parse(["--prefill", P, "--decode", D])).api_keys == ()

@@ -67,6 +67,9 @@ def _parse(value: object, tenants_table: bool) -> list[ApiKey]:
             continue
         tenant, sep, secret = item.partition(":")
         out.append(_key(tenant, secret) if sep else _key(None, item))
+    if not out:  # e.g. --api-key "$KEY" with KEY unset: it served everyone (probe 14, K4)
+        raise ValueError("API keys given, but none is non-empty (an unset variable?): leave "
+                         "the setting out to run without keys")
     return out
 
 
