@@ -327,3 +327,19 @@ def test_key_settings_layers_and_formats() -> None:
     env = build_config(base, {"api_keys": "t9:e1, e2", "admin_key": "adm"})  # env replaces
     assert [(k.tenant, k.secret) for k in env.api_keys] == [("t9", "e1"), (None, "e2")]
     assert "adm" not in repr(env)
+
+
+async def test_health_says_unavailable_when_every_d_is_drained() -> None:
+    """A router whose every D (or P) is drained can route nothing: ``/health`` answers 503
+    ``unavailable`` (a readiness probe takes it out of service), ``degraded`` while one D
+    is drained. Before, it answered ok while every turn got a 503 (probe 14, K6)."""
+    async with routed(1, 2, STOCK_CONFIG, admin_key="admin-key-0") as rig:
+        assert (await rig.get("/health")).json() == {"status": "ok"}
+        await rig.post("/admin/nodes/decode-0/drain", b"", headers=ADMIN)
+        assert (await rig.get("/health")).json() == {"status": "degraded"}
+        await rig.post("/admin/nodes/decode-1/drain", b"", headers=ADMIN)
+        health = await rig.get("/health")
+        assert health.status_code == 503 and health.json()["status"] == "unavailable"
+        await rig.post("/admin/nodes/decode-1/undrain", b"", headers=ADMIN)
+        await rig.post("/admin/nodes/prefill-0/drain", b"", headers=ADMIN)
+        assert (await rig.get("/health")).status_code == 503

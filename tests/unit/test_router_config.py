@@ -306,3 +306,22 @@ def test_api_keys_given_but_all_empty_are_refused(keys: list[str]) -> None:
     with pytest.raises(ConfigError, match="none is non-empty"):
         build_config({"prefill": [P], "decode": [D], "api_keys": keys})
     assert config_from_args(parse(["--prefill", P, "--decode", D])).api_keys == ()
+
+
+@pytest.mark.parametrize("node_id", ["decode 0/x", "d0/x", "a b", "x" * 65, "d?0"])
+def test_a_node_id_that_is_no_path_segment_is_refused(node_id: str) -> None:
+    """A node id is a path segment of ``/admin/nodes/{id}/drain``: ``decode 0/x`` was
+    accepted, and draining it answered "drained" for ``decode 0`` and drained nothing
+    (probe 14, K12)."""
+    with pytest.raises(ConfigError, match="node id"):
+        build_config({"prefill": [P], "decode": [{"url": D, "id": node_id}]})
+    assert build_config({"prefill": [P], "decode": [{"url": D, "id": "gpu-node_7.d:0"}]}
+                        ).decode[0].node_id == "gpu-node_7.d:0"
+
+
+def test_port_65535_names_the_internal_listener() -> None:
+    """The internal listener defaults to port + 1: with 65535 the error named internal_port
+    as if it equalled the port (probe 14, K13)."""
+    with pytest.raises(ConfigError, match="no port \\+ 1"):
+        RouterConfig.from_urls([P], [D], port=65535)
+    assert RouterConfig.from_urls([P], [D], port=65535, internal_port=0).port == 65535

@@ -109,7 +109,7 @@ def public_routes(ctx: RouterContext) -> list[Route]:
 
     async def health(request: Request) -> bytes:
         has_p, has_d = ctx.nodes.available()
-        everything = all(s.up for s in ctx.nodes.states())
+        everything = all(s.up for s in ctx.nodes.states()) and not ctx.nodes.drained()
         if not (has_p and has_d):
             raise RouterError(503, "unavailable", body={"status": "unavailable"})
         return dumps({"status": "ok" if everything else "degraded"})
@@ -155,7 +155,7 @@ def public_routes(ctx: RouterContext) -> list[Route]:
                 await asyncio.to_thread(check_count_body, raw)
             node = ctx.nodes.choose_prefill()
             if node is None:
-                raise RouterError(503, "no prefill node is up")
+                raise RouterError(503, "no prefill node is up and not drained")
             try:
                 return await ctx.upstream.post(node, "/v1/messages/count_tokens", raw)
             except UpstreamError as exc:

@@ -64,6 +64,8 @@ LiteLLM, Helicone and goose (docs/router.md has the sources). Per-request ids
 that changes every turn would split a conversation's scope. Without any, the router still
 finds the entry a request continues from its messages."""
 
+_NODE_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+
 
 class ConfigError(ValueError):
     """An invalid router setting (bad URL, unknown key, wrong type)."""
@@ -119,8 +121,11 @@ class NodeConfig:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not self.node_id:
-            raise ConfigError("node id must be non-empty")
+        if not _NODE_ID.fullmatch(self.node_id):
+            # it is a path segment of /admin/nodes/{id}/drain: "d0/x" drained "d0" (probe 14,
+            # K12)
+            raise ConfigError(f"node id must be 1-64 letters, digits, '.', '_', '-' or ':', "
+                              f"got {self.node_id!r}")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname \
                 or parts.path.strip("/") or parts.query or parts.fragment or "@" in parts.netloc:
@@ -270,6 +275,9 @@ class RouterConfig:
             raise ConfigError("every decode node needs role 'decode'")
         if not 0 < self.port < 65536:
             raise ConfigError(f"port out of range: {self.port}")
+        if self.internal_port is None and self.port == 65535:
+            raise ConfigError("port 65535 leaves no port + 1 for the internal listener: set "
+                              "internal_port (0: any free one)")
         if not 0 <= self.listen_internal_port < 65536 or self.listen_internal_port == self.port:
             raise ConfigError("internal_port must be another port than port (0: any free one)")
         if self.guard not in ("auto", "connector", "tokenize"):

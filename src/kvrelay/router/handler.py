@@ -154,7 +154,7 @@ class GenerationHandler:
                                            needed_tokens=turn.prompt_tokens + 1,
                                            room=ctx.retention.room_tokens)
             if node is None:
-                raise RouterError(503, "no decode node is up")
+                raise RouterError(503, "no decode node is up and not drained")
             try:
                 await self._decoder.run(turn, node, pre.params, send, watch)
                 return

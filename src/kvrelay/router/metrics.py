@@ -13,7 +13,8 @@ Names (all prefixed ``kvrelay_router_``):
   report is awaited.
 * ``entry_expirations_total`` – entries found expired at a turn or purged after expiry;
   ``entries_dropped_total{reason}`` – entries removed for other reasons.
-* ``node_up{node,role}`` – 1 when the node is routable.
+* ``node_up{node,role}`` – 1 when the node is up (passes its health checks; a drained node
+  stays up: ``/admin/nodes`` shows the drains).
 * ``upstream_errors_total{node,kind}`` – failed calls to nodes (``connect``, ``timeout``,
   ``closed``, ``status``, ``capacity`` (HTTP 503), ``protocol``, ``error_event``); a node's
   4xx is the client's fault and not counted.
@@ -126,7 +127,7 @@ class RouterMetrics:
             ["reason"], registry=r,
         )
         self.node_up = Gauge(
-            _P + "node_up", "1 if the node is routable", ["node", "role"], registry=r
+            _P + "node_up", "1 if the node is up (drained or not)", ["node", "role"], registry=r
         )
         self.upstream_errors = Counter(
             _P + "upstream_errors_total", "Failed calls to nodes", ["node", "kind"], registry=r

@@ -503,10 +503,17 @@ class NodeRegistry:
         return [i for i in self._order if self._nodes[i].config.role == "decode"]
 
     def available(self) -> tuple[bool, bool]:
-        """Whether at least one P, and at least one D, is up (last known state)."""
-        up = [n for n in self._nodes.values() if n.up]
+        """Whether at least one P, and at least one D, is routable: up (last known state)
+        and not drained. (Every D drained answered ``/health`` ok while every turn got a
+        503: probe 14, K6.)"""
+        up = [n for n in self._nodes.values()
+              if n.up and n.config.node_id not in self._drained]
         return (any(n.config.role == "prefill" for n in up),
                 any(n.config.role == "decode" for n in up))
+
+    def drained(self) -> frozenset[str]:
+        """The nodes an admin drained (``set_drained``)."""
+        return frozenset(self._drained)
 
     def describe(self, *, admin: bool, load: bool = True) -> list[dict[str, object]]:
         """Nodes for ``/stats``, with ``load`` their load and learned costs (every tenant's

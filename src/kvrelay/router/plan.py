@@ -78,7 +78,7 @@ class Planner:
             index_down = True
         p = ctx.nodes.choose_prefill()
         if p is None:
-            raise RouterError(503, "no prefill node is up")
+            raise RouterError(503, "no prefill node is up and not drained")
         if found is not None:
             entry = found.entry
             ctx.nodes.observe_entry(entry.decode_node_id, entry.decode_engine_id,

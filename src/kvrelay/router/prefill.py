@@ -80,7 +80,7 @@ class Prefiller:
         grace_s = 0.0  # how long a spent read may still be under way (spent_read_grace_s)
         try:
             if node is None:
-                raise RouterError(503, "no prefill node is up")
+                raise RouterError(503, "no prefill node is up and not drained")
             for attempt in (0, 1):
                 params = self._pull_params(turn) if pull else _RECOMPUTE
                 try:
