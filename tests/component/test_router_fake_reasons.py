@@ -341,6 +341,29 @@ async def test_crashed_p_is_replaced(guard: str) -> None:
         assert decision["retries"] == (0 if guard == "tokenize" else 1)
 
 
+@pytest.mark.parametrize("stream", [False, True])
+async def test_d_failing_after_a_pull_is_reported_as_the_recompute_it_became(
+        stream: bool) -> None:
+    """P pulled, then the D given P's params answered 500 before a byte reached the client:
+    P's blocks may have been read, so P recomputes and the other D decodes. The turn is
+    reported as that recompute (``decode_failed``, nothing reused), not as the pull it was
+    decided as (probe 14, K7: headers, /stats and the metrics said pull/pull, 0 reused)."""
+    async with routed(num_decode=2) as r:
+        async def fail_d0_once(conv: Conversation) -> None:
+            r.cluster.engine("decode-0").faults.update({"error_status": 500, "error_count": 1})
+
+        decision = await two_turns(r, fail_d0_once, stream=stream)
+        assert (decision["decided"], decision["action"], decision["reason"]) == (
+            "pull/pull", "recompute", "decode_failed")
+        assert decision["reused_tokens"] == 0 and decision["retries"] == 1
+        assert decision["decode_node"] == "decode-1"
+        assert [rec.plan for rec in r.cluster.engine("prefill-0").records][-2:] == [
+            "pull", "none"]
+        payloads = decision["payloads"]
+        if not stream:
+            assert payloads[0]["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
+
+
 async def test_p_5xx_once_is_retried() -> None:
     async with routed() as r:
         p = r.cluster.prefill[0]

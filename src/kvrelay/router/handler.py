@@ -148,6 +148,7 @@ class GenerationHandler:
                     raise failed.error.to_router_error("decode") from failed
                 self._retried(turn, "decode")
                 exclude = frozenset({holder.node_id})
+                turn.refused = "decode_failed"  # P recomputes it: reported as what happened
         pre = await self._prefiller.run(turn, pull=turn.decision.action == "pull")
         for attempt in (0, 1):
             node = ctx.nodes.choose_decode(turn.affinity, exclude,
@@ -167,6 +168,8 @@ class GenerationHandler:
                 self._retried(turn, "decode")
                 exclude = exclude | {node.node_id}
                 if retry == "fresh_prefill":
+                    if turn.refused is None and turn.decision.action == "pull":
+                        turn.refused = "decode_failed"  # the pull was spent: P recomputes
                     pre = await self._prefiller.run(turn, pull=False)
         raise AssertionError("unreachable")
 
