@@ -11,13 +11,16 @@ import json
 import signal
 import sys
 from collections.abc import AsyncIterator
+from dataclasses import replace
 
 import httpx
 
 from kvrelay.client.sse import line_chunks
 from kvrelay.fakevllm import FakeCluster
 from tests.component.raw_http import RawConnection, request_bytes
+from tests.component.redis_server import RedisServer
 from tests.component.router_fake import ENGINE_CONFIG
+from tests.component.router_rig import stream_text
 from tests.component.test_router_cli import wait_healthy
 from tests.costs import fixed_costs_flag
 from tests.ports import free_port
@@ -154,3 +157,39 @@ async def test_requests_arriving_as_the_drain_begins_get_503_not_a_reset() -> No
                 assert got.status == 503, bytes(conn.received)[:200]
                 assert got.headers["connection"] == "close"
                 assert got.json()["error"]["code"] == 503
+
+
+async def test_with_shared_state_the_drain_waits_for_ds_report_of_a_finished_stream(
+    redis_server: RedisServer,
+) -> None:
+    """Replicas on Redis: a stream ends during the drain, and D's report of it (vLLM 0.32:
+    the params come in the report, here 1 s after the stream's end) reaches the draining
+    router before it exits, so the entry is in Redis and the next turn, on another
+    replica, pulls. Before, the router exited when the stream ended and the next turn
+    recomputed (probe 14, K8: on every rolling update)."""
+    config = replace(ENGINE_CONFIG, report_delay_s=1.0, vllm_version="0.32")
+    async with FakeCluster(1, 1, config) as cluster:
+        cluster.decode[0].faults.slow_stream_s = 0.05
+        state = ("--state", redis_server.url)
+        first = [{"role": "user", "content": "Count slowly from one to twelve. " * 30}]
+        async with router(cluster, "--drain-timeout-s", "60", *state) as (url, proc), \
+                httpx.AsyncClient(base_url=url, trust_env=False, timeout=60) as c:
+            async with c.stream("POST", "/v1/chat/completions",
+                                json={**BODY, "messages": first}) as stream:
+                assert stream.status_code == 200
+                proc.send_signal(signal.SIGTERM)
+                text = stream_text([json.loads(line[6:]) for line in
+                                    [x async for x in stream.aiter_lines()]
+                                    if line.startswith("data: {")])
+            out, _ = await asyncio.wait_for(proc.communicate(), 60)
+        assert proc.returncode == 0, out.decode(errors="replace")[-2000:]
+        assert b"waiting for D's report of 1 finished turn" in out
+        messages = [*first, {"role": "assistant", "content": text},
+                    {"role": "user", "content": "And backwards?"}]
+        async with router(cluster, *state) as (other, _), \
+                httpx.AsyncClient(base_url=other, trust_env=False, timeout=60) as c:
+            resp = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": messages, "max_tokens": 4})
+        assert resp.status_code == 200
+        assert (resp.headers["x-kvrelay-action"], resp.headers["x-kvrelay-reason"]) == (
+            "pull", "pull")

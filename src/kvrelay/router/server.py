@@ -15,7 +15,9 @@ may finish for up to ``drain_timeout_s``. Turns still open then are cut: a strea
 SSE error event and ``data: [DONE]`` and ends cleanly, one log line each. Both listeners stay
 open until then (so a scrape and D's reports for finishing turns still get through, and a
 load balancer sees a clear 503 rather than a refused connection); then they close, the app
-shuts down and ``kvrelay route`` exits 0. A second signal stops at once.
+shuts down and ``kvrelay route`` exits 0. A second signal stops at once. With shared state
+(``--state``) the router first waits, within the same ``drain_timeout_s``, for D's reports of
+the streams that finished (``_reports_in``): their entries outlive it.
 """
 
 from __future__ import annotations
@@ -103,10 +105,13 @@ class RouterServer(uvicorn.Server):
         for conn in list(self.server_state.connections):
             conn.shutdown()
         drain_s = self.app.ctx.config.drain_timeout_s
+        deadline = asyncio.get_running_loop().time() + drain_s
         if not await self._settled(drain_s) and not self.force_exit:
             still = admission.cut_all()
             log.info("drain: %d turn(s) still open after %g s", still, drain_s)
             await self._settled(_CUT_GRACE_S)
+        elif await self.app.ctx.index.shared_state() is not None:
+            await self._reports_in(deadline)
         for server in self.servers:
             server.close()
         for task in list(self.server_state.tasks):
@@ -114,6 +119,19 @@ class RouterServer(uvicorn.Server):
                 task.cancel()
         if not self.force_exit:
             await self.lifespan.shutdown()
+
+    async def _reports_in(self, deadline: float) -> None:
+        """Wait until no finished turn awaits D's report (its own timeout settles it), at
+        most until ``deadline``: with shared state the entry outlives this replica, and a
+        stream that ended in the drain commits when D's report comes, ~0.1 s later. The
+        router exited first and the conversation's next turn, on another replica,
+        recomputed (probe 14, K8: on every rolling update)."""
+        loop = asyncio.get_running_loop()
+        desk = self.app.ctx.desk
+        if len(desk):
+            log.info("drain: waiting for D's report of %d finished turn(s)", len(desk))
+        while len(desk) and not self.force_exit and loop.time() < deadline:
+            await asyncio.sleep(0.02)
 
     async def _settled(self, timeout_s: float) -> bool:
         """Wait until no generation request is in flight, at most ``timeout_s``."""
