@@ -446,3 +446,29 @@ def d_request_id(d: Any) -> str:
     """The D request id of D's latest generation request (its retained turn)."""
     rid: str = [rec for rec in d.records if rec.request_kv_transfer_params][-1].internal_request_id
     return rid
+
+
+async def test_a_drain_through_one_replica_reaches_the_others(redis_server: RedisServer) -> None:
+    """An admin's drain reaches one replica behind a Service; the drain is kept in Redis and
+    every replica adopts it at its next health round, so none places new conversations on
+    the drained D (probe 14, K2: the other replica placed 4 of 4 there); an undrain the
+    same way."""
+    async with replicas(redis_server, admin_key="root") as r:
+        # one P, one D: with the only D drained the other replica refuses new turns
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            drained = await c.post(r.urls[1] + "/admin/nodes/decode-0/drain",
+                                   headers={"Authorization": "Bearer root"})
+            assert drained.json() == {"node": "decode-0", "drained": True}
+            await r.ctxs[0].nodes.health_round()
+            health = await c.get(r.urls[0] + "/health")
+            assert health.status_code == 503
+            resp = await c.post(r.urls[0] + "/v1/chat/completions", json={
+                "model": "tiny", "messages": [{"role": "user", "content": FIRST}],
+                "max_tokens": 4})
+            assert resp.status_code == 503
+            assert "drained" in resp.json()["error"]["message"]
+            await c.post(r.urls[1] + "/admin/nodes/decode-0/undrain",
+                         headers={"Authorization": "Bearer root"})
+            await r.ctxs[0].nodes.health_round()
+            assert (await c.get(r.urls[0] + "/health")).status_code == 200
+        assert (await r.turn(0, [{"role": "user", "content": FIRST}], None))[0] == "recompute"

@@ -50,6 +50,7 @@ from kvrelay.core.retention_sync import MAX_SYNC_BYTES, RETENTION_PATH, encode
 from kvrelay.router.apis.messages import MessagesAdapter
 from kvrelay.router.asgi import Request, Route, read_body, send_response
 from kvrelay.router.errors import ClientError, RouterError, dumps
+from kvrelay.router.index import IndexUnavailable
 from kvrelay.router.metrics import CONTENT_TYPE
 from kvrelay.router.request import PARSE_INLINE_BYTES, load_body
 from kvrelay.router.state import RouterContext
@@ -221,6 +222,11 @@ def _admin_routes(ctx: RouterContext) -> list[Route]:
         async def handle(request: Request) -> bytes:
             auth.require_admin(request.headers)
             node_id = request.path.split("/")[3]
+            try:
+                await ctx.index.set_drained(node_id, on)  # the other replicas' too
+            except IndexUnavailable:
+                raise RouterError(503, "the shared state did not answer: nothing drained "
+                                       "(try again)") from None
             ctx.nodes.set_drained(node_id, on)
             return dumps({"node": node_id, "drained": on})
 

@@ -89,6 +89,12 @@ Contracts:
 * ``shared_state()``: a name every router on the same shared state reads alike (replicas on
   one Redis and namespace), ``None`` for a process's own; D asks any router that names it
   for turns another of them gave (``core.retention_sync.ask_via``).
+* ``set_drained(node_id, drained)`` / ``drained_nodes()``: an admin's drains, shared by the
+  replicas of a networked index (each adopts them at its next health round: an admin call
+  reaches one replica behind a Service, and the others kept placing new conversations on
+  the drained node: probe 14, K2); ``drained_nodes`` is ``None`` where nothing is shared
+  or the store did not answer, ``set_drained`` raises ``IndexUnavailable`` when the store
+  cannot take it (an admin must not be told a drain happened that the next round undoes).
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at
@@ -200,6 +206,10 @@ class ConversationIndex(Protocol):
     async def read_spent(self, node_id: str, request_id: str, grace_s: float) -> None: ...
 
     async def shared_state(self) -> str | None: ...
+
+    async def set_drained(self, node_id: str, drained: bool) -> None: ...
+
+    async def drained_nodes(self) -> frozenset[str] | None: ...
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None: ...
 
@@ -657,6 +667,12 @@ class InMemoryIndex:
 
     async def shared_state(self) -> str | None:
         return None  # this process's own
+
+    async def set_drained(self, node_id: str, drained: bool) -> None:
+        """Nothing to share: the node registry keeps this process's drains."""
+
+    async def drained_nodes(self) -> frozenset[str] | None:
+        return None  # the node registry's own are all there are
 
     def _lapse(self) -> None:
         """End the spent reads whose grace is over (``read_spent``) and order their turns

@@ -18,6 +18,8 @@ load balancer picks, and pulls from the D the entry names.
   anchor, the fine digests (hex) that block has entries under.
 * ``{ns}:f:{scope}:{anchor}:{fine}`` – a hash: the end offsets (in the block) of the
   completions refs under one fine digest, each with how many refs end there.
+* ``{ns}:drained`` – the node ids an admin drained (``set_drained``), read by every
+  replica at each health round.
 * ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
   an explicit id's latest entry). ``{ns}:fl:{scope}`` – when ``drop_scope`` last flushed it
   (wall s, PX ``FLUSH_MARK_S``): ``put`` drops an entry whose turn began before it.
@@ -916,6 +918,15 @@ class RedisIndex:
         self._reads.done(node_id, request_id)
         await self._quiet("release", self._client.delete(
             self._request_key(node_id, request_id) + ":r"), None)
+
+    async def set_drained(self, node_id: str, drained: bool) -> None:
+        key = f"{self._ns}:drained"
+        call = self._client.sadd(key, node_id) if drained else self._client.srem(key, node_id)
+        await self._call("drain", call)
+
+    async def drained_nodes(self) -> frozenset[str] | None:
+        members = await self._quiet("drain", self._client.smembers(f"{self._ns}:drained"), None)
+        return None if members is None else frozenset(str(m) for m in members)
 
     async def shared_state(self) -> str | None:
         """A random name the first replica on this Redis and namespace stored

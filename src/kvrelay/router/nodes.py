@@ -194,6 +194,13 @@ class NodeRegistry:
         (self._drained.add if drained else self._drained.discard)(node_id)
         log.info("node %s %s", node_id, "drained" if drained else "undrained")
 
+    def adopt_drained(self, drained: frozenset[str]) -> None:
+        """The drains the replicas share (``ConversationIndex.drained_nodes``), for the
+        nodes this router knows."""
+        for node_id in self._order:
+            if (node_id in drained) != (node_id in self._drained):
+                self.set_drained(node_id, node_id in drained)
+
     def costs(self, node_id: str) -> CostEstimates:
         return self._nodes[node_id].costs
 
@@ -436,15 +443,21 @@ class NodeRegistry:
         return dict(zip(self._order, results, strict=True))
 
     async def run_health_loop(self) -> None:
-        """Check every node every ``health_interval_s`` until cancelled."""
-        decode = [n.node_id for n in self._config.decode]
+        """``health_round`` every ``health_interval_s`` until cancelled."""
         while True:
             try:
-                await self.check_all()
-                await self._index.refresh(decode)
+                await self.health_round()
             except Exception:  # never let the loop die
                 log.exception("health check round failed")
             await asyncio.sleep(self._config.health_interval_s)
+
+    async def health_round(self) -> None:
+        """Check every node, refresh what the index shares, adopt the replicas' drains."""
+        await self.check_all()
+        await self._index.refresh([n.node_id for n in self._config.decode])
+        drained = await self._index.drained_nodes()
+        if drained is not None:
+            self.adopt_drained(drained)
 
     # -- room -------------------------------------------------------------------------------
 
