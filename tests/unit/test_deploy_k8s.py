@@ -367,3 +367,44 @@ def test_routers_that_would_refuse_their_settings_are_not_rendered(capsys, args,
     # the Secret's keys count as present: what needs them renders with one
     assert main(["deploy", "k8s", "--router-arg=--tenant-is-one-caller",
                  "--router-secret", "keys"]) == 0
+
+
+@pytest.mark.parametrize(("settings", "message"), [
+    ({"pod_cidrs": ["10.244.0.0/33"]}, "'10.244.0.0/33' is not a network"),
+    ({"pod_cidrs": ["notacidr"]}, "'notacidr' is not a network"),
+    ({"pod_cidrs": ["10.244.0.0/16,10.245.0.0/16"]}, "one per --pod-cidr"),
+    ({"engine_args": ["--port=9000"]}, "engine_args: --port is set by the manifest"),
+    ({"decode_engine_args": ["--kv-transfer-config", "{}"]},
+     "decode_engine_args: --kv-transfer-config is set by the manifest"),
+    ({"prefill_engine_args": ["--block-size=32"]}, "use --block-size"),
+    ({"router_args": ["--response-store=memory"], "router_replicas": 2},
+     "--response-store memory keeps each replica's own store"),
+])
+def test_settings_the_deployment_would_break_on_are_refused_at_render_time(
+        settings: dict[str, Any], message: str) -> None:
+    """Probe 14 (K5, K9, K10): a pod network that is none (D's connector raised on it, or
+    refused every report), an engine argument that overrides what the manifest derives
+    ports, probes and kvrelay's connector from (the last value wins in vLLM), and a memory
+    response store behind several replicas (another replica's ``previous_response_id`` is
+    a 400) rendered without a word."""
+    with pytest.raises(DeployConfigError, match=re.escape(message)):
+        from_settings(settings)
+    assert from_settings({"pod_cidrs": ["10.244.0.0/16", "fd00::/64"],
+                          "engine_args": ["--max-num-seqs=64"],
+                          "router_args": ["--response-store=memory"],
+                          "router_replicas": 1}).pod_cidrs == ("10.244.0.0/16", "fd00::/64")
+
+
+def test_prometheus_config_writes_an_absolute_key_file_as_given(
+        tmp_path: Path, capsys: Any) -> None:
+    """The key file is read by Prometheus on its host: an absolute path is written as given
+    (the documented /etc/prometheus/kvrelay-metrics.key failed on any machine without it:
+    probe 14, K11); a relative one must exist here and is written resolved."""
+    absolute = "/etc/prometheus/nowhere-here/kvrelay-metrics.key"
+    out = tmp_path / "prom.yml"
+    assert main(["deploy", "prometheus-config", "--router", "http://10.0.0.5:8000",
+                 "--router-metrics-key-file", absolute, "--output", str(out)]) == 0
+    assert f"credentials_file: {absolute}" in out.read_text()
+    assert main(["deploy", "prometheus-config", "--router", "http://10.0.0.5:8000",
+                 "--router-metrics-key-file", "no-such-relative.key"]) == 2
+    assert "no such file here" in capsys.readouterr().err

@@ -42,7 +42,9 @@ def register(sub: Any) -> None:
                            "public /metrics leaves out the request-size series")
     prom.add_argument("--router-metrics-key-file", type=Path, default=None, metavar="FILE",
                       help="a file holding the router's --metrics-key (or admin key): "
-                           "Prometheus sends it as a bearer token to the --router URLs")
+                           "Prometheus sends it as a bearer token to the --router URLs. An "
+                           "absolute path is Prometheus's (written as given); a relative one "
+                           "must exist here (written resolved)")
     prom.add_argument("--prefill", action="append", default=[], metavar="URL")
     prom.add_argument("--decode", action="append", default=[], metavar="URL")
     prom.add_argument("--interval-s", type=float, default=5.0)
@@ -181,12 +183,16 @@ def _prometheus_config(args: argparse.Namespace) -> int:
         print("error: give at least one --router, --prefill or --decode URL", file=sys.stderr)
         return 2
     key_file = args.router_metrics_key_file
-    if key_file is not None and not key_file.is_file():
-        print(f"error: --router-metrics-key-file {key_file}: no such file", file=sys.stderr)
-        return 2
-    # Prometheus reads the file at every scrape (a relative path: from the config's folder)
-    _write(scrape_config(targets, args.interval_s,
-                         key_file.resolve() if key_file is not None else None), args.output)
+    if key_file is not None and not key_file.is_absolute():
+        # a file here (Prometheus would read a relative path from the config's folder)
+        if not key_file.is_file():
+            print(f"error: --router-metrics-key-file {key_file}: no such file here (an "
+                  "absolute path is written as given, for Prometheus's host)", file=sys.stderr)
+            return 2
+        key_file = key_file.resolve()
+    # an absolute path is read on Prometheus's host, at every scrape: as given (the
+    # documented /etc/prometheus/... failed on any machine without it: probe 14, K11)
+    _write(scrape_config(targets, args.interval_s, key_file), args.output)
     return 0
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import ipaddress
 import re
 import tomllib
 from collections.abc import Mapping
@@ -110,7 +111,23 @@ class DeployConfig:
         if self.ttl_s <= 0 or self.block_size <= 0 or self.kv_recompute_threshold < 0:
             raise DeployConfigError("ttl_s and block_size must be positive, "
                                     "kv_recompute_threshold not negative")
-        check_router_args(self.router_args)
+        for cidr in self.pod_cidrs:  # D's connector would fail on it, or refuse every report
+            try:
+                ipaddress.ip_network(cidr, strict=False)
+            except ValueError:
+                raise DeployConfigError(f"pod_cidrs: {cidr!r} is not a network like "
+                                        "10.244.0.0/16 (one per --pod-cidr)") from None
+        for key in ("engine_args", "prefill_engine_args", "decode_engine_args"):
+            for arg in getattr(self, key):
+                flag = arg.split("=", 1)[0]
+                if flag in ENGINE_FLAGS_OWNED:
+                    raise DeployConfigError(f"{key}: {flag} is set by the manifest; use "
+                                            f"{ENGINE_FLAGS_OWNED[flag]}")
+        route = check_router_args(self.router_args)
+        if route.response_store == "memory" and self.router_replicas > 1:
+            raise DeployConfigError(
+                "router_args: --response-store memory keeps each replica's own store, so a "
+                "previous_response_id another replica answered is not found; use redis")
 
 
     @property
@@ -137,6 +154,16 @@ ROUTER_FLAGS_OWNED = {
 given again in ``router_args`` they would part from the ports, probes, Services and grace
 period the manifest derives from the setting (the router's last value wins)."""
 
+ENGINE_FLAGS_OWNED = {
+    "--host": "the manifest's (0.0.0.0)", "--port": "--engine-port",
+    "--served-model-name": "--served-model-name", "--block-size": "--block-size",
+    "--kv-transfer-config": "--ttl-s, --kv-recompute-threshold, --pod-cidr",
+    "--tensor-parallel-size": "--gpus-per-node",
+}
+"""``vllm serve`` flags the manifest sets: given again in engine args (the last value wins)
+they would part the engines from the probes, Services and router URLs built from the
+setting (``--port``), or drop kvrelay's connector (``--kv-transfer-config``: probe 14, K10)."""
+
 ROUTER_FLAGS_SECRET = ("--api-key", "--admin-key", "--tag-key", "--metrics-key")
 """Keys: in the router Secret (``router_secret``), never in the pod's args."""
 
@@ -146,9 +173,10 @@ class _RouteArgs(argparse.ArgumentParser):
         raise DeployConfigError(f"router_args: {message}")
 
 
-def check_router_args(args: tuple[str, ...]) -> None:
-    """``DeployConfigError`` unless ``args`` are ``kvrelay route`` arguments (checked with its
-    own parser) that the manifest does not set itself and that carry no key."""
+def check_router_args(args: tuple[str, ...]) -> argparse.Namespace:
+    """``args`` parsed as ``kvrelay route`` arguments (with its own parser);
+    ``DeployConfigError`` unless they are, and the manifest does not set them itself, and
+    they carry no key."""
     for arg in args:
         flag = arg.split("=", 1)[0]
         if flag in ROUTER_FLAGS_OWNED:
@@ -162,7 +190,7 @@ def check_router_args(args: tuple[str, ...]) -> None:
                 f"router_args: {flag} would put a key in the pod's args; put "
                 f"KVRELAY_{flag[2:].upper().replace('-', '_')}"
                 f"{'S' if flag == '--api-key' else ''} in the router Secret (router_secret)")
-    route_parser().parse_args(list(args))
+    return route_parser().parse_args(list(args))
 
 
 def route_parser() -> argparse.ArgumentParser:
