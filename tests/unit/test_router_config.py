@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -325,3 +326,16 @@ def test_port_65535_names_the_internal_listener() -> None:
     with pytest.raises(ConfigError, match="no port \\+ 1"):
         RouterConfig.from_urls([P], [D], port=65535)
     assert RouterConfig.from_urls([P], [D], port=65535, internal_port=0).port == 65535
+
+
+def test_a_memory_response_store_beside_shared_state_is_warned_of(capsys: Any) -> None:
+    """``--state`` means replicas; a memory response store is each one's own, so another
+    replica's ``previous_response_id`` is a 400 (probe 14, K9): said at start."""
+    from kvrelay.cli import main
+
+    base = ["route", "--prefill", P, "--decode", D, "--check-config",
+            "--response-store", "memory"]
+    assert main([*base, "--state", "redis://127.0.0.1:1/0"]) == 0
+    assert "warning: --response-store memory with --state" in capsys.readouterr().err
+    assert main(base) == 0
+    assert "warning" not in capsys.readouterr().err

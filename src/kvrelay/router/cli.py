@@ -264,6 +264,10 @@ def _route(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
+    if config.state is not None and config.response_store == "memory":
+        print("warning: --response-store memory with --state: each replica keeps its own "
+              "responses, so a previous_response_id another replica answered is not found "
+              "(--response-store redis shares them)", file=sys.stderr, flush=True)
     if args.check_config:
         print("config ok", flush=True)
         return 0
