@@ -472,3 +472,35 @@ async def test_a_drain_through_one_replica_reaches_the_others(redis_server: Redi
             await r.ctxs[0].nodes.health_round()
             assert (await c.get(r.urls[0] + "/health")).status_code == 200
         assert (await r.turn(0, [{"role": "user", "content": FIRST}], None))[0] == "recompute"
+
+
+async def test_replicas_listing_the_nodes_in_another_order_are_told_so(
+    redis_server: RedisServer, caplog: Any,
+) -> None:
+    """Node ids are positions (``decode-0``, ...): a replica listing the same D's in another
+    order reads the other's entries, engines and orders for other nodes (probe 14, K3:
+    engines flapping "restarted", reports refused, half the turns recomputed), and nothing
+    said so. Each replica publishes its ids' URLs at its health round and says, in an error
+    line and ``node_config_conflicts``, which ids another lists with other URLs."""
+    async with FakeCluster(1, 2, ENGINE_CONFIG) as cluster:
+        apps = []
+        for decode in (cluster.decode_urls, cluster.decode_urls[::-1], cluster.decode_urls):
+            config = RouterConfig.from_urls(
+                cluster.prefill_urls, decode, state=redis_server.url, state_timeout_ms=2000.0,
+                block_size=ENGINE_CONFIG.block_size, **fixed())
+            apps.append(create_app(config))
+        try:
+            same, reversed_, again = (app.ctx for app in apps)
+            await same.nodes.health_round()
+            assert same.metrics.node_config_conflicts._value.get() == 0
+            await reversed_.nodes.health_round()
+            assert reversed_.metrics.node_config_conflicts._value.get() == 2
+            assert "lists node(s) ['decode-0', 'decode-1'] with other URLs" in caplog.text
+            await same.nodes.health_round()
+            assert same.metrics.node_config_conflicts._value.get() == 2
+            await again.nodes.health_round()  # the same list as the first: no conflict
+            assert again.metrics.node_config_conflicts._value.get() == 0
+        finally:
+            for app in apps:
+                await app.ctx.upstream.aclose()
+                await app.ctx.index.aclose()

@@ -89,6 +89,12 @@ Contracts:
 * ``shared_state()``: a name every router on the same shared state reads alike (replicas on
   one Redis and namespace), ``None`` for a process's own; D asks any router that names it
   for turns another of them gave (``core.retention_sync.ask_via``).
+* ``node_urls(mine)``: publishes this router's node URLs by node id and returns the ids
+  another router on the same shared state last published with another URL (id -> that
+  URL). Node ids are positions unless configured (``decode-0``, ...): replicas that list
+  the same nodes in another order read each other's entries, engines and release orders
+  for other nodes (probe 14, K3: "restarted" engines flapping, reports refused, half the
+  turns recomputed), and nothing said so.
 * ``set_drained(node_id, drained)`` / ``drained_nodes()``: an admin's drains, shared by the
   replicas of a networked index (each adopts them at its next health round: an admin call
   reaches one replica behind a Service, and the others kept placing new conversations on
@@ -210,6 +216,8 @@ class ConversationIndex(Protocol):
     async def set_drained(self, node_id: str, drained: bool) -> None: ...
 
     async def drained_nodes(self) -> frozenset[str] | None: ...
+
+    async def node_urls(self, mine: Mapping[str, str]) -> dict[str, str]: ...
 
     async def announce(self, ref: EntryRef, ttl_s: float) -> None: ...
 
@@ -673,6 +681,9 @@ class InMemoryIndex:
 
     async def drained_nodes(self) -> frozenset[str] | None:
         return None  # the node registry's own are all there are
+
+    async def node_urls(self, mine: Mapping[str, str]) -> dict[str, str]:
+        return {}  # no other router shares this index
 
     def _lapse(self) -> None:
         """End the spent reads whose grace is over (``read_spent``) and order their turns

@@ -19,7 +19,8 @@ load balancer picks, and pulls from the D the entry names.
 * ``{ns}:f:{scope}:{anchor}:{fine}`` – a hash: the end offsets (in the block) of the
   completions refs under one fine digest, each with how many refs end there.
 * ``{ns}:drained`` – the node ids an admin drained (``set_drained``), read by every
-  replica at each health round.
+  replica at each health round. ``{ns}:nodes`` – each node id's URL as the replica that
+  last published it listed it (``node_urls``, each health round).
 * ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
   an explicit id's latest entry). ``{ns}:fl:{scope}`` – when ``drop_scope`` last flushed it
   (wall s, PX ``FLUSH_MARK_S``): ``put`` drops an entry whose turn began before it.
@@ -918,6 +919,14 @@ class RedisIndex:
         self._reads.done(node_id, request_id)
         await self._quiet("release", self._client.delete(
             self._request_key(node_id, request_id) + ":r"), None)
+
+    async def node_urls(self, mine: Mapping[str, str]) -> dict[str, str]:
+        key = f"{self._ns}:nodes"
+        seen = await self._quiet("nodes", self._client.hgetall(key), None)
+        await self._quiet("nodes", self._client.hset(
+            key, items=[part for pair in mine.items() for part in pair]), None)
+        theirs = {str(k): str(v) for k, v in (seen or {}).items()}
+        return {k: v for k, v in theirs.items() if k in mine and mine[k] != v}
 
     async def set_drained(self, node_id: str, drained: bool) -> None:
         key = f"{self._ns}:drained"

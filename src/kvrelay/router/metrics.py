@@ -15,6 +15,8 @@ Names (all prefixed ``kvrelay_router_``):
   ``entries_dropped_total{reason}`` – entries removed for other reasons.
 * ``node_up{node,role}`` – 1 when the node is up (passes its health checks; a drained node
   stays up: ``/admin/nodes`` shows the drains).
+* ``node_config_conflicts`` – node ids another router on the same shared state last listed
+  with another URL (replicas listing the nodes in another order: ``index.node_urls``).
 * ``upstream_errors_total{node,kind}`` – failed calls to nodes (``connect``, ``timeout``,
   ``closed``, ``status``, ``capacity`` (HTTP 503), ``protocol``, ``error_event``); a node's
   4xx is the client's fault and not counted.
@@ -128,6 +130,11 @@ class RouterMetrics:
         )
         self.node_up = Gauge(
             _P + "node_up", "1 if the node is up (drained or not)", ["node", "role"], registry=r
+        )
+        self.node_config_conflicts = Gauge(
+            _P + "node_config_conflicts",
+            "Node ids another router on the same shared state lists with another URL",
+            registry=r,
         )
         self.upstream_errors = Counter(
             _P + "upstream_errors_total", "Failed calls to nodes", ["node", "kind"], registry=r

@@ -458,6 +458,15 @@ class NodeRegistry:
         drained = await self._index.drained_nodes()
         if drained is not None:
             self.adopt_drained(drained)
+        conflicts = await self._index.node_urls(
+            {n.node_id: n.url for n in self._config.nodes})
+        self._metrics.node_config_conflicts.set(len(conflicts))
+        if conflicts:
+            log.error("another router on the same shared state lists node(s) %s with other "
+                      "URLs (%s): replicas must list the same nodes in the same order, or "
+                      "give each node an id; until then each reads the other's entries for "
+                      "other nodes", sorted(conflicts),
+                      ", ".join(f"{k}={v}" for k, v in sorted(conflicts.items())))
 
     # -- room -------------------------------------------------------------------------------
 
