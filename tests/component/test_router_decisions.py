@@ -352,8 +352,11 @@ async def test_direct_d_failure_falls_back_to_p_and_another_d() -> None:
             rig.cluster.node("decode-0").faults.append("connect")
 
         last = await two_turns(rig, break_d0)
-        assert last["action"] == "direct" and last["decode_node"] == "decode-1"
-        assert last["retries"] == 1
+        # P recomputed it for another D: reported as that (probe 14, K7), decided direct
+        assert (last["decided"], last["action"], last["reason"]) == (
+            "direct/direct", "recompute", "decode_failed")
+        assert last["decode_node"] == "decode-1" and last["retries"] == 1
+        assert last["reused_tokens"] == 0
         p_paths = [p for p, _ in rig.cluster.node("prefill-0").requests]
         assert p_paths.count("/v1/chat/completions") == 2
     finally:

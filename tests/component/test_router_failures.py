@@ -256,8 +256,10 @@ async def test_d_failure_after_a_pull_recomputes_and_never_reads_d_again(
         resp, _ = await chat.turn("next")
         assert resp.status_code == 200
         last = await rig.last_decision()
-        assert (last["action"], last["retries"]) == ("pull", 1)
-        assert last["decode_node"] != d0.node_id
+        # decided as a pull, carried out as a recompute: reported as that (probe 14, K7)
+        assert (last["decided"], last["action"], last["reason"], last["retries"]) == (
+            "pull/pull", "recompute", "decode_failed", 1)
+        assert last["decode_node"] != d0.node_id and last["reused_tokens"] == 0
         p_params = [b["kv_transfer_params"]
                     for b in rig.cluster.node("prefill-0").generation_requests()]
         assert p_params[1]["remote_block_ids"]  # the pull

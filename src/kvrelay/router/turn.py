@@ -88,10 +88,11 @@ class Turn:
     def reused_tokens(self) -> int:
         """Prompt tokens taken from D's KV: pulled (as P reported) or served from D's prefix
         cache (direct, as planned)."""
+        if self.refused is not None:  # carried out as a recompute
+            return 0
         if self.decision.action == "direct":
             return self.decision.reused_tokens
-        pulled = self.decision.action == "pull" and self.refused is None
-        return self.cached_tokens if pulled else 0
+        return self.cached_tokens if self.decision.action == "pull" else 0
 
     @property
     def affinity(self) -> str | None:
