@@ -71,7 +71,7 @@ class Rig:
             num_blocks_total=256, num_blocks_free=200 - round_, retained_requests=round_ + 1,
             retained_blocks=round_ + 4, retained_tokens=(round_ + 4) * 128,
             releases_total={"pressure": round_, "router": 2 * round_, "expired": 0}))
-        token = sync_token(derived_tag_key(TAG_KEY), "decode-0")  # as D's decode params say
+        token = sync_token(derived_tag_key(TAG_KEY), "decode-0", self.decode)  # as D is told
         resp = httpx.post(f"{self.internal}{RETENTION_PATH}/{token}", content=body, timeout=10)
         assert resp.status_code == 200, resp.text
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
+import redis.asyncio as aioredis
 
 from kvrelay.client.prometheus import parse_prometheus
 from kvrelay.client.sse import sse_events
@@ -474,6 +475,28 @@ async def test_a_drain_through_one_replica_reaches_the_others(redis_server: Redi
         assert (await r.turn(0, [{"role": "user", "content": FIRST}], None))[0] == "recompute"
 
 
+async def test_drains_redis_lost_are_written_again_not_undone(redis_server: RedisServer) -> None:
+    """Redis (kept without persistence) restarts and loses the drains: each replica keeps
+    its own and writes them again at its health round, instead of every replica undraining
+    every node (probe 15, L2: 6 of 6 new conversations then went to the drained D)."""
+    async with replicas(redis_server, admin_key="root") as r:
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            await c.post(r.urls[1] + "/admin/nodes/decode-0/drain",
+                         headers={"Authorization": "Bearer root"})
+        await r.ctxs[0].nodes.health_round()
+        assert r.ctxs[0].nodes.drained() == {"decode-0"}
+        raw = aioredis.Redis.from_url(redis_server.url, decode_responses=True)
+        try:
+            await raw.flushall()  # what a restart without persistence leaves
+            await r.ctxs[0].nodes.health_round()
+            assert r.ctxs[0].nodes.drained() == {"decode-0"}
+            assert set(await raw.hkeys("kvrelay:default:drained")) == {".", "decode-0"}
+            await r.ctxs[1].nodes.health_round()
+            assert r.ctxs[1].nodes.drained() == {"decode-0"}
+        finally:
+            await raw.aclose()
+
+
 async def test_replicas_listing_the_nodes_in_another_order_are_told_so(
     redis_server: RedisServer, caplog: Any,
 ) -> None:
@@ -504,3 +527,38 @@ async def test_replicas_listing_the_nodes_in_another_order_are_told_so(
             for app in apps:
                 await app.ctx.upstream.aclose()
                 await app.ctx.index.aclose()
+
+
+async def test_a_sync_url_given_under_another_node_order_is_not_believed() -> None:
+    """The sync URL's token binds the node id and the node's URL: a router that listed the
+    D's in another order gave each D the token of another D's id, and once fixed and
+    restarted (the same tag key) it believed those D's syncs under the wrong id, learned
+    swapped engines and purged entries (probe 15, L5). Now such a sync names no node:
+    heard only in what makes entries recompute (``unknown_engine``), its engine not learned
+    (under the old tokens it was learned as decode-0's)."""
+    async with FakeCluster(1, 2, ENGINE_CONFIG) as cluster:
+        key = {"tag_key": "0123456789abcdef0123456789abcdef"}
+        fixed_app = create_app(RouterConfig.from_urls(
+            cluster.prefill_urls, cluster.decode_urls, block_size=16, **key))
+        misordered = create_app(RouterConfig.from_urls(
+            cluster.prefill_urls, cluster.decode_urls[::-1], block_size=16, **key))
+        try:
+            told = misordered.ctx.retention.url_for("decode-0")  # given to the second D
+            own = fixed_app.ctx.retention.url_for("decode-0")
+            assert told != own
+            again = create_app(RouterConfig.from_urls(
+                cluster.prefill_urls, cluster.decode_urls, block_size=16, **key))
+            assert again.ctx.retention.url_for("decode-0") == own  # restarts agree
+            await again.ctx.upstream.aclose()
+            d1 = cluster.decode[1]
+            sync = encode(RetentionSync(
+                engine_id=d1.engine_id, block_size=16, bytes_per_block=4096,
+                num_blocks_total=128, num_blocks_free=100, retained_requests=0,
+                retained_blocks=0, retained_tokens=0))
+            await fixed_app.ctx.retention.accept(sync, told.rsplit("/", 1)[1])
+            syncs = fixed_app.ctx.metrics.retention_syncs
+            assert syncs.labels("unknown_engine")._value.get() == 1
+            assert fixed_app.ctx.nodes.trusted_identity("decode-0")[0] is None
+        finally:
+            for app in (fixed_app, misordered):
+                await app.ctx.upstream.aclose()

@@ -105,9 +105,11 @@ def test_decode_goes_where_there_is_room_for_the_prompt() -> None:
     """A D whose KV cache cannot take the prompt (its own numbers) would make the request
     wait while another D has room: only Ds with room are chosen from, the affinity D too,
     whatever the request counts say (two long decodes fill a D; another replica's load is
-    not counted: probe 9, finding 1). Unknown room counts as room; when no D has room, the
-    most room decides, then load (the first D took every such request before: probe 14,
-    K1); when the need is unknown, load decides."""
+    not counted: probe 9, finding 1). Unknown room counts as room; the affinity D's room
+    counts what it holds for the request (a pull frees it there). When no D has room, a
+    request without an affinity D goes where the most room is, then load (the first D took
+    every such request: probe 14, K1); one with an affinity D keeps it (moving it cost
+    pulls: probe 15, L1). When the need is unknown, load decides."""
     full, roomy = d("d0", 0, room=256), d("d1", 3, room=4096)
     assert choose_decode([full, roomy], needed_tokens=1000) == NodeChoice("d1", "least_loaded")
     assert choose_decode([full, roomy], "d0", needed_tokens=1000) == NodeChoice(
@@ -119,11 +121,20 @@ def test_decode_goes_where_there_is_room_for_the_prompt() -> None:
     assert choose_decode([full, short], needed_tokens=1000) == NodeChoice(
         "d1", "least_loaded")  # none has room: the most room
     assert choose_decode([full, short], "d0", needed_tokens=1000) == NodeChoice(
-        "d1", "affinity_full")
+        "d0", "affinity")  # none has room: the affinity D keeps its conversation
     assert choose_decode([full, short], "d1", needed_tokens=1000) == NodeChoice(
-        "d1", "affinity")
+        "d0", "affinity_overloaded")  # load still moves it (3 > 2 x 0 + 2)
+    assert choose_decode([full, d("d1", 2, room=512)], "d1", needed_tokens=1000) == \
+        NodeChoice("d1", "affinity")
     assert choose_decode([d("d0", 2, room=512), short, full], needed_tokens=1000) == \
         NodeChoice("d0", "least_loaded")  # as much room: load decides
+    # what the affinity D holds for the request counts: 256 free + 800 held >= 1000
+    assert choose_decode([full, roomy], "d0", needed_tokens=1000,
+                         affinity_held_tokens=800) == NodeChoice("d0", "affinity")
+    assert choose_decode([full, roomy], "d0", needed_tokens=1000,
+                         affinity_held_tokens=700) == NodeChoice("d1", "affinity_full")
+    assert choose_decode([full, roomy], None, needed_tokens=1000,
+                         affinity_held_tokens=800) == NodeChoice("d1", "least_loaded")
     assert choose_decode([full, roomy]) == NodeChoice("d0", "least_loaded")
     assert choose_decode([full, roomy, d("d2", 1, room=9000)], "d1",
                          needed_tokens=1000) == NodeChoice("d1", "affinity")

@@ -377,6 +377,12 @@ def test_routers_that_would_refuse_their_settings_are_not_rendered(capsys, args,
     ({"decode_engine_args": ["--kv-transfer-config", "{}"]},
      "decode_engine_args: --kv-transfer-config is set by the manifest"),
     ({"prefill_engine_args": ["--block-size=32"]}, "use --block-size"),
+    # vLLM's parser takes its short forms, `_` for `-` and abbreviations (probe 15, L4)
+    ({"engine_args": ["-tp=2"]}, "-tp is set by the manifest (--tensor-parallel-size)"),
+    ({"engine_args": ["--tensor_parallel_size=2"]}, "use --gpus-per-node"),
+    ({"engine_args": ["--block_size=32"]}, "(--block-size)"),
+    ({"decode_engine_args": ["--kv_transfer_config={}"]}, "(--kv-transfer-config)"),
+    ({"engine_args": ["--kv-transfer-c={}"]}, "(--kv-transfer-config)"),
     ({"router_args": ["--response-store=memory"], "router_replicas": 2},
      "--response-store memory keeps each replica's own store"),
 ])

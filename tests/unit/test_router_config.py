@@ -309,7 +309,7 @@ def test_api_keys_given_but_all_empty_are_refused(keys: list[str]) -> None:
     assert config_from_args(parse(["--prefill", P, "--decode", D])).api_keys == ()
 
 
-@pytest.mark.parametrize("node_id", ["decode 0/x", "d0/x", "a b", "x" * 65, "d?0"])
+@pytest.mark.parametrize("node_id", ["decode 0/x", "d0/x", "a b", "x" * 65, "d?0", ".", ".."])
 def test_a_node_id_that_is_no_path_segment_is_refused(node_id: str) -> None:
     """A node id is a path segment of ``/admin/nodes/{id}/drain``: ``decode 0/x`` was
     accepted, and draining it answered "drained" for ``decode 0`` and drained nothing

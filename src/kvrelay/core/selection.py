@@ -15,12 +15,16 @@ router-less traffic is not counted at all). So when some up D has room for
 ``needed_tokens`` and some has not, only those with room are considered (a D whose room is
 unknown counts as having it); the affinity D too: its KV is of little use on a D that must
 evict to admit the request (``affinity_full``), and P pulls the conversation's KV from that
-D whichever D decodes. When no D has room (every one's room known and short), those with the
-most room are considered: the least would have to be released or waited for there. Before,
-the first D given (or the affinity D) took every such request, so one D released all
-retained turns under pressure while the others kept theirs, stale ones included (probe 14,
-K1: 60 of 60 turns and 51 of 51 pressure releases on one of three D's, follow-ups pulled
-0.17 against 0.60).
+D whichever D decodes. The affinity D's room counts the tokens it holds for the request
+(``affinity_held_tokens``: the conversation's retained turn, which the pull frees there and
+its prefix cache then finds), so it needs that much less. When no D has room (every one's
+room known and short), a request without an affinity D goes to those with the most room:
+the least would have to be released or waited for there. Before, the first D given took
+every such request, so one D released all retained turns under pressure while the others
+kept theirs, stale ones included (probe 14, K1: 60 of 60 turns and 51 of 51 pressure
+releases on one of three D's, follow-ups pulled 0.17 against 0.60). A request with one
+keeps it then (moving it made another D admit the whole prompt: probe 15, L1, 40-60% of
+follow-ups left their D and pulled 0.46-0.48 against 0.54-0.58).
 
 Ties are broken by the order nodes are given in, so equal inputs give equal choices. Down
 nodes are never chosen; when no node of the role is up the chooser returns ``None`` and the
@@ -115,10 +119,12 @@ def choose_decode(
     affinity_node_id: str | None = None,
     config: AffinityConfig | None = None,
     needed_tokens: int | None = None,
+    affinity_held_tokens: int = 0,
 ) -> NodeChoice | None:
-    """The D for a request: among the up Ds with room for ``needed_tokens`` when some have
-    and some have not, or with the most room when none has (module docstring), the affinity
-    D unless overloaded, else the least loaded.
+    """The D for a request: among the up Ds with room for ``needed_tokens`` (the affinity
+    D's room plus ``affinity_held_tokens``) when some have and some have not, or, without an
+    affinity D, with the most room when none has (module docstring), the affinity D unless
+    overloaded, else the least loaded.
 
     Load is outstanding requests, ties broken by outstanding prefill tokens (direct turns
     prefill on D), then by order. ``None`` when no D is up.
@@ -129,12 +135,16 @@ def choose_decode(
         return None
     full = False
     if needed_tokens is not None:
+        def room(node: NodeState) -> int | None:
+            held = affinity_held_tokens if node.node_id == affinity_node_id else 0
+            return None if node.room_tokens is None else node.room_tokens + held
+
         roomy = [(i, node) for i, node in candidates
-                 if node.room_tokens is None or node.room_tokens >= needed_tokens]
-        if not roomy:  # every room known and short: the most room
-            most = max(node.room_tokens or 0 for _, node in candidates)
-            roomy = [(i, node) for i, node in candidates if node.room_tokens == most]
-        if len(roomy) < len(candidates):
+                 if (room(node) or 0) >= needed_tokens or node.room_tokens is None]
+        if not roomy and affinity_node_id not in {node.node_id for _, node in candidates}:
+            most = max(room(node) or 0 for _, node in candidates)  # every room known, short
+            roomy = [(i, node) for i, node in candidates if room(node) == most]
+        if roomy and len(roomy) < len(candidates):
             full = affinity_node_id in {node.node_id for _, node in candidates} - {
                 node.node_id for _, node in roomy}
             candidates = roomy

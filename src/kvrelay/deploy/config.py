@@ -119,10 +119,11 @@ class DeployConfig:
                                         "10.244.0.0/16 (one per --pod-cidr)") from None
         for key in ("engine_args", "prefill_engine_args", "decode_engine_args"):
             for arg in getattr(self, key):
-                flag = arg.split("=", 1)[0]
-                if flag in ENGINE_FLAGS_OWNED:
-                    raise DeployConfigError(f"{key}: {flag} is set by the manifest; use "
-                                            f"{ENGINE_FLAGS_OWNED[flag]}")
+                owned = engine_flag_owned(arg.split("=", 1)[0])
+                if owned is not None:
+                    raise DeployConfigError(f"{key}: {arg.split('=', 1)[0]} is set by the "
+                                            f"manifest ({owned}); use "
+                                            f"{ENGINE_FLAGS_OWNED[owned]}")
         route = check_router_args(self.router_args)
         if route.response_store == "memory" and self.router_replicas > 1:
             raise DeployConfigError(
@@ -163,6 +164,24 @@ ENGINE_FLAGS_OWNED = {
 """``vllm serve`` flags the manifest sets: given again in engine args (the last value wins)
 they would part the engines from the probes, Services and router URLs built from the
 setting (``--port``), or drop kvrelay's connector (``--kv-transfer-config``: probe 14, K10)."""
+
+ENGINE_FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
+"""vLLM's short forms of the flags above."""
+
+
+def engine_flag_owned(flag: str) -> str | None:
+    """The manifest's flag that ``flag`` sets in ``vllm serve``, if any: vLLM's parser takes
+    ``_`` for ``-``, its short forms and unambiguous abbreviations (``--kv-transfer-c``),
+    so each is that flag too (probe 15, L4: ``-tp=2``, ``--block_size=32`` rendered)."""
+    name = ENGINE_FLAG_ALIASES.get(flag, flag)
+    if not name.startswith("--"):
+        return None
+    name = "--" + name[2:].replace("_", "-")
+    if name in ENGINE_FLAGS_OWNED:
+        return name
+    prefixed = [owned for owned in ENGINE_FLAGS_OWNED if owned.startswith(name)]
+    return prefixed[0] if len(name) > 3 and prefixed else None
+
 
 ROUTER_FLAGS_SECRET = ("--api-key", "--admin-key", "--tag-key", "--metrics-key")
 """Keys: in the router Secret (``router_secret``), never in the pod's args."""

@@ -121,11 +121,11 @@ class NodeConfig:
     block_size: int | None = None
 
     def __post_init__(self) -> None:
-        if not _NODE_ID.fullmatch(self.node_id):
+        if not _NODE_ID.fullmatch(self.node_id) or self.node_id in (".", ".."):
             # it is a path segment of /admin/nodes/{id}/drain: "d0/x" drained "d0" (probe 14,
             # K12)
-            raise ConfigError(f"node id must be 1-64 letters, digits, '.', '_', '-' or ':', "
-                              f"got {self.node_id!r}")
+            raise ConfigError(f"node id must be 1-64 letters, digits, '.', '_', '-' or ':' "
+                              f"(not '.' or '..'), got {self.node_id!r}")
         parts = urlsplit(self.url)
         if parts.scheme not in ("http", "https") or not parts.hostname \
                 or parts.path.strip("/") or parts.query or parts.fragment or "@" in parts.netloc:

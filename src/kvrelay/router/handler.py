@@ -149,11 +149,16 @@ class GenerationHandler:
                 self._retried(turn, "decode")
                 exclude = frozenset({holder.node_id})
                 turn.refused = "decode_failed"  # P recomputes it: reported as what happened
-        pre = await self._prefiller.run(turn, pull=turn.decision.action == "pull")
+        pulled = turn.decision.action == "pull"
+        pre = await self._prefiller.run(turn, pull=pulled)
+        # a pull frees the conversation's retained turn on its D, whose prefix cache then
+        # finds it: that D needs that much less room
+        held = turn.found.entry.num_tokens if pulled and turn.found is not None else 0
         for attempt in (0, 1):
             node = ctx.nodes.choose_decode(turn.affinity, exclude,
                                            needed_tokens=turn.prompt_tokens + 1,
-                                           room=ctx.retention.room_tokens)
+                                           room=ctx.retention.room_tokens,
+                                           affinity_held_tokens=held)
             if node is None:
                 raise RouterError(503, "no decode node is up and not drained")
             try:

@@ -98,9 +98,11 @@ Contracts:
 * ``set_drained(node_id, drained)`` / ``drained_nodes()``: an admin's drains, shared by the
   replicas of a networked index (each adopts them at its next health round: an admin call
   reaches one replica behind a Service, and the others kept placing new conversations on
-  the drained node: probe 14, K2); ``drained_nodes`` is ``None`` where nothing is shared
-  or the store did not answer, ``set_drained`` raises ``IndexUnavailable`` when the store
-  cannot take it (an admin must not be told a drain happened that the next round undoes).
+  the drained node: probe 14, K2); ``drained_nodes`` is ``None`` where nothing is shared,
+  the store did not answer or lost them (each replica then writes its own drains again
+  instead of undraining every node: probe 15, L2), ``set_drained`` raises
+  ``IndexUnavailable`` when the store cannot take it (an admin must not be told a drain
+  happened that the next round undoes).
 * Bounded: at most ``max_entries`` entries, at most ``max_per_tenant`` per tenant; the least
   recently used goes first.
 * ``retained_tokens(now_s)``: tokens each D holds for entries not expired (nor released) at

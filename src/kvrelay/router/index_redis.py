@@ -18,9 +18,12 @@ load balancer picks, and pulls from the D the entry names.
   anchor, the fine digests (hex) that block has entries under.
 * ``{ns}:f:{scope}:{anchor}:{fine}`` – a hash: the end offsets (in the block) of the
   completions refs under one fine digest, each with how many refs end there.
-* ``{ns}:drained`` – the node ids an admin drained (``set_drained``), read by every
-  replica at each health round. ``{ns}:nodes`` – each node id's URL as the replica that
-  last published it listed it (``node_urls``, each health round).
+* ``{ns}:drained`` – a hash of the node ids an admin drained (``set_drained``), read by
+  every replica at each health round, and a field ``.`` set from the first drain on: a
+  hash without it is one Redis lost (a restart without persistence), which the replicas
+  fill again from their own drains rather than undrain every node (probe 15, L2).
+* ``{ns}:nodes`` – each node id's URL as the replica that last published it listed it
+  (``node_urls``, each health round).
 * ``{ns}:s:{scope}`` – the entries of a scope, by when they were stored (``drop_scope``;
   an explicit id's latest entry). ``{ns}:fl:{scope}`` – when ``drop_scope`` last flushed it
   (wall s, PX ``FLUSH_MARK_S``): ``put`` drops an entry whose turn began before it.
@@ -119,6 +122,9 @@ from kvrelay.router.index import (
 )
 
 log = logging.getLogger("kvrelay.router")
+
+_DRAINS_KEPT = "."
+"""The field that says ``{ns}:drained`` was written (not a node id: ``RouterConfig``)."""
 
 T = TypeVar("T")
 
@@ -930,12 +936,17 @@ class RedisIndex:
 
     async def set_drained(self, node_id: str, drained: bool) -> None:
         key = f"{self._ns}:drained"
-        call = self._client.sadd(key, node_id) if drained else self._client.srem(key, node_id)
-        await self._call("drain", call)
+        await self._call("drain", self._client.hset(key, _DRAINS_KEPT, "1"))
+        if drained:
+            await self._call("drain", self._client.hset(key, node_id, "1"))
+        else:
+            await self._call("drain", self._client.hdel(key, node_id))
 
     async def drained_nodes(self) -> frozenset[str] | None:
-        members = await self._quiet("drain", self._client.smembers(f"{self._ns}:drained"), None)
-        return None if members is None else frozenset(str(m) for m in members)
+        fields = await self._quiet("drain", self._client.hkeys(f"{self._ns}:drained"), None)
+        if not fields:  # Redis down, or it lost them (a restart): the replicas' own hold
+            return None
+        return frozenset(str(f) for f in fields) - {_DRAINS_KEPT}
 
     async def shared_state(self) -> str | None:
         """A random name the first replica on this Redis and namespace stored

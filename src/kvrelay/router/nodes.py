@@ -43,6 +43,7 @@ replaces them with what it learned (it does not when ``learn_costs`` is off).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -55,7 +56,7 @@ from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
 from kvrelay.router.config import NodeConfig, RouterConfig
-from kvrelay.router.index import ConversationIndex
+from kvrelay.router.index import ConversationIndex, IndexUnavailable
 from kvrelay.router.metrics import RouterMetrics
 from kvrelay.router.upstream import Upstream, UpstreamError
 
@@ -177,6 +178,7 @@ class NodeRegistry:
     def choose_decode(
         self, affinity: str | None = None, exclude: frozenset[str] = frozenset(), *,
         needed_tokens: int | None = None, room: Callable[[str], int | None] | None = None,
+        affinity_held_tokens: int = 0,
     ) -> NodeConfig | None:
         """The affinity D unless down/overloaded/excluded, else the least loaded up D; of
         those with room for ``needed_tokens`` (``room``: a D's room in tokens, from its own
@@ -186,7 +188,8 @@ class NodeRegistry:
         if room is not None:
             states = [msgspec.structs.replace(s, room_tokens=room(s.node_id))
                       if s.role == "decode" else s for s in states]
-        choice = choose_decode(states, affinity, self._config.affinity, needed_tokens)
+        choice = choose_decode(states, affinity, self._config.affinity, needed_tokens,
+                               affinity_held_tokens)
         return self._nodes[choice.node_id].config if choice else None
 
     def set_drained(self, node_id: str, drained: bool) -> None:
@@ -458,6 +461,10 @@ class NodeRegistry:
         drained = await self._index.drained_nodes()
         if drained is not None:
             self.adopt_drained(drained)
+        else:  # nothing shared, or the store lost it: this replica's own drains hold
+            for node_id in sorted(self._drained):
+                with contextlib.suppress(IndexUnavailable):
+                    await self._index.set_drained(node_id, True)
         conflicts = await self._index.node_urls(
             {n.node_id: n.url for n in self._config.nodes})
         self._metrics.node_config_conflicts.set(len(conflicts))

@@ -8,7 +8,7 @@ at once after a release. ``RetentionDesk.accept``:
 1. decodes the body (``decode_sync``; a bad one is a 400, never a 5xx) and finds the D it is
    from by its engine id (``NodeRegistry.decode_node_for_engine``: only an engine id this
    router learned from that D's own answers or checked reports) or, before this router
-   learned any engine of that D (a restart), by the URL's token, a MAC of that D's node id
+   learned any engine of that D (a restart), by the URL's token, a MAC of that D's node id and URL
    under the router's key that only decode requests to that D carry: such a sync is D's,
    and its engine id becomes D's. It then checks the token. A sync without it
    (``bad_token``: forged, or D's URL from before a restart without ``--tag-key`` or from
@@ -138,11 +138,13 @@ class DecodeRetention:
     plan: RetainPlan | None = None
 
 
-def sync_token(key: bytes, node_id: str) -> str:
+def sync_token(key: bytes, node_id: str, url: str) -> str:
     """The token of D ``node_id``'s sync URL under the router's ``key`` (its conversation
     tag key: replicas and restarts given the same ``--tag-key`` agree on it): 128 bits of a
-    keyed BLAKE2b of the node id, in hex."""
-    return hashlib.blake2b(node_id.encode(), key=key[:64], digest_size=16,
+    keyed BLAKE2b of the node id and the node's URL, in hex. The URL too: a router that
+    listed the nodes in another order gave each D the token of another D's id, and once
+    fixed and restarted it believed those D's syncs under the wrong id (probe 15, L5)."""
+    return hashlib.blake2b(f"{node_id}\n{url}".encode(), key=key[:64], digest_size=16,
                            person=b"kvrelay-sync").hexdigest()
 
 
@@ -180,14 +182,14 @@ class RetentionDesk:
 
     def url_for(self, node_id: str) -> str:
         """Where D ``node_id`` syncs with this router: ``RETENTION_PATH/<token>``, the token a
-        MAC of the node id (module docstring)."""
+        MAC of the node id and URL (module docstring)."""
         url = self._urls.get(node_id)
         if url is None:
             url = self._urls[node_id] = self._base + self._token(node_id)
         return url
 
     def _token(self, node_id: str) -> str:
-        return sync_token(self._key, node_id)
+        return sync_token(self._key, node_id, self._nodes.config(node_id).url)
 
     def observe_gap(self, req: TurnRequest, gap_s: float, kind: GapKind = "user") -> None:
         """A turn arrived ``gap_s`` after the turn it continues ended (``kind``: how that
