@@ -11,6 +11,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 import httpx
+import pytest
 import redis.asyncio as aioredis
 
 from kvrelay.client.prometheus import parse_prometheus
@@ -24,6 +25,7 @@ from kvrelay.router.state import RouterContext
 from tests.component.redis_server import RedisServer
 from tests.component.router_fake import ENGINE_CONFIG
 from tests.component.router_rig import lookup, stream_text
+from tests.component.test_router_agent_apis import FOLLOW_UPS, PATHS, Reply, first_body, follow_up
 from tests.costs import fixed
 from tests.ports import free_ports
 
@@ -562,3 +564,26 @@ async def test_a_sync_url_given_under_another_node_order_is_not_believed() -> No
         finally:
             for app in (fixed_app, misordered):
                 await app.ctx.upstream.aclose()
+
+
+@pytest.mark.parametrize("api", ["responses", "messages"])
+async def test_a_replicas_first_agent_follow_up_pulls_before_it_has_heard_p(
+    redis_server: RedisServer, api: str,
+) -> None:
+    """A replica that has sent P nothing yet does not know whether P proves pulls (the
+    question its first health check asks may still be out): its first Responses or
+    Messages follow-up waits for that answer and pulls. It recomputed ``unverifiable``
+    (probe 15, L3; before the health check asked, ``no_entry``: probe 13, H3)."""
+    async with replicas(redis_server) as r:
+        assert not r.ctxs[1].nodes.verifies_pulls("prefill-0")
+        body = first_body(api, False)
+        async with httpx.AsyncClient(timeout=60.0, trust_env=False) as c:
+            resp = await c.post(r.urls[0] + PATHS[api], json=body)
+            assert resp.status_code == 200, resp.text
+            await r.settle()
+            reply = Reply(api, resp.text, False)
+            again = await c.post(r.urls[1] + PATHS[api],
+                                 json=follow_up(api, body, reply, FOLLOW_UPS[0]))
+        assert again.status_code == 200, again.text
+        assert (again.headers["x-kvrelay-action"], again.headers["x-kvrelay-reason"]) == (
+            "pull", "pull")

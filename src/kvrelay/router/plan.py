@@ -18,7 +18,8 @@
    (``unverifiable``) and supersedes the entry it continued, so D releases that turn when
    this one commits instead of holding it for nothing. Whether a P runs kvrelay's
    connector is asked at its first passing health check (``NodeRegistry``), so a replica
-   knows before its first turn there.
+   knows before its first turn there; a follow-up that comes while that question is out
+   waits for its answer (``_know_guard``).
 4. ``core.policy.decide_turn``, then ``core.consequences.entry_fate``: a pull claims the
    entry before P is ever called (losing the claim to a concurrent turn makes it
    ``no_entry``); entries the decision proves useless are dropped.
@@ -27,6 +28,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 
 import msgspec
@@ -86,6 +88,8 @@ class Planner:
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
             ctx.retention.observe_gap(req, gap_s, entry.waits_for)
+        if found is not None and not req.adapter.tokenizable:
+            await self._know_guard(p)
         # a stock P, and no /tokenize for this API: no pull can be proven
         unverifiable = found is not None and not req.adapter.tokenizable \
             and not ctx.nodes.verifies_pulls(p.node_id)
@@ -123,6 +127,21 @@ class Planner:
         )
         ctx.stats.record(turn)
         return turn
+
+    async def _know_guard(self, p: NodeConfig) -> None:
+        """P has answered this router nothing yet (just started: its first health check's
+        question is in flight), so whether it proves pulls is unknown: wait for that
+        question's answer, at most ``health_timeout_s`` (``EngineChecks.learn``; none is
+        asked again within its interval). A replica's first Responses or Messages
+        follow-up in that window recomputed (probe 15, L3)."""
+        ctx = self._ctx
+        if ctx.engine_checks is None or ctx.nodes.verifies_pulls(p.node_id) \
+                or ctx.nodes.trusted_identity(p.node_id)[0] is not None:
+            return
+        check = ctx.engine_checks.learn(p.node_id)
+        if check is not None:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(asyncio.shield(check), ctx.config.health_timeout_s)
 
     async def _claim(
         self, req: TurnRequest, found: Found, decision: TurnDecision, prompt: Prompt,
