@@ -338,4 +338,8 @@ def test_a_memory_response_store_beside_shared_state_is_warned_of(capsys: Any) -
     assert main([*base, "--state", "redis://127.0.0.1:1/0"]) == 0
     assert "warning: --response-store memory with --state" in capsys.readouterr().err
     assert main(base) == 0
-    assert "warning" not in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "warning" not in err
+    assert "note: no API keys: the router serves every client" in err  # said, not silent
+    assert main([*base, "--api-key", "k1"]) == 0
+    assert "no API keys" not in capsys.readouterr().err

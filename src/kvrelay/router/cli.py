@@ -268,6 +268,9 @@ def _route(args: argparse.Namespace) -> int:
         print("warning: --response-store memory with --state: each replica keeps its own "
               "responses, so a previous_response_id another replica answered is not found "
               "(--response-store redis shares them)", file=sys.stderr, flush=True)
+    if not config.api_keys:
+        print("note: no API keys: the router serves every client (--api-key or "
+              "KVRELAY_API_KEYS; docs/security.md)", file=sys.stderr, flush=True)
     if args.check_config:
         print("config ok", flush=True)
         return 0
