@@ -32,6 +32,7 @@ from kvrelay.core.retention_sync import (
 from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.router.app import create_app
 from kvrelay.router.request import IdRules, parse_request
+from kvrelay.router.retention import sync_token
 from tests.component.router_fake import ENGINE_CONFIG, GUARD_CONFIGS, Routed, routed, until
 
 SILENT_D = replace(ENGINE_CONFIG, retention_sync=False)
@@ -216,11 +217,12 @@ async def test_a_sync_from_an_unknown_engine_changes_nothing_a_malformed_one_is_
 
 async def test_a_sync_not_at_the_url_d_was_given_takes_no_orders() -> None:
     """Whoever reaches the internal listener and knows D's engine id cannot sync as D: a
-    sync not at the URL the router gave that D (a MAC of its node id; the bare path,
-    another token, another D's) takes none of D's release orders (which D would then never
-    get, keeping dropped turns pinned) and leaves D's numbers as D reported them. It is
-    still heard where it can only make entries recompute (D's URL may predate a router
-    restart): its releases mark entries released, its asks are answered."""
+    sync not at the URL the router gave that D (a MAC of its node id and URL; the bare
+    path, another token, another D's, D's id under another URL) takes none of D's release
+    orders (which D would then never get, keeping dropped turns pinned) and leaves D's
+    numbers as D reported them. It is still heard where it can only make entries recompute
+    (D's URL may predate a router restart): its releases mark entries released, its asks
+    are answered."""
     async with routed(engine_config=SILENT_D, kv_recompute_threshold=100_000) as r:
         history, entry = await one_first_turn(r)
         async with r.client() as c:  # recomputes: the entry it continued is to be released
@@ -231,13 +233,14 @@ async def test_a_sync_not_at_the_url_d_was_given_takes_no_orders() -> None:
         forged = sync_body(engine, retained_blocks=0, num_blocks_free=128)
         async with httpx.AsyncClient(trust_env=False, timeout=10.0) as c:
             for url in (base, base + "/", base + "/" + "0" * 32,
-                        r.ctx.retention.url_for("decode-1"),
+                        f"{base}/{sync_token(r.ctx.tag_key, 'decode-1', 'http://d1:8000')}",
+                        f"{base}/{sync_token(r.ctx.tag_key, 'decode-0', 'http://d1:8000')}",
                         r.ctx.retention.url_for("decode-0") + "0"):
                 resp = await c.post(url, content=forged)
                 assert resp.status_code == 200, (url, resp.text)
                 assert resp.json()["release"] == [] and "curves" not in resp.json()
         metrics = parse_prometheus((await r.internal_get("/metrics")).text)
-        assert metric(metrics, "kvrelay_router_retention_syncs_total", outcome="bad_token") == 5
+        assert metric(metrics, "kvrelay_router_retention_syncs_total", outcome="bad_token") == 6
         assert r.ctx.retention.snapshot() == {}  # no numbers taken from a forged sync
         assert await orders_for(r) == [entry.request_id]  # D's own sync gets the order
         assert r.ctx.retention.snapshot()["decode-0"]["retained_blocks"] == 4
