@@ -119,11 +119,11 @@ class DeployConfig:
                                         "10.244.0.0/16 (one per --pod-cidr)") from None
         for key in ("engine_args", "prefill_engine_args", "decode_engine_args"):
             for arg in getattr(self, key):
-                owned = engine_flag_owned(arg.split("=", 1)[0])
+                flag = arg.split("=", 1)[0]
+                owned = engine_flag_owned(flag)
                 if owned is not None:
-                    raise DeployConfigError(f"{key}: {arg.split('=', 1)[0]} is set by the "
-                                            f"manifest ({owned}); use "
-                                            f"{ENGINE_FLAGS_OWNED[owned]}")
+                    raise DeployConfigError(f"{key}: {flag} is set by the manifest ({owned}); "
+                                            f"use {ENGINE_FLAGS_OWNED[owned]}")
         route = check_router_args(self.router_args)
         if route.response_store == "memory" and self.router_replicas > 1:
             raise DeployConfigError(

@@ -88,11 +88,11 @@ class Planner:
             gap_s = max(0.0, ctx.clock() - entry.created_at_s)
             ctx.metrics.turn_gap.observe(gap_s)
             ctx.retention.observe_gap(req, gap_s, entry.waits_for)
+        unverifiable = False
         if found is not None and not req.adapter.tokenizable:
             await self._know_guard(p)
-        # a stock P, and no /tokenize for this API: no pull can be proven
-        unverifiable = found is not None and not req.adapter.tokenizable \
-            and not ctx.nodes.verifies_pulls(p.node_id)
+            # a stock P, and no /tokenize for this API: no pull can be proven
+            unverifiable = not ctx.nodes.verifies_pulls(p.node_id)
         prompt, p = await self._prompt(req, found, p, exact=not unverifiable)
         if index_down:
             decision = TurnDecision("recompute", "state_unavailable")

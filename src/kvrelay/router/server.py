@@ -27,7 +27,7 @@ import contextlib
 import gc
 import logging
 import socket
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import replace
 from types import FrameType
 from typing import Any
@@ -126,23 +126,26 @@ class RouterServer(uvicorn.Server):
         stream that ended in the drain commits when D's report comes, ~0.1 s later. The
         router exited first and the conversation's next turn, on another replica,
         recomputed (probe 14, K8: on every rolling update)."""
-        loop = asyncio.get_running_loop()
         desk = self.app.ctx.desk
         if len(desk):
             log.info("drain: waiting for D's report of %d finished turn(s)", len(desk))
-        while len(desk) and not self.force_exit and loop.time() < deadline:
-            await asyncio.sleep(0.02)
+        await self._until_none(lambda: len(desk), deadline)
 
     async def _settled(self, timeout_s: float) -> bool:
         """Wait until no generation request is in flight, at most ``timeout_s``."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
         admission = self.app.ctx.admission
-        while admission.in_flight > 0 and not self.force_exit:
+        deadline = asyncio.get_running_loop().time() + timeout_s
+        return await self._until_none(lambda: admission.in_flight, deadline)
+
+    async def _until_none(self, count: Callable[[], int], deadline: float) -> bool:
+        """Wait until ``count()`` is 0 (True), the loop's clock reaches ``deadline`` or a
+        second signal forces the exit (False unless the count is 0 then)."""
+        loop = asyncio.get_running_loop()
+        while count() > 0 and not self.force_exit:
             if loop.time() >= deadline:
                 return False
             await asyncio.sleep(0.05)
-        return True
+        return count() == 0 or self.force_exit
 
 
 class ListenError(RuntimeError):

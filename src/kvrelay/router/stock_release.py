@@ -137,11 +137,10 @@ class StockReleases:
         taken: list[RemoteBlocks] = []
         kept: list[tuple[str, RemoteBlocks]] = []
         for node, blocks in self._unheld:
-            if node != node_id:
-                kept.append((node, blocks))
-            elif blocks.engine_id == engine_id and len(taken) < limit:
+            mine = node == node_id and blocks.engine_id == engine_id
+            if mine and len(taken) < limit:
                 taken.append(blocks)
-            elif blocks.engine_id == engine_id:
+            elif mine or node != node_id:  # (another engine of this D's: gone with it)
                 kept.append((node, blocks))
         self._unheld.clear()
         self._unheld.extend(kept)
