@@ -162,18 +162,20 @@ async def routed(
     sleep: Any = None,
     clock: ManualClock | None = None,
     prefill_config: FakeEngineConfig | None = None,
+    decode_data_parallel: int = 1,
     **settings: Any,
 ) -> AsyncIterator[Routed]:
     """The router in front of a fresh ``FakeCluster``; ``settings`` over the rig's defaults
     (fixed costs where every pull pays: ``tests.costs``). ``clock`` is the shared clock
     (a new ``ManualClock`` if not given), ``sleep`` the engines' simulated-latency sleep,
-    ``prefill_config`` P's engines' own config (else ``engine_config``)."""
+    ``prefill_config`` P's engines' own config (else ``engine_config``),
+    ``decode_data_parallel`` the ranks each D runs behind its URL."""
     clock = clock if clock is not None else ManualClock()
     extra: dict[str, Any] = {"sleep": sleep} if sleep is not None else {}
     if prefill_config is not None:
         extra["prefill_config"] = prefill_config
     async with FakeCluster(num_prefill, num_decode, engine_config, clock=clock,
-                           **extra) as cluster, \
+                           decode_data_parallel=decode_data_parallel, **extra) as cluster, \
             FakeCluster(1, 0, engine_config, model=cluster.model) as reference:
         port, internal_port = free_ports(2)
         defaults: dict[str, Any] = {"port": port, "internal_port": internal_port,

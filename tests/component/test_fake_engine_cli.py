@@ -18,10 +18,12 @@ def test_arguments_map_to_engine_configs() -> None:
     args = build_parser().parse_args([
         "fake-engine", "--prefill", "2", "--decode", "3", "--base-port", "0",
         "--latency-preset", "cpu", "--ttl-s", "60", "--threshold", "128",
-        "--prefill-prefix-caching", "--kv-load-failure-policy", "fail", "--vllm-version", "0.33"])
+        "--prefill-prefix-caching", "--kv-load-failure-policy", "fail", "--vllm-version", "0.33",
+        "--decode-data-parallel", "4"])
     assert callable(args.func)
     cluster = cluster_from_args(args)
     assert (cluster.num_prefill, cluster.num_decode, cluster.base_port) == (2, 3, None)
+    assert cluster.decode_data_parallel == 4
     p, d = cluster.prefill_config, cluster.decode_config
     assert p.enable_prefix_caching and d.enable_prefix_caching
     assert p.decoder_kv_blocks_ttl == d.decoder_kv_blocks_ttl == 60

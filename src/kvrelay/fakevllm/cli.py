@@ -42,6 +42,9 @@ def register(sub: Any) -> None:
 def add_fake_engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--prefill", type=int, default=1, help="number of fake P engines")
     parser.add_argument("--decode", type=int, default=1, help="number of fake D engines")
+    parser.add_argument("--decode-data-parallel", type=int, default=1, metavar="N",
+                        help="ranks each D runs behind its URL, like vLLM's "
+                             "--data-parallel-size (engine ids <id>_dp<rank>)")
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--base-port", type=int, default=DEFAULT_BASE_PORT,
                         help="HTTP port of the first engine (0: any free ports)")
@@ -120,6 +123,7 @@ def cluster_from_args(args: argparse.Namespace) -> FakeCluster:
         host=args.host,
         base_port=args.base_port or None,
         side_channel_base_port=args.side_channel_base_port,
+        decode_data_parallel=args.decode_data_parallel,
     )
 
 

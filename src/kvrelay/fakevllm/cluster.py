@@ -14,12 +14,14 @@ unless told otherwise.
 from __future__ import annotations
 
 import asyncio
+import functools
 import time
 from dataclasses import replace
 from pathlib import Path
 from types import TracebackType
 
 from kvrelay.fakevllm.config import FakeEngineConfig, RequestRecord
+from kvrelay.fakevllm.data_parallel import DataParallelFront
 from kvrelay.fakevllm.engine import FakeEngine
 from kvrelay.fakevllm.http import http_listener
 from kvrelay.fakevllm.kv import KVFabric
@@ -56,7 +58,10 @@ class FakeCluster:
         host: str = "127.0.0.1",
         base_port: int | None = None,
         side_channel_base_port: int = 5600,
+        decode_data_parallel: int = 1,
     ) -> None:
+        if decode_data_parallel < 1:
+            raise ValueError("decode_data_parallel must be at least 1")
         if num_prefill < 0 or num_decode < 0 or num_prefill + num_decode == 0:
             raise ValueError("a fake cluster needs at least one engine")
         base = config or FakeEngineConfig()
@@ -76,6 +81,7 @@ class FakeCluster:
         self.host = host
         self.base_port = base_port
         self.side_channel_base_port = side_channel_base_port
+        self.decode_data_parallel = decode_data_parallel
         self.prefill: list[FakeEngine] = []
         self.decode: list[FakeEngine] = []
 
@@ -89,7 +95,8 @@ class FakeCluster:
 
     @property
     def decode_urls(self) -> list[str]:
-        return [e.url for e in self.decode]
+        """One URL per D (the ranks of a data-parallel D share theirs)."""
+        return list(dict.fromkeys(e.url for e in self.decode))
 
     @property
     def side_channels(self) -> list[str]:
@@ -136,24 +143,30 @@ class FakeCluster:
         k = 0
         try:
             for role, count, cfg, bucket in roles:
+                ranks = self.decode_data_parallel if role == "decode" else 1
                 for i in range(count):
-                    while self.fabric.is_taken(self.host, side_port):
-                        side_port += 1
                     port = 0 if self.base_port is None else self.base_port + k
-                    engine = FakeEngine(
-                        f"{role}-{i}",
-                        cfg,
-                        self.model,
-                        self.fabric,
-                        http_listener(self.host, port),
-                        clock=self.clock,
-                        sleep=self.sleep,
-                        side_channel_host=self.host,
-                        side_channel_port=side_port,
-                    )
-                    bucket.append(engine)
-                    await engine.start()
-                    side_port += 1
+                    front = DataParallelFront(self.host, port, seed=_id_seed(cfg, role, i)) \
+                        if ranks > 1 else None
+                    for rank in range(ranks):
+                        while self.fabric.is_taken(self.host, side_port):
+                            side_port += 1
+                        engine = FakeEngine(
+                            f"{role}-{i}" if front is None else f"{role}-{i}.dp{rank}",
+                            cfg,
+                            self.model,
+                            self.fabric,
+                            http_listener(self.host, port) if front is None else front.listen(),
+                            clock=self.clock,
+                            sleep=self.sleep,
+                            side_channel_host=self.host,
+                            side_channel_port=side_port,
+                            engine_ids=None if front is None
+                            else functools.partial(front.engine_id, rank),
+                        )
+                        bucket.append(engine)
+                        await engine.start()
+                        side_port += 1
                     k += 1
         except BaseException:
             await self.stop()
@@ -174,3 +187,8 @@ class FakeCluster:
         tb: TracebackType | None,
     ) -> None:
         await self.stop()
+
+
+def _id_seed(config: FakeEngineConfig, role: str, index: int) -> str | None:
+    """A data-parallel front's id seed: reproducible with ``deterministic_ids``, else random."""
+    return f"{config.seed}:{role}-{index}:dp" if config.deterministic_ids else None

@@ -168,8 +168,10 @@ class FakeEngine:
         sleep: Sleep = asyncio.sleep,
         side_channel_host: str = "127.0.0.1",
         side_channel_port: int = 5600,
+        engine_ids: Callable[[], str] | None = None,
     ) -> None:
         self.name = name
+        self._engine_ids = engine_ids
         self.config = config
         self.model = model
         self.fabric = fabric
@@ -233,7 +235,8 @@ class FakeEngine:
         """Start serving (no-op if running). Every start after the first is a restart."""
         if self._state is not None:
             return
-        engine_id = str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
+        engine_id = self._engine_ids() if self._engine_ids is not None \
+            else str(uuid.UUID(int=self.rng.getrandbits(128), version=4))
         state = EngineState(engine_id, self.config, self.clock, self._sleep)
         self.fabric.register(self.side_channel_host, self.side_channel_port, self)
         self._state = state
