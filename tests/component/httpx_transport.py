@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator
 import httpx
 
 from kvrelay.router.config import NodeConfig
-from kvrelay.router.upstream import Answer, ByteStream, UpstreamError, too_large
+from kvrelay.router.upstream import DP_RANK_HEADER, Answer, ByteStream, UpstreamError, too_large
 
 
 def _translate(node_id: str, exc: httpx.HTTPError) -> UpstreamError:
@@ -50,12 +50,14 @@ class HttpxTransport:
 
     async def request(
         self, node: NodeConfig, method: str, path: str, body: bytes | None,
-        timeout_s: float | None, max_bytes: int | None = None,
+        timeout_s: float | None, max_bytes: int | None = None, *, dp_rank: int | None = None,
     ) -> Answer:
+        headers = {"content-type": "application/json"} if body is not None else {}
+        if dp_rank is not None:
+            headers[DP_RANK_HEADER] = str(dp_rank)
         try:
             response = await self._client.request(
-                method, node.url + path, content=body,
-                headers={"content-type": "application/json"} if body is not None else None,
+                method, node.url + path, content=body, headers=headers or None,
             )
         except httpx.HTTPError as exc:
             raise _translate(node.node_id, exc) from exc

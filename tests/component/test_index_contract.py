@@ -775,6 +775,32 @@ async def test_an_order_at_expiry_for_another_engine_is_discarded(
     assert await index.take_releases("d0", "A") == ()
 
 
+async def test_orders_for_another_rank_of_a_data_parallel_d_wait_for_that_rank(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """A D run data parallel behind one URL syncs once per rank, each with its own engine id
+    (``G_dp0``, ``G_dp1``: ``core.engine_group``). A rank's take leaves the other rank's
+    orders, queued and due, for that rank; an order of another group (D restarted) is
+    still discarded. Before, rank 1's sync discarded every order of rank 0's."""
+    index, clock = made
+    scope = scope_of("t", "dp")
+    refs = [stored_at(chat(SYSTEM, FIRST, scope=scope), str(i)) for i in range(3)]
+    stored = [entry("d0", engine, request=f"r{i}")
+              for i, engine in enumerate(["G_dp0", "G_dp1", "OLD_dp0"])]
+    for i, (ref, e) in enumerate(zip(refs, stored, strict=True)):
+        await index.put(ref, e, tenant=f"t{i}")
+        assert await index.drop(ref, e) is True
+    due = [stored_at(TURN1, f"due {rank}") for rank in (0, 1)]
+    for rank, ref in enumerate(due):
+        await index.put(ref, flagged(engine=f"G_dp{rank}", request=f"f{rank}"), tenant="t")
+    clock.now = 131.0
+    assert await index.take_releases("d0", "G_dp1") == ("r1", "f1")
+    assert await index.take_releases("d0", "G_dp1") == ()
+    assert await index.take_releases("d0", "G_dp0") == ("r0", "f0")
+    assert await index.take_releases("d0", "OLD_dp0") == ()  # discarded by G's takes
+    assert await index.take_releases("d0", "G_dp0") == ()
+
+
 async def test_a_flagged_entry_stored_again_replaces_the_unflagged_one(
     made: tuple[ConversationIndex, Clock],
 ) -> None:

@@ -258,6 +258,18 @@ def test_engine_restarted() -> None:
     assert_recompute(decide(next_turn_prompt(), node=d0(engine_id="new-uuid")), "engine_restarted")
 
 
+def test_another_rank_of_a_data_parallel_d_is_not_a_restart() -> None:
+    """D answered last from another rank (``<group>_dp<k>``): the entry's rank still holds
+    the blocks, and P pulls from the rank the entry names. Another group is a restart."""
+    ranked = make_entry(blocks=replace(BLOCKS, engine_id="g-1_dp0"))
+    decision = decide(next_turn_prompt(), entry=ranked, node=d0(engine_id="g-1_dp3"))
+    assert (decision.action, decision.reason, decision.reused_tokens) == ("pull", "pull", 2056)
+    assert decision.blocks_to_send is not None
+    assert decision.blocks_to_send.engine_id == "g-1_dp0"  # the rank that holds them
+    assert_recompute(decide(next_turn_prompt(), entry=ranked, node=d0(engine_id="g-2_dp0")),
+                     "engine_restarted")
+
+
 def test_unknown_current_engine_is_not_a_restart() -> None:
     assert_pull(decide(next_turn_prompt(), node=d0(engine_id=None)), 2056)
 

@@ -13,8 +13,9 @@ in this order; the first that fails decides, so ``reason`` names the most basic 
 4. ``near_expiry`` – fewer than ``near_expiry_s`` seconds left: P would pull after queueing
    and could race D's TTL.
 5. ``node_down`` – the D that holds the blocks is down or unknown to the router.
-6. ``engine_restarted`` – D's current engine id differs from the one that retained the
-   blocks (an unknown current id, ``None``, is not treated as a restart).
+6. ``engine_restarted`` – D's current engine id is of another group than the one that
+   retained the blocks (an unknown current id, ``None``, is not treated as a restart; another
+   rank of a data-parallel D is the same group: ``core.engine_group``).
 7. ``too_long`` – the request is one vLLM refuses for its length: the client's output
    budget (``max_output_tokens``) alone is over D's ``max_model_len``, or the prompt (when
    its exact ids are known) leaves it no token to generate. Not on an estimated length:
@@ -61,6 +62,7 @@ import msgspec
 
 from kvrelay.core.conversation import ConversationEntry
 from kvrelay.core.costs import CostEstimates
+from kvrelay.core.engine_group import same_group
 from kvrelay.core.guard import check_pull
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState
@@ -181,8 +183,9 @@ def decide_turn(
         )
     if decode_node is None or not decode_node.up:
         return TurnDecision("recompute", "node_down")
-    if decode_node.engine_id is not None and decode_node.engine_id != entry.decode_engine_id:
-        return TurnDecision("recompute", "engine_restarted")
+    if decode_node.engine_id is not None \
+            and not same_group(decode_node.engine_id, entry.decode_engine_id):
+        return TurnDecision("recompute", "engine_restarted")  # not another rank of D's
     limit = decode_node.max_model_len
     if limit is not None and ((max_output_tokens or 0) > limit or (
             prompt.token_ids is not None and len(prompt.token_ids) >= limit)):

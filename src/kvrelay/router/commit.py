@@ -363,7 +363,8 @@ class ReportDesk:
             return "late" if report.turn_id in self._settled else "unknown_turn"
         if not turn_id_for(self._key, report.turn_id, p.decode_node_id):
             return "unknown_turn"
-        engine, side_channel = self._nodes.trusted_identity(p.decode_node_id)
+        engine, side_channel = self._nodes.trusted_identity(
+            p.decode_node_id, report.blocks.engine_id if report.blocks is not None else None)
         expect = ReportExpectation(
             engine_id=engine, side_channel=side_channel,
             block_size=self._nodes.block_size(p.decode_node_id),

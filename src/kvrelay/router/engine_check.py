@@ -20,6 +20,11 @@ refuted is not checked again for ``REFUTED_FOR_S``. ``ReportDesk`` hears the rep
 refused for their engine again once the check they raised has ended (the latest of each
 turn's, once).
 
+A report or sync naming a rank of a data-parallel D (``core.engine_group``) that this router
+has not seen D answer from asks that rank (vLLM's ``X-data-parallel-rank`` header): its
+answer names the rank's engine and side channel, which D's balancer alone might take many
+checks to show.
+
 A D that comes up with its engine unknown is asked the same way (``learn``, from its
 passing health check: ``NodeRegistry.engine_unknown``), before it serves a turn where it
 can. Before, while such a D answered nothing but streams, the first report that passed the
@@ -45,6 +50,7 @@ from typing import Literal
 
 import msgspec
 
+from kvrelay.core.engine_group import dp_rank, same_group
 from kvrelay.core.params import (
     DIRECT_PARAMS,
     KVParamsError,
@@ -60,10 +66,11 @@ from kvrelay.router.upstream import Answer, Upstream, UpstreamError
 
 log = logging.getLogger("kvrelay.router")
 
-CheckOutcome = Literal["learned", "restarted", "same", "no_params", "failed"]
+CheckOutcome = Literal["learned", "restarted", "rank", "same", "no_params", "failed"]
 """How a check ended: D's answer named its engine where the router knew none (a D that came
 up: ``EngineChecks.learn``), another engine than the one the router trusted (now learned),
-the same, none (D retained nothing: not a bidirectional D), or D gave no answer."""
+another rank of a data-parallel D's (``core.engine_group``; now learned), the same, none (D
+retained nothing: not a bidirectional D), or D gave no answer."""
 
 MIN_INTERVAL_S = 5.0
 """At most one check of a D begins within this many seconds."""
@@ -72,6 +79,9 @@ CHECK_PROMPT = "."
 CHECK_RETAIN_S = 0.001
 """How long a D that reads ``kvrelay_retain_s`` keeps the check's turn: its next step
 frees it."""
+MAX_RANKS = 1024
+"""Ranks of a data-parallel D checked one by one (``_check_key``); a higher rank shares D's
+check (vLLM's largest deployments run hundreds)."""
 REFUTED_KEPT = 32
 """Engine ids refuted by a check, remembered per D."""
 REFUTED_FOR_S = 30.0
@@ -118,15 +128,27 @@ class EngineChecks:
         that will tell (the one in flight, else a new one), or ``None`` when none is due
         (not a D that is up, the engine known or refuted within ``REFUTED_FOR_S``, a check
         began within ``MIN_INTERVAL_S``)."""
-        running = self._running.get(node_id)
+        key = self._check_key(node_id, engine_id)
+        running = self._running.get(key)
         if running is not None:
             return running
         state = self._nodes.state(node_id)
         if state is None or state.role != "decode" or not state.up or not engine_id \
-                or self._nodes.trusted_identity(node_id)[0] == engine_id \
+                or self._nodes.knows_engine(node_id, engine_id) \
                 or self._refuted_s_ago(node_id, engine_id) < REFUTED_FOR_S:
             return None
-        return self._start(node_id, self._check(node_id, engine_id))
+        return self._start(node_id, self._check(node_id, engine_id), key)
+
+    def _check_key(self, node_id: str, engine_id: str) -> str:
+        """Whose check ``engine_id`` raises: a rank not seen yet of D's data-parallel group
+        has its own (one per rank, so each rank's first report is heard within one check,
+        not one rank per ``MIN_INTERVAL_S``); any other id, D's one."""
+        rank = dp_rank(engine_id)
+        known = self._nodes.trusted_identity(node_id)[0]
+        if rank is None or rank >= MAX_RANKS or known is None \
+                or not same_group(known, engine_id):
+            return node_id
+        return f"{node_id}/dp{rank}"
 
     def learn(self, node_id: str) -> asyncio.Task[CheckOutcome] | None:
         """Node ``node_id`` is up and the router knows none of its engine: the check that
@@ -160,20 +182,21 @@ class EngineChecks:
         self._nodes.observe_params(node.node_id, blocks)
         return "learned"
 
-    def _start(self, node_id: str, check: Coroutine[object, object, CheckOutcome]
-               ) -> asyncio.Task[CheckOutcome] | None:
-        """Run ``check`` as D ``node_id``'s one check, unless one began within
-        ``MIN_INTERVAL_S`` (then ``None``)."""
+    def _start(self, node_id: str, check: Coroutine[object, object, CheckOutcome],
+               key: str | None = None) -> asyncio.Task[CheckOutcome] | None:
+        """Run ``check`` as D ``node_id``'s one check (``key``: a rank's, ``_check_key``),
+        unless one began within ``MIN_INTERVAL_S`` (then ``None``)."""
+        key = key or node_id
         now = self._clock()
-        began = self._began_s.get(node_id)
+        began = self._began_s.get(key)
         if began is not None and now - began < MIN_INTERVAL_S:
             check.close()
             return None
-        self._began_s[node_id] = now
+        self._began_s[key] = now
         task = asyncio.get_running_loop().create_task(
-            check, name=f"kvrelay-engine-check-{node_id}")
-        self._running[node_id] = task
-        task.add_done_callback(lambda _: self._running.pop(node_id, None))
+            check, name=f"kvrelay-engine-check-{key}")
+        self._running[key] = task
+        task.add_done_callback(lambda _: self._running.pop(key, None))
         return task
 
     async def _learn(self, node_id: str) -> CheckOutcome:
@@ -198,9 +221,10 @@ class EngineChecks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _check(self, node_id: str, claimed: str) -> CheckOutcome:
-        outcome = await self._ask(self._nodes.config(node_id))
+        # a rank's id asks that rank: vLLM's balancer would pick any (core.engine_group)
+        outcome = await self._ask(self._nodes.config(node_id), dp_rank(claimed))
         self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
-        if outcome != "failed" and self._nodes.trusted_identity(node_id)[0] != claimed:
+        if outcome != "failed" and not self._nodes.knows_engine(node_id, claimed):
             refuted = self._refuted.setdefault(node_id, OrderedDict())
             refuted.pop(claimed, None)
             refuted[claimed] = self._clock()
@@ -210,7 +234,7 @@ class EngineChecks:
                  node_id, claimed, outcome)
         return outcome
 
-    async def _ask(self, node: NodeConfig) -> CheckOutcome:
+    async def _ask(self, node: NodeConfig, rank: int | None = None) -> CheckOutcome:
         params: dict[str, object] = dict(DIRECT_PARAMS)
         if self._nodes.manages_retention(node.node_id):
             params[RETENTION_URL_KEY] = self._retention_url(node.node_id)
@@ -218,20 +242,25 @@ class EngineChecks:
         body = msgspec.json.encode({"prompt": CHECK_PROMPT, "max_tokens": 1,
                                     "temperature": 0, "stream": False,
                                     "kv_transfer_params": params})
-        blocks = await self._answer(node, body, "decode_to_prefill")
+        blocks = await self._answer(node, body, "decode_to_prefill", rank)
         if isinstance(blocks, str):
             return blocks
         known = self._nodes.trusted_identity(node.node_id)[0]
+        was_known = self._nodes.knows_engine(node.node_id, blocks.engine_id)
         self._nodes.observe_params(node.node_id, blocks)
         if blocks.retention == "stock" or not self._nodes.manages_retention(node.node_id):
             await self._release(node, blocks)
-        return "same" if blocks.engine_id == known else "restarted"
+        if was_known:
+            return "same"
+        return "rank" if known is not None and same_group(known, blocks.engine_id) \
+            else "restarted"
 
-    async def _answer(self, node: NodeConfig, body: bytes, direction: str
-                      ) -> RemoteBlocks | CheckOutcome:
-        """The params of the node's answer to the check ``body``, or how it failed
-        (``failed``; ``no_params``: none in ``direction``)."""
-        answer = await self._post(node, body)
+    async def _answer(self, node: NodeConfig, body: bytes, direction: str,
+                      rank: int | None = None) -> RemoteBlocks | CheckOutcome:
+        """The params of the node's answer to the check ``body`` (served by data-parallel
+        rank ``rank``, when given), or how it failed (``failed``; ``no_params``: none in
+        ``direction``)."""
+        answer = await self._post(node, body, rank)
         if answer is None:
             return "failed"
         if answer.status >= 400:
@@ -246,14 +275,15 @@ class EngineChecks:
             return "no_params"
         return blocks
 
-    async def _post(self, node: NodeConfig, body: bytes) -> Answer | None:
+    async def _post(self, node: NodeConfig, body: bytes, rank: int | None = None
+                    ) -> Answer | None:
         """D's answer, or ``None`` if D gave none. Tried twice when the connection closed:
         a restarted D's pooled keep-alive connection fails once that way."""
         for attempt in range(2):
             try:
                 with self._nodes.busy(node.node_id):
                     return await self._upstream.transport.request(
-                        node, "POST", "/v1/completions", body, CHECK_TIMEOUT_S)
+                        node, "POST", "/v1/completions", body, CHECK_TIMEOUT_S, dp_rank=rank)
             except UpstreamError as exc:
                 if exc.kind != "closed" or attempt:
                     log.warning("%s engine check failed: %s", node.node_id, exc)

@@ -52,7 +52,8 @@ Contracts:
   ordered at its expiry (below), and those ``drop_node``/``drop_engine`` remove (D's blocks
   are gone), or ``drop(..., release=False)``, queues a release order for its D request id on
   its D: ``take_releases(node_id, engine_id)`` pops them (at most ``limit``; orders for
-  another engine of that D are discarded) for the answer to D's next sync; a D that never
+  another engine of that D are discarded, but another rank's of a data-parallel D stay for
+  that rank's sync: ``core.engine_group``) for the answer to D's next sync; a D that never
   syncs (stock vLLM) has them popped by ``take_release_blocks`` instead, which returns each
   order's D params as a release needs them (``RemoteBlocks.for_release``: what a P request
   needs to have D free the turn, ``router.stock_release``). ``mark_released`` marks the
@@ -65,7 +66,8 @@ Contracts:
   ``take_releases(node_id, engine_id)`` also returns, once each (within the same
   ``limit``), the D request ids of that node's flagged entries whose ``expires_at_s`` has
   passed and that are not released (``released`` set, ``RELEASING`` included); one for
-  another engine of that node is discarded (and never ordered). A claimed or removed entry
+  another engine of that node is discarded (and never ordered), unless another rank's (it
+  stays due). A claimed or removed entry
   is no longer in the index, so it is never ordered so (one removed with release queued its
   order then). An ordered entry stays in the index until purged, so the next turn still
   reports ``expired``; D no longer holds it, so it is never claimed and ``lookup`` returns
@@ -131,6 +133,7 @@ import msgspec
 from msgspec.structs import replace
 
 from kvrelay.core.conversation import ConversationEntry
+from kvrelay.core.engine_group import same_group
 from kvrelay.core.identity import (
     DIGEST_BYTES,
     Continuation,
@@ -735,10 +738,13 @@ class InMemoryIndex:
         out: list[RemoteBlocks] = []
         queue = self._releases.get(node_id)
         if queue:
-            while queue and len(out) < limit:
-                (engine, _), blocks = queue.popitem(last=False)
-                if engine == engine_id:
-                    out.append(blocks)
+            for key in list(queue):
+                if len(out) >= limit:
+                    break
+                if key[0] == engine_id:
+                    out.append(queue.pop(key))
+                elif not same_group(key[0], engine_id):
+                    del queue[key]  # D restarted: those blocks are gone
             if not queue:
                 del self._releases[node_id]
         self._take_due(node_id, engine_id, limit, out)
@@ -754,15 +760,22 @@ class InMemoryIndex:
             return
         now = self._clock()
         looked = 0
+        ranks = []  # another rank's: its own sync takes them
         while due and len(out) < limit and looked < limit and due[0][0] <= now:
-            key = heapq.heappop(due)[2]
+            top = heapq.heappop(due)
             looked += 1
-            item = self._items.get(key)
+            item = self._items.get(top[2])
             if item is None or not item.held:
                 continue  # claimed, removed, released or ordered already
+            engine = item.entry.decode_engine_id
+            if engine != engine_id and same_group(engine, engine_id):
+                ranks.append(top)
+                continue
             item.ordered = True
-            if item.entry.decode_engine_id == engine_id:
+            if engine == engine_id:
                 out.append(item.entry.blocks.for_release())
+        for top in ranks:
+            heapq.heappush(due, top)
         if not due:
             del self._due[node_id]
 

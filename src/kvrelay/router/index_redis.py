@@ -102,6 +102,7 @@ from redis.backoff import NoBackoff
 from redis.exceptions import RedisError
 
 from kvrelay.core.conversation import ConversationEntry, GapKind
+from kvrelay.core.engine_group import engine_group
 from kvrelay.core.identity import Probe, RequestIdentity, text_fine_of
 from kvrelay.core.params import KVParamsError, RemoteBlocks, parse_remote_blocks
 from kvrelay.core.retention_sync import MAX_ORDERS, Released
@@ -443,12 +444,18 @@ return out
 """.replace("@QTTL@", str(RELEASE_QUEUE_TTL_MS))
 
 # the release orders for D: KEYS = D's queue, D's due set; ARGV = D's engine id, how many
-# at most (queued orders taken, due entries looked at, ids returned), now (wall ms). The
-# queued orders first, then the flagged entries that expired (score <= now): each is taken
-# out of the due set, and one D still holds (not gone, released or ordered) is marked
-# ordered and, for D's engine, returned. Orders for another engine (D restarted: those
-# blocks are gone) are discarded.
+# at most (queued orders taken, due entries looked at, ids returned), now (wall ms), the
+# engine's group (core.engine_group). The queued orders first, then the flagged entries that
+# expired (score <= now): each is taken out of the due set, and one D still holds (not
+# gone, released or ordered) is marked ordered and, for D's engine, returned. Orders for
+# another engine (D restarted: those blocks are gone) are discarded; another rank's of a
+# data-parallel D (same group) stay, queued again or due, for that rank's sync.
 _TAKE_RELEASES = """
+local function group(e)
+  local g, r = string.match(e, '^(.+)_dp(%d+)$')
+  if g and #r <= 6 then return g end
+  return e
+end
 local out = {}
 local items = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
 local p = ARGV[1] .. '\\t'
@@ -457,21 +464,27 @@ for _, it in ipairs(items or {}) do
   if string.sub(it, 1, #p) == p then
     local params = redis.call('GET', pk)
     table.insert(out, string.sub(it, #p + 1) .. (params and ('\\t' .. params) or ''))
+    redis.call('DEL', pk)
+  elseif group(string.match(it, '^([^\\t]*)')) == ARGV[4] then
+    redis.call('RPUSH', KEYS[1], it)
+  else
+    redis.call('DEL', pk)
   end
-  redis.call('DEL', pk)
 end
 local room = tonumber(ARGV[2]) - #out
 if room <= 0 then return out end
 local due = redis.call('ZRANGEBYSCORE', KEYS[2], '-inf', ARGV[3], 'LIMIT', 0, ARGV[2])
 for _, k in ipairs(due) do
   if room <= 0 then break end
-  redis.call('ZREM', KEYS[2], k)
   local v = redis.call('HMGET', k, 'rid', 'engine', 'rel', 'ord', 'relp')
-  if v[1] and not v[3] and not v[4] then
-    redis.call('HSET', k, 'ord', '1')
-    if v[2] == ARGV[1] then
-      table.insert(out, v[1] .. '\\t' .. (v[5] or ''))
-      room = room - 1
+  if not (v[2] and v[2] ~= ARGV[1] and group(v[2]) == ARGV[4]) then
+    redis.call('ZREM', KEYS[2], k)
+    if v[1] and not v[3] and not v[4] then
+      redis.call('HSET', k, 'ord', '1')
+      if v[2] == ARGV[1] then
+        table.insert(out, v[1] .. '\\t' .. (v[5] or ''))
+        room = room - 1
+      end
     end
   end
 end
@@ -994,7 +1007,7 @@ class RedisIndex:
         await self._queue_lapsed()
         result = await self._quiet("release", self._take_releases(
             keys=[self.release_queue(node_id), self.due_set(node_id)],
-            args=[engine_id, limit, self._now_ms()]), None)
+            args=[engine_id, limit, self._now_ms(), engine_group(engine_id)]), None)
         return [str(order) for order in result or ()]
 
     async def _queue_lapsed(self) -> None:

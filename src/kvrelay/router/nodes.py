@@ -19,7 +19,9 @@ later reports must match (``report_identity``); a node that goes down forgets it
 window is closed where D answers: a D that passes a health check with its engine unknown
 is asked it (``engine_unknown``, ``router.engine_check``), so a forged first report is not
 believed. A new engine id from a node means it restarted: its old entries are rejected by
-the policy (``engine_restarted``). With replicas, ``observe_entry`` adopts the engine id of
+the policy (``engine_restarted``). A D run data parallel behind one URL answers from one
+engine per rank (``core.engine_group``): an id of the same group is another rank, learned
+with its own side channel, not a restart. With replicas, ``observe_entry`` adopts the engine id of
 an entry another replica wrote after this router last saw the node.
 
 Capabilities, learned from the params a node returns: a P whose answers carry
@@ -52,6 +54,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.core.costs import CostEstimates
+from kvrelay.core.engine_group import same_group
 from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room_from_metrics
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
@@ -76,8 +79,12 @@ class _Node:
     config: NodeConfig
     up: bool = True
     engine_id: str | None = None
+    """The engine id D answered from last (of a data-parallel D: its latest rank's)."""
     engine_seen_s: float = float("-inf")
     side_channel: tuple[str, int] | None = None
+    ranks: dict[str, tuple[str, int] | None] = field(default_factory=dict)
+    """The engines of ``engine_id``'s group D answered from (one per data-parallel rank),
+    with the side channel each named (``None``: learned without one)."""
     report_identity: tuple[str, str, int] | None = None
     verifies_pulls: bool = False
     """Whether P runs kvrelay's connector: from P's own answers (the first passing health
@@ -237,13 +244,25 @@ class NodeRegistry:
         return self.manages_retention(node_id) and not self._nodes[node_id].keeps_stock
 
     def decode_node_for_engine(self, engine_id: str) -> str | None:
-        """The D whose current engine id (``trusted_identity``) is ``engine_id``, if any."""
+        """The D one of whose current engines (``knows_engine``) is ``engine_id``, if any."""
         for node_id in self._order:
-            node = self._nodes[node_id]
-            if node.config.role == "decode" and engine_id \
-                    and self.trusted_identity(node_id)[0] == engine_id:
+            if self._nodes[node_id].config.role == "decode" \
+                    and self.knows_engine(node_id, engine_id):
                 return node_id
         return None
+
+    def engines(self, node_id: str) -> tuple[str, ...]:
+        """The node's current engines (``knows_engine``): one, or a data-parallel D's ranks
+        it answered from; none while unknown."""
+        node = self._nodes[node_id]
+        if node.engine_id is not None:
+            return tuple(node.ranks)
+        return (node.report_identity[0],) if node.report_identity is not None else ()
+
+    def knows_engine(self, node_id: str, engine_id: str) -> bool:
+        """Whether ``engine_id`` is one of the node's current engines (``trusted_identity``):
+        one it answered from, any rank of a data-parallel D."""
+        return bool(engine_id) and self.trusted_identity(node_id, engine_id)[0] == engine_id
 
     def streams_params(self, node_id: str, family: str = "chunks") -> bool:
         """Whether D's last stream of a ``family`` of APIs (``ApiAdapter.stream_family``)
@@ -263,11 +282,16 @@ class NodeRegistry:
     def block_size(self, node_id: str) -> int | None:
         return self._nodes[node_id].block_size
 
-    def trusted_identity(self, node_id: str) -> tuple[str | None, tuple[str, int] | None]:
-        """D's engine id and side channel for checking a report: from D's own answers, else
-        from the first report accepted since D came up."""
+    def trusted_identity(self, node_id: str, engine_id: str | None = None
+                         ) -> tuple[str | None, tuple[str, int] | None]:
+        """D's engine id and side channel for checking a report that names ``engine_id``:
+        from D's own answers (that engine's, when D answered from it: a rank of a
+        data-parallel D; else the latest), else from the first report accepted since D came
+        up."""
         node = self._nodes[node_id]
         if node.engine_id is not None:
+            if engine_id is not None and engine_id in node.ranks:
+                return engine_id, node.ranks[engine_id]
             return node.engine_id, node.side_channel
         if node.report_identity is not None:
             engine, host, port = node.report_identity
@@ -306,21 +330,30 @@ class NodeRegistry:
             node.fingerprints = blocks.fingerprint is not None
             node.retains = blocks.guard_version is not None
             node.keeps_stock = blocks.retention == "stock"
-            node.side_channel = (blocks.host, blocks.port)
             if blocks.block_size is not None and node.config.block_size is None:
                 node.block_size = blocks.block_size
+            return self.observe_engine(node_id, blocks.engine_id, (blocks.host, blocks.port))
         return self.observe_engine(node_id, blocks.engine_id)
 
-    def observe_engine(self, node_id: str, engine_id: str) -> bool:
-        """Record the node's current engine id; True if it changed from a known one."""
+    def observe_engine(self, node_id: str, engine_id: str,
+                       side_channel: tuple[str, int] | None = None) -> bool:
+        """Record the node's current engine id (and that engine's side channel, when
+        known); True if it changed from a known one to another group (``core.engine_group``:
+        another rank of a data-parallel D is not a restart)."""
         node = self._nodes.get(node_id)
         if node is None or not engine_id:
             return False
         node.engine_seen_s = self._clock()
         node.report_identity = None
-        if node.engine_id == engine_id:
+        if side_channel is not None:
+            node.side_channel = side_channel
+        if node.engine_id is not None and same_group(node.engine_id, engine_id):
+            node.engine_id = engine_id
+            if side_channel is not None or engine_id not in node.ranks:
+                node.ranks[engine_id] = side_channel
             return False
         old, node.engine_id = node.engine_id, engine_id
+        node.ranks = {engine_id: side_channel}
         node.param_streams = frozenset()
         if old is not None:
             node.max_model_len = None  # the new engine's may differ: the next check reads it
@@ -333,7 +366,7 @@ class NodeRegistry:
         """An entry (maybe from another replica) says ``node_id`` ran ``engine_id`` at
         ``created_at_s``: adopt that id if it is newer than what this router saw last."""
         node = self._nodes.get(node_id)
-        if node is None or node.engine_id == engine_id or created_at_s <= node.engine_seen_s:
+        if node is None or engine_id in node.ranks or created_at_s <= node.engine_seen_s:
             return False
         return self.observe_engine(node_id, engine_id)
 
@@ -359,6 +392,7 @@ class NodeRegistry:
         node.report_identity = None
         node.engine_id = None
         node.side_channel = None
+        node.ranks = {}
         node.max_model_len = None
         node.models_read = False
         node.engine_asked = False
@@ -574,6 +608,7 @@ class NodeRegistry:
                 item.update({
                     "url": n.config.url,
                     "engine_id": n.engine_id,
+                    "engines": sorted(n.ranks),  # one per rank of a data-parallel D
                     "side_channel": list(n.side_channel) if n.side_channel else None,
                     "verifies_pulls": n.verifies_pulls if n.config.role == "prefill" else None,
                     "fingerprints": n.fingerprints if n.config.role == "decode" else None,

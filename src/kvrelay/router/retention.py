@@ -68,6 +68,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvrelay.core.conversation import GapKind
+from kvrelay.core.engine_group import engine_group
 from kvrelay.core.retention_sync import (
     MAX_ORDERS,
     RELEASE_CAUSES,
@@ -172,7 +173,8 @@ class RetentionDesk:
         self._urls: dict[str, str] = {}  # url_for's, per node: one MAC per node, not per turn
         self._learned = learned
         self._gaps = RetainTimes()
-        self._latest: dict[str, DRetention] = {}
+        self._latest: dict[str, dict[str, DRetention]] = {}
+        """Per D, per engine (one per rank of a data-parallel D): its latest sync."""
         self._curves: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
         self._answers: OrderedDict[tuple[str, str], str] = OrderedDict()
         """The last answer counted per (D, request id) D asked about (``_count_answers``)."""
@@ -254,15 +256,34 @@ class RetentionDesk:
         """D's latest sync (``None`` before its first, once D went down or restarted, or
         once one that said D holds turns is older than ``STALE_SYNC_S``: D would have synced
         again, so its numbers are unknown; the router's view of D's engine changes only
-        when D answers again, which an idle cluster may not do for long)."""
-        state = self._latest.get(node_id)
-        if state is None:
-            return None
-        if self._nodes.trusted_identity(node_id)[0] != state.sync.engine_id:
-            return None
-        if state.sync.retained_requests and self._clock() - state.synced_at_s > STALE_SYNC_S:
-            return None
-        return state
+        when D answers again, which an idle cluster may not do for long). A data-parallel
+        D's ranks sync one by one: their latest, summed (``_ranks``)."""
+        ranks = self._ranks(node_id)
+        if len(ranks) <= 1:
+            return ranks[0] if ranks else None
+        syncs = [r.sync for r in ranks]
+        causes: dict[str, int] = {}
+        for sync in syncs:
+            for cause, n in sync.releases_total.items():
+                causes[cause] = causes.get(cause, 0) + n
+        return DRetention(node_id, msgspec.structs.replace(
+            syncs[0], engine_id=engine_group(syncs[0].engine_id),
+            num_blocks_total=sum(x.num_blocks_total for x in syncs),
+            num_blocks_free=sum(x.num_blocks_free for x in syncs),
+            retained_requests=sum(x.retained_requests for x in syncs),
+            retained_blocks=sum(x.retained_blocks for x in syncs),
+            retained_tokens=sum(x.retained_tokens for x in syncs),
+            releases_total=causes, released=(), releasing=()),
+            min(r.synced_at_s for r in ranks))
+
+    def _ranks(self, node_id: str) -> list[DRetention]:
+        """The latest sync of each of D's current engines that is still D's state (see
+        ``latest``), by engine id."""
+        now = self._clock()
+        return [state for engine_id, state in sorted(self._latest.get(node_id, {}).items())
+                if self._nodes.knows_engine(node_id, engine_id)
+                and not (state.sync.retained_requests
+                         and now - state.synced_at_s > STALE_SYNC_S)]
 
     def room_tokens(self, node_id: str) -> int | None:
         """The tokens D's KV cache has free for live work now, from D's own numbers: a sync
@@ -274,11 +295,13 @@ class RetentionDesk:
         (P pulls a conversation's KV from whichever D holds it), so both sources count them
         alike (they did not: replicas routed the same state apart, probe 11, finding 3)."""
         read = self._nodes.metrics_room(node_id)
-        state = self.latest(node_id)
-        if state is not None and self._clock() - state.synced_at_s <= STALE_SYNC_S:
-            if read is not None and read[1] > state.synced_at_s and read[0].num_waiting:
+        ranks = self._ranks(node_id)
+        synced_at_s = min((r.synced_at_s for r in ranks), default=float("-inf"))
+        if self._clock() - synced_at_s <= STALE_SYNC_S:
+            if read is not None and read[1] > synced_at_s and read[0].num_waiting:
                 return 0
-            return state.sync.num_blocks_free * state.sync.block_size
+            # a data-parallel D's request goes to one rank: the room of the roomiest
+            return max(r.sync.num_blocks_free * r.sync.block_size for r in ranks)
         return read[0].tokens if read is not None else None
 
     async def accept(self, raw: bytes, token: str) -> RetentionOrders:
@@ -312,14 +335,16 @@ class RetentionDesk:
                 # restarted router): its engine is D's current one. A D whose engine this
                 # router knows learns of another from D's answers, not from a sync.
                 self._nodes.observe_engine(node_id, sync.engine_id)
-        if node_id is None or self._nodes.trusted_identity(node_id)[0] != sync.engine_id:
+        if node_id is None or not self._nodes.knows_engine(node_id, sync.engine_id):
             if node_id is not None and self.engine_checks is not None:
                 self.engine_checks.doubt(node_id, sync.engine_id)  # D restarted, unseen?
             return await self._heard_unknown(sync)
         trusted = hmac.compare_digest(token.encode(), self._token(node_id).encode())
         self._metrics.child(self._metrics.retention_syncs, "ok" if trusted else "bad_token").inc()
         if trusted:
-            self._latest[node_id] = DRetention(node_id, sync, self._clock())
+            self._latest.setdefault(node_id, {})[sync.engine_id] = DRetention(
+                node_id, sync, self._clock())
+            self._forget_gone(node_id)
         dropped = await self._heard(node_id, sync, count_causes=trusted)
         shared = await self._shared()
         if not trusted:
@@ -332,6 +357,12 @@ class RetentionDesk:
         curves = self._take_curves(node_id, sync.engine_id)
         return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET,
                                shared=shared)
+
+    def _forget_gone(self, node_id: str) -> None:
+        """Drop the syncs of D's engines that are not D's any more (a restart)."""
+        ranks = self._latest.get(node_id, {})
+        for engine_id in [e for e in ranks if not self._nodes.knows_engine(node_id, e)]:
+            del ranks[engine_id]
 
     async def _shared(self) -> str | msgspec.UnsetType:
         """The shared state's name for the answer (``RetentionOrders.shared``), if any."""

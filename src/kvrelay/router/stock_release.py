@@ -119,25 +119,28 @@ class StockReleases:
                 break
             if self._nodes.takes_orders(node.node_id):
                 continue  # D takes its orders in its sync's answer
-            engine_id = self._nodes.trusted_identity(node.node_id)[0]
-            if engine_id is None:
+            engines = self._nodes.engines(node.node_id)
+            if not engines:
                 continue  # no turn of this D's current engine was ever stored
-            unheld = self._take_unheld(node.node_id, engine_id, room)
-            orders = unheld + await self._index.take_release_blocks(
-                node.node_id, engine_id, room - len(unheld))
+            orders = self._take_unheld(node.node_id, engines, room)
+            for engine_id in engines:  # one per rank of a data-parallel D
+                if len(orders) >= room:
+                    break
+                orders += await self._index.take_release_blocks(
+                    node.node_id, engine_id, room - len(orders))
             if orders:
                 self._sent_at.extend([now] * len(orders))
                 sent += await self._send(node, orders)
         return sent
 
-    def _take_unheld(self, node_id: str, engine_id: str, limit: int
+    def _take_unheld(self, node_id: str, engines: tuple[str, ...], limit: int
                      ) -> tuple[RemoteBlocks, ...]:
         """Up to ``limit`` of D ``node_id``'s queued turns without an entry, of its current
-        engine (another engine's are gone with it: dropped)."""
+        ``engines`` (another engine's are gone with it: dropped)."""
         taken: list[RemoteBlocks] = []
         kept: list[tuple[str, RemoteBlocks]] = []
         for node, blocks in self._unheld:
-            mine = node == node_id and blocks.engine_id == engine_id
+            mine = node == node_id and blocks.engine_id in engines
             if mine and len(taken) < limit:
                 taken.append(blocks)
             elif mine or node != node_id:  # (another engine of this D's: gone with it)

@@ -27,6 +27,8 @@ from kvrelay.router.errors import RouterError, passthrough_error_body
 _JSON_HEADERS = {"Content-Type": "application/json"}
 _SSE_HEADERS = {"Content-Type": "application/json", "Accept": "text/event-stream"}
 _GET_HEADERS = {"Accept-Encoding": "identity"}
+DP_RANK_HEADER = "X-data-parallel-rank"
+"""vLLM's header naming the data-parallel rank that serves a request (``core.engine_group``)."""
 """The router reads what nodes answer to a GET itself (``/metrics``, ``/health``, models)
 and does not decompress: it asks for plain bodies (a compressed ``/metrics`` read as no
 room at all, probe 11, finding 2)."""
@@ -101,11 +103,12 @@ class ByteStream(Protocol):
 class Transport(Protocol):
     """How the router reaches its nodes. Implementations raise ``UpstreamError`` for
     transport failures and return any HTTP status; ``stream`` returns the status and, for a
-    2xx, the open stream (else the whole error body)."""
+    2xx, the open stream (else the whole error body). ``dp_rank`` has a data-parallel node
+    serve the request on that rank (``DP_RANK_HEADER``)."""
 
     async def request(
         self, node: NodeConfig, method: str, path: str, body: bytes | None,
-        timeout_s: float | None, max_bytes: int | None = None,
+        timeout_s: float | None, max_bytes: int | None = None, *, dp_rank: int | None = None,
     ) -> Answer: ...
 
     async def stream(
@@ -229,14 +232,16 @@ class AiohttpTransport:
 
     async def request(
         self, node: NodeConfig, method: str, path: str, body: bytes | None,
-        timeout_s: float | None, max_bytes: int | None = None,
+        timeout_s: float | None, max_bytes: int | None = None, *, dp_rank: int | None = None,
     ) -> Answer:
         session = self._client()
         timeout = self._timeout if timeout_s is None else aiohttp.ClientTimeout(total=timeout_s)
+        headers = _JSON_HEADERS if body is not None else _GET_HEADERS
+        if dp_rank is not None:
+            headers = {**headers, DP_RANK_HEADER: str(dp_rank)}
         try:
             async with session.request(
-                method, node.url + path, data=body,
-                headers=_JSON_HEADERS if body is not None else _GET_HEADERS, timeout=timeout,
+                method, node.url + path, data=body, headers=headers, timeout=timeout,
             ) as response:
                 if max_bytes is None:
                     return Answer(response.status, await response.read())

@@ -100,6 +100,9 @@ CONNECTOR_OUTPUT = ClassRef("vllm.v1.outputs", "KVConnectorOutput")
 V1_CONNECTORS = "vllm.distributed.kv_transfer.kv_connector.v1"
 NIXL_UTILS = "vllm.distributed.nixl_utils"
 NIXL_AGENT = ClassRef("nixl._api", "nixl_agent", tree="nixl")
+ENGINE_CORE_PROC = ClassRef("vllm.v1.engine.core", "EngineCoreProc")
+COMPLETION_SERVING = ClassRef("vllm.entrypoints.openai.completion.serving",
+                              "OpenAIServingCompletion")
 
 
 @dataclass(frozen=True)
@@ -480,6 +483,13 @@ CONTRACT: tuple[Requirement, ...] = (
                     "remote_engine_id", "remote_request_id", "remote_host", "remote_port",
                     "remote_num_tokens")
     ),
+    # A D run data parallel behind one URL (the router's core.engine_group).
+    Mentions(method(ENGINE_CORE_PROC, "run_engine_core"), "_dp",
+             "each rank's engine id is the configured one + _dp<rank>: the router groups them"),
+    Mentions(method(COMPLETION_SERVING, "_create_completion"), "_get_data_parallel_rank",
+             "an engine check asks one rank of a data-parallel D"),
+    Mentions(method(COMPLETION_SERVING, "_get_data_parallel_rank"), "X-data-parallel-rank",
+             "the header the router's engine check names a rank with"),
     # Retention on D (docs/vllm-versions.md, "Retention hooks"): accounting.
     Hook(CONNECTOR, "bind_kv_cache_manager", ("kv_cache_manager",),
          "retention reads the watermark and the block pool", V1_CONNECTORS),

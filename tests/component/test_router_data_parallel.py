@@ -1,0 +1,167 @@
+"""A D run data parallel behind one URL (vLLM's ``--data-parallel-size``): one engine per
+rank, each with its own KV cache, engine id (``<group>_dp<rank>``) and side channel, behind
+one URL whose balancer spreads the turns (``fakevllm.data_parallel``, round robin). Before,
+every answer from another rank "restarted" the D: the router dropped the other rank's
+entries, refused every streamed turn's report (``mismatch_engine``) and heard the other
+rank's syncs as an unknown engine's."""
+
+from __future__ import annotations
+
+import re
+from typing import Any
+
+import httpx
+import pytest
+
+from kvrelay.client.sse import sse_events
+from kvrelay.core.engine_group import engine_group
+from kvrelay.core.engine_load import room_from_metrics
+from kvrelay.fakevllm import FakeEngine
+from tests.component.router_fake import GUARD_CONFIGS, Routed, routed, until
+from tests.component.router_rig import stream_text
+from tests.component.test_router_fake_retention_sync import (
+    chat,
+    conversation,
+    follow_up,
+    retained,
+    syncs_pass,
+)
+
+FOLLOW_UPS = ["Go on.", "Which test failed first?", "Fix it."]
+
+
+async def interleaved(r: Routed, num_conversations: int, *, stream: bool) -> list[str]:
+    """``num_conversations`` conversations of four turns, their turns interleaved (so each
+    conversation's turns land on alternating ranks); each turn settled before the next.
+    Returns the replies."""
+    histories = [conversation(i) for i in range(num_conversations)]
+    replies: list[str] = []
+    async with r.client() as c:
+        for user in [None, *FOLLOW_UPS]:
+            for i, history in enumerate(histories):
+                if user is not None:
+                    history.append({"role": "user", "content": user})
+                body: dict[str, Any] = {"model": "tiny", "messages": history,
+                                        "max_tokens": 16, "stream": stream}
+                resp = await c.post("/v1/chat/completions", json=body)
+                assert resp.status_code == 200, resp.text
+                text = stream_text(sse_events(resp.text)) if stream \
+                    else resp.json()["choices"][0]["message"]["content"]
+                histories[i] = [*history, {"role": "assistant", "content": text}]
+                replies.append(text)
+                await r.settle()
+    return replies
+
+
+def ranks(r: Routed) -> list[FakeEngine]:
+    return r.cluster.decode
+
+
+@pytest.mark.parametrize("guard", list(GUARD_CONFIGS))
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("num_conversations", [2, 3])
+async def test_every_follow_up_pulls_from_the_rank_that_holds_it(
+        num_conversations: int, stream: bool, guard: str) -> None:
+    """Two conversations stay each on its rank, D's last answer always from the other
+    rank; three move from rank to rank, so P pulls from a rank other than the one that
+    decodes next."""
+    n = num_conversations
+    async with routed(engine_config=GUARD_CONFIGS[guard], decode_data_parallel=2) as r:
+        await interleaved(r, n, stream=stream)
+        d0, d1 = ranks(r)
+        decisions = (await r.stats())["decisions"]["recent"]
+        assert [x["reason"] for x in decisions] == ["no_entry"] * n + ["pull"] * 3 * n
+        pulls = [rec for rec in r.cluster.prefill[0].records if rec.plan == "pull"]
+        assert len(pulls) == 3 * n
+        assert {rec.pulled_from_engine for rec in pulls} == {d0.engine_id, d1.engine_id}
+        for rec in pulls:
+            assert rec.pulled_tokens > 0 and rec.pulled_matches_prompt and not rec.wrong_reuse
+        assert not d0.freed_reads and not d1.freed_reads
+        assert set(r.ctx.nodes.engines("decode-0")) == {d0.engine_id, d1.engine_id}
+        checks = r.ctx.metrics.engine_checks
+        assert checks.labels("decode-0", "restarted")._value.get() == 0
+        # a 0.32 stream's report from a rank not seen answering asks that rank, once
+        rank_checks = checks.labels("decode-0", "rank")._value.get()
+        assert 0 < rank_checks <= 2 if stream else rank_checks == 0
+
+
+async def test_the_answers_equal_a_single_engine_d() -> None:
+    async with routed(decode_data_parallel=2) as r:
+        with_ranks = await interleaved(r, 2, stream=False)
+    async with routed() as r:
+        single = await interleaved(r, 2, stream=False)
+    assert with_ranks == single
+
+
+async def test_an_entry_the_router_evicts_is_released_on_its_rank() -> None:
+    """Release orders go to the rank that holds the turn (its engine's sync), and ``/stats``
+    sums the ranks' own numbers."""
+    async with routed(max_entries=1, decode_data_parallel=2) as r:
+        d0, d1 = ranks(r)
+        async with r.client() as c:
+            first = await chat(c, conversation(1))  # rank 0
+            await r.settle()
+            history = follow_up(conversation(1), first)
+            found = await r.find({"model": "tiny", "messages": history})
+            assert found is not None and found.entry.decode_engine_id == d0.engine_id
+            await chat(c, conversation(2))  # rank 1: evicts conversation 1's entry
+            await r.settle()
+            assert await r.find({"model": "tiny", "messages": history}) is None
+            await syncs_pass(r)
+            await until(lambda: found.entry.request_id not in retained(d0),
+                        "rank 0 released the evicted entry's turn")
+            await syncs_pass(r)
+            stats = (await r.stats())["retention"]["decode-0"]
+            assert stats["retained_requests"] == len(retained(d0)) + len(retained(d1)) == 1
+            assert stats["total_blocks"] == 2 * (ENGINE_BLOCKS - 1)
+            assert stats["releases_total"].get("router") == 1
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-action"] == "recompute"
+        assert r.ctx.metrics.retention_syncs.labels("unknown_engine")._value.get() == 0
+
+
+ENGINE_BLOCKS = GUARD_CONFIGS["connector"].num_gpu_blocks
+
+
+async def test_a_restart_of_every_rank_is_a_restart() -> None:
+    async with routed(decode_data_parallel=2) as r:
+        d0, d1 = ranks(r)
+        old = d0.engine_id
+        async with r.client() as c:
+            first = await chat(c, conversation(1))
+            await r.settle()
+            for rank in (d0, d1):
+                await rank.stop()
+            for rank in (d0, d1):
+                await rank.start()
+            assert engine_group(d0.engine_id) == engine_group(d1.engine_id) != engine_group(old)
+            await chat(c, conversation(2))  # D's answer names its new engine
+            await r.settle()
+            reply = await chat(c, follow_up(conversation(1), first))
+        assert reply.headers["x-kvrelay-reason"] == "engine_restarted"
+        assert {engine_group(e) for e in r.ctx.nodes.engines("decode-0")} == {
+            engine_group(d0.engine_id)}
+
+
+async def test_the_fake_front_is_vllm_data_parallel() -> None:
+    """What the rest relies on: ids ``<group>_dp<rank>`` sharing a group, each rank its own
+    side channel, vLLM's ``X-data-parallel-rank`` header obeyed, and ``/metrics`` per engine
+    (the room read is the roomiest rank's)."""
+    async with routed(decode_data_parallel=3) as r:
+        d = ranks(r)
+        assert [re.sub(r"^.*_dp", "", e.engine_id) for e in d] == ["0", "1", "2"]
+        assert len({engine_group(e.engine_id) for e in d}) == 1
+        assert len({e.side_channel_port for e in d}) == 3
+        assert r.cluster.decode_urls == [d[0].url]
+        async with httpx.AsyncClient(base_url=d[0].url, trust_env=False) as c:
+            resp = await c.post("/v1/completions", headers={"X-data-parallel-rank": "2"},
+                                json={"model": "tiny", "prompt": "Hello " * 200,
+                                      "max_tokens": 4})
+            assert resp.status_code == 200
+            assert len(d[2].records) == 1 and not d[0].records and not d[1].records
+            metrics = (await c.get("/metrics")).text
+        assert {'engine="0"', 'engine="1"', 'engine="2"'} <= set(
+            re.findall(r'engine="\d"', metrics))
+        room = room_from_metrics(metrics)
+        total = ENGINE_BLOCKS * GUARD_CONFIGS["connector"].block_size
+        assert room is not None and room.free_tokens == total  # rank 0 and 1 are empty
