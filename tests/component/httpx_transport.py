@@ -66,12 +66,13 @@ class HttpxTransport:
         return Answer(response.status_code, response.content)
 
     async def stream(
-        self, node: NodeConfig, path: str, body: bytes
+        self, node: NodeConfig, path: str, body: bytes, *, dp_rank: int | None = None,
     ) -> tuple[int, ByteStream | bytes]:
-        request = self._client.build_request(
-            "POST", node.url + path, content=body,
-            headers={"content-type": "application/json", "accept": "text/event-stream"},
-        )
+        headers = {"content-type": "application/json", "accept": "text/event-stream"}
+        if dp_rank is not None:
+            headers[DP_RANK_HEADER] = str(dp_rank)
+        request = self._client.build_request("POST", node.url + path, content=body,
+                                             headers=headers)
         try:
             response = await self._client.send(request, stream=True)
         except httpx.HTTPError as exc:

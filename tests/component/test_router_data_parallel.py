@@ -62,9 +62,8 @@ def ranks(r: Routed) -> list[FakeEngine]:
 @pytest.mark.parametrize("num_conversations", [2, 3])
 async def test_every_follow_up_pulls_from_the_rank_that_holds_it(
         num_conversations: int, stream: bool, guard: str) -> None:
-    """Two conversations stay each on its rank, D's last answer always from the other
-    rank; three move from rank to rank, so P pulls from a rank other than the one that
-    decodes next."""
+    """Two or three conversations, so that D's last answer is from another rank than the
+    one a follow-up's entry names (two) or from the same one (three)."""
     n = num_conversations
     async with routed(engine_config=GUARD_CONFIGS[guard], decode_data_parallel=2) as r:
         await interleaved(r, n, stream=stream)
@@ -87,6 +86,27 @@ async def test_every_follow_up_pulls_from_the_rank_that_holds_it(
             assert 0 < rank_checks <= 2
         else:
             assert rank_checks == 0
+
+
+@pytest.mark.parametrize("stream", [False, True])
+async def test_a_follow_up_decodes_on_the_rank_that_holds_its_turn(stream: bool) -> None:
+    """Each follow-up names its rank (``X-data-parallel-rank``), where the pull freed the
+    last turn into D's prefix cache: D loads from P only what that cache lacks, as much as a
+    D of one engine does. Without the rank vLLM's balancer sent three conversations' turns
+    round robin, and D loaded 3,549 prompt tokens from P instead of 2,013."""
+    loaded = {}
+    for ranks_per_d in (1, 2):
+        async with routed(decode_data_parallel=ranks_per_d) as r:
+            await interleaved(r, 3, stream=stream)
+            records = [rec for d in ranks(r) for rec in d.records if rec.plan == "pull"]
+            loaded[ranks_per_d] = sum(rec.pulled_tokens for rec in records)
+            if ranks_per_d == 2:
+                assert r.ctx.metrics.decode_ranks.labels("affinity")._value.get() == 9
+                conversations = [  # by their first tokens: each one's turns on one rank
+                    len({rec.prompt_token_ids[:24] for rec in d.records
+                         if len(rec.prompt_token_ids) > 100}) for d in ranks(r)]
+                assert sorted(conversations) == [1, 2]
+    assert loaded[2] == loaded[1]
 
 
 async def test_the_answers_equal_a_single_engine_d() -> None:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kvrelay.core.engine_group import dp_rank, engine_group, same_group
+from kvrelay.core.engine_group import addressable, decode_rank, dp_rank, engine_group, same_group
 
 
 @pytest.mark.parametrize(("engine_id", "group", "rank"), [
@@ -27,3 +27,32 @@ def test_ranks_of_one_start_share_a_group_and_a_restart_does_not() -> None:
     assert same_group("g1", "g1")
     assert not same_group("g1_dp0", "g2_dp0")
     assert not same_group("g1", "g2")
+
+
+def test_a_follow_up_names_the_rank_that_holds_its_turn() -> None:
+    choice = decode_rank("g1_dp3", ("g1_dp0",), rank_room_tokens=None, needed_tokens=500)
+    assert (choice.rank, choice.reason) == (3, "affinity")
+    roomy = decode_rank("g1_dp3", ("g1_dp3", "g1_dp0"), rank_room_tokens=500,
+                        needed_tokens=500)
+    assert (roomy.rank, roomy.reason) == (3, "affinity")
+
+
+@pytest.mark.parametrize(("entry", "node", "room", "reason"), [
+    (None, ("g1_dp0",), None, "no_entry"),
+    ("g1", ("g1",), None, "not_data_parallel"),              # one engine: nothing to name
+    ("g1_dp3", ("g2_dp0",), None, "restarted"),               # its blocks are gone
+    ("g1_dp3", (), None, "restarted"),                        # D's engine not known yet
+    ("g1_dp9", ("g1_dp8", "g1_dp9"), None, "not_addressable"),  # hybrid or external LB
+    ("g1_dp3", ("g1_dp0", "g1_dp3"), 499, "rank_full"),      # vLLM's balancer picks
+])
+def test_no_rank_is_named(entry: str | None, node: tuple[str, ...], room: int | None,
+                          reason: str) -> None:
+    choice = decode_rank(entry, node, rank_room_tokens=room, needed_tokens=500)
+    assert (choice.rank, choice.reason) == (None, reason)
+
+
+def test_a_server_takes_ranks_by_id_once_seen_as_rank_0() -> None:
+    """vLLM's header indexes the server's own engines: rank 8 of a hybrid-balanced D is
+    engine 0 of its server, and naming 8 there is a 400."""
+    assert addressable(["g_dp0"]) and addressable(["g_dp3", "g_dp0"])
+    assert not addressable(["g_dp8", "g_dp9"]) and not addressable(["g"]) and not addressable([])

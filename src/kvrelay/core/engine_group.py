@@ -14,11 +14,18 @@ answer from another rank "restarted" the node and dropped every entry of the ran
 by *group*: the id without its rank suffix, which every rank shares and a restart changes
 (vLLM draws the configured id anew, a uuid, each time the server starts). An id without a
 suffix is its own group of one rank.
+
+A follow-up's decode request names the rank that holds the conversation's turn
+(``decode_rank``, vLLM's ``X-data-parallel-rank`` header), so D's prefix cache there serves
+the history instead of D loading it all again from P.
 """
 
 from __future__ import annotations
 
 import re
+from collections.abc import Collection
+
+import msgspec
 
 _RANK = re.compile(r"^(.+)_dp(\d{1,6})$")
 
@@ -38,3 +45,52 @@ def dp_rank(engine_id: str) -> int | None:
 def same_group(a: str, b: str) -> bool:
     """Whether two engine ids are ranks of the same engine group (one D, one start)."""
     return engine_group(a) == engine_group(b)
+
+
+class RankChoice(msgspec.Struct, frozen=True):
+    """Which rank of a data-parallel D the decode request names (``rank``; ``None``: none,
+    vLLM's balancer picks), and why (``reason``)."""
+
+    rank: int | None
+    reason: str
+
+
+def addressable(engines: Collection[str]) -> bool:
+    """Whether a node's engines (one group, ``engines`` it answered from) take a rank in
+    vLLM's ``X-data-parallel-rank`` header as their id says. The header is an index into the
+    engines *that server* runs (``v1/engine/input_processor.py``: out of range is a 400),
+    the id's suffix the *global* rank: the same with one server for every rank (vLLM's own
+    balancer), not behind a server of external or hybrid balancing, which runs rank 8 as its
+    engine 0. So only a server seen answering as rank 0 is named ranks (one of external
+    balancing's then runs rank 0 alone, and 0 is its index)."""
+    return any(dp_rank(engine) == 0 for engine in engines)
+
+
+def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
+                rank_room_tokens: int | None, needed_tokens: int) -> RankChoice:
+    """The rank a turn's decode request names on the D that holds the conversation.
+
+    The rank that retained the conversation's last turn has its blocks: a pull frees them
+    into that rank's prefix cache, and a turn that recomputes still finds them there. So D
+    loads from P only the new tokens on that rank, and the whole prompt on any other (vLLM
+    trims the blocks it pulls to what its prefix cache lacks). Measured on the fake D of two
+    ranks: three interleaved conversations had D pull 3,549 prompt tokens from P without the
+    rank, 2,013 on one engine. Named (``affinity``) unless ``entry_engine_id`` (the entry's
+    engine, ``None``: no entry on this D) is not a rank's (``not_data_parallel``), D's
+    current engines (``node_engines``) are another group (``restarted``: the blocks are
+    gone; none: not known yet) or do not take ranks by their ids (``not_addressable``:
+    ``addressable``), or the rank's own last numbers show less room than the turn needs
+    beyond its retained turn (``rank_full``: ``rank_room_tokens`` < ``needed_tokens``;
+    ``None``: unknown, named)."""
+    if entry_engine_id is None:
+        return RankChoice(None, "no_entry")
+    rank = dp_rank(entry_engine_id)
+    if rank is None:
+        return RankChoice(None, "not_data_parallel")
+    if not any(same_group(engine, entry_engine_id) for engine in node_engines):
+        return RankChoice(None, "restarted")
+    if not addressable(node_engines):
+        return RankChoice(None, "not_addressable")
+    if rank_room_tokens is not None and rank_room_tokens < needed_tokens:
+        return RankChoice(None, "rank_full")
+    return RankChoice(rank, "affinity")

@@ -7,7 +7,8 @@ whole turn from its own prefix cache), a report target when the response is stre
 ``return_token_ids`` only when D does not fingerprint what it retains (``/tokenize`` mode),
 and, to a D running kvrelay's connector, where to sync its retention and how long to keep
 this turn (``router.retention``); the entry then expires on the router clock after that
-time, not D's whole TTL.
+time, not D's whole TTL. A D run data parallel behind one URL is asked for the rank that holds
+the conversation's turn (``core.engine_group.decode_rank``), whose prefix cache has it.
 
 Streams: D's first complete event is read before the client gets a status line, so a D
 that fails before sending anything can still be retried (``BeforeFirstByte``). After that
@@ -31,6 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import msgspec
 
+from kvrelay.core.engine_group import RankChoice, decode_rank
 from kvrelay.core.identity import ToolCall, answer_digest, pack_token_ids
 from kvrelay.core.params import (
     REPORT_TURN_KEY,
@@ -116,24 +118,42 @@ class Decoder:
             collect_ids=ids,
         )
         d_prefill = max(0, turn.prompt_tokens - turn.reused_tokens) if direct else 0
+        rank = self._rank(turn, node).rank
         try:
             with ctx.nodes.busy(node.node_id, d_prefill):
                 if not req.stream:
-                    await self._json(turn, node, body, rewrite, pending, send, watch)
+                    await self._json(turn, node, body, rewrite, pending, send, watch, rank)
                 else:
-                    await self._stream(turn, node, body, rewrite, pending, send, watch)
+                    await self._stream(turn, node, body, rewrite, pending, send, watch, rank)
         except BaseException:
             if pending.outcome is None:
                 ctx.desk.settle(pending, "failed" if turn.outcome is None else turn.outcome)
             raise
 
+    def _rank(self, turn: Turn, node: NodeConfig) -> RankChoice:
+        """The rank of a data-parallel D the decode request names (``core.engine_group``:
+        the one that holds the conversation's turn on this D), counted by reason."""
+        ctx = self._ctx
+        entry = turn.found.entry if turn.found is not None else None
+        if entry is None or entry.decode_node_id != node.node_id:
+            choice = decode_rank(None, (), rank_room_tokens=None, needed_tokens=0)
+        else:
+            engine = entry.decode_engine_id
+            choice = decode_rank(
+                engine, ctx.nodes.engines(node.node_id),
+                rank_room_tokens=ctx.retention.rank_room_tokens(node.node_id, engine),
+                needed_tokens=max(0, turn.prompt_tokens - entry.blocks.num_tokens))
+        if choice.reason not in ("no_entry", "not_data_parallel"):
+            ctx.metrics.child(ctx.metrics.decode_ranks, choice.reason).inc()
+        return choice
+
     async def _json(
         self, turn: Turn, node: NodeConfig, body: bytes, rewrite: Rewrite,
-        pending: PendingTurn, send: Send, watch: DisconnectWatch,
+        pending: PendingTurn, send: Send, watch: DisconnectWatch, rank: int | None,
     ) -> None:
         ctx = self._ctx
         try:
-            raw = await ctx.upstream.post(node, turn.request.path, body)
+            raw = await ctx.upstream.post(node, turn.request.path, body, dp_rank=rank)
             obj = _DECODER.decode(raw)
             if not isinstance(obj, dict):
                 raise UpstreamError(node.node_id, "protocol", "answer is not a JSON object")
@@ -162,11 +182,12 @@ class Decoder:
 
     async def _stream(
         self, turn: Turn, node: NodeConfig, body: bytes, rewrite: Rewrite,
-        pending: PendingTurn, send: Send, watch: DisconnectWatch,
+        pending: PendingTurn, send: Send, watch: DisconnectWatch, rank: int | None,
     ) -> None:
         ctx = self._ctx
         try:
-            stream = await ctx.upstream.open_stream(node, turn.request.path, body)
+            stream = await ctx.upstream.open_stream(node, turn.request.path, body,
+                                                    dp_rank=rank)
         except UpstreamError as exc:
             await ctx.nodes.request_failed(exc)
             raise BeforeFirstByte(exc) from exc

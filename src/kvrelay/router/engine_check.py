@@ -21,9 +21,10 @@ refused for their engine again once the check they raised has ended (the latest 
 turn's, once).
 
 A report or sync naming a rank of a data-parallel D (``core.engine_group``) that this router
-has not seen D answer from asks that rank (vLLM's ``X-data-parallel-rank`` header): its
-answer names the rank's engine and side channel, which D's balancer alone might take many
-checks to show.
+has not seen D answer from asks that rank (vLLM's ``X-data-parallel-rank`` header, where D
+takes ranks by id: ``addressable``): its answer names the rank's engine and side channel,
+which D's balancer alone might take many checks to show. Each such rank has a check of its
+own.
 
 A D that comes up with its engine unknown is asked the same way (``learn``, from its
 passing health check: ``NodeRegistry.engine_unknown``), before it serves a turn where it
@@ -50,7 +51,7 @@ from typing import Literal
 
 import msgspec
 
-from kvrelay.core.engine_group import dp_rank, same_group
+from kvrelay.core.engine_group import addressable, dp_rank, same_group
 from kvrelay.core.params import (
     DIRECT_PARAMS,
     KVParamsError,
@@ -82,6 +83,10 @@ frees it."""
 MAX_RANKS = 1024
 """Ranks of a data-parallel D checked one by one (``_check_key``); a higher rank shares D's
 check (vLLM's largest deployments run hundreds)."""
+FIRST_RANK = 0
+"""The rank a check names when it asks no particular one: every vLLM server runs an engine 0,
+so the header is always valid, and a data-parallel D behind one URL is then first seen as
+rank 0, after which it takes ranks by id (``core.engine_group.addressable``)."""
 REFUTED_KEPT = 32
 """Engine ids refuted by a check, remembered per D."""
 REFUTED_FOR_S = 30.0
@@ -176,7 +181,7 @@ class EngineChecks:
         body = msgspec.json.encode({"prompt": CHECK_PROMPT, "max_tokens": 1,
                                     "temperature": 0, "stream": False,
                                     "kv_transfer_params": request_remote_decode()})
-        blocks = await self._answer(node, body, "prefill_to_decode")
+        blocks = await self._answer(node, body, "prefill_to_decode", FIRST_RANK)
         if isinstance(blocks, str):
             return blocks
         self._nodes.observe_params(node.node_id, blocks)
@@ -221,8 +226,11 @@ class EngineChecks:
         await asyncio.gather(*tasks, return_exceptions=True)
 
     async def _check(self, node_id: str, claimed: str) -> CheckOutcome:
-        # a rank's id asks that rank: vLLM's balancer would pick any (core.engine_group)
-        outcome = await self._ask(self._nodes.config(node_id), dp_rank(claimed))
+        # an unseen rank's id asks that rank, where D takes ranks by id (vLLM's balancer
+        # would pick any: core.engine_group.addressable)
+        rank = dp_rank(claimed) if self._check_key(node_id, claimed) != node_id \
+            and addressable(self._nodes.engines(node_id)) else FIRST_RANK
+        outcome = await self._ask(self._nodes.config(node_id), rank)
         self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
         if outcome != "failed" and not self._nodes.knows_engine(node_id, claimed):
             refuted = self._refuted.setdefault(node_id, OrderedDict())
@@ -234,7 +242,7 @@ class EngineChecks:
                  node_id, claimed, outcome)
         return outcome
 
-    async def _ask(self, node: NodeConfig, rank: int | None = None) -> CheckOutcome:
+    async def _ask(self, node: NodeConfig, rank: int | None = FIRST_RANK) -> CheckOutcome:
         params: dict[str, object] = dict(DIRECT_PARAMS)
         if self._nodes.manages_retention(node.node_id):
             params[RETENTION_URL_KEY] = self._retention_url(node.node_id)

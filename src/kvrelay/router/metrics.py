@@ -29,7 +29,11 @@ Names (all prefixed ``kvrelay_router_``):
   ``engine_checks_total{node,outcome}`` – checks of a D's engine (``router.engine_check``)
   that a report or a sync naming another engine raised, or a D that came up with its engine
   unknown: ``learned`` (the latter, answered), ``restarted`` (D's own answer named a new
-  engine, now known), ``same``, ``no_params``, ``failed``;
+  engine, now known), ``rank`` (another rank of a data-parallel D, now known), ``same``,
+  ``no_params``, ``failed``;
+  ``decode_ranks_total{reason}`` – follow-ups on a data-parallel D that holds their turn:
+  sent to its rank (``affinity``) or not (``restarted``, ``rank_full``:
+  ``core.engine_group.decode_rank``);
   ``turn_entries_total{outcome}`` – how each D turn
   settled (``committed``, ``no_kv``, ``report_timeout``, ``no_params`` (a stream without a
   report target ended without params), ``failed``, ...).
@@ -150,6 +154,10 @@ class RouterMetrics:
             _P + "engine_checks_total", "Checks of a D's engine id (a D up with its engine "
             "unknown, or a report or sync naming another engine), by how they ended",
             ["node", "outcome"], registry=r,
+        )
+        self.decode_ranks = Counter(
+            _P + "decode_ranks_total", "Follow-ups on the data-parallel D that holds their "
+            "turn: named its rank (affinity) or why not", ["reason"], registry=r,
         )
         self.room_reads = Counter(
             _P + "room_reads_total", "Reads of a D's room from its /metrics, by outcome",

@@ -304,6 +304,15 @@ class RetentionDesk:
             return max(r.sync.num_blocks_free * r.sync.block_size for r in ranks)
         return read[0].tokens if read is not None else None
 
+    def rank_room_tokens(self, node_id: str, engine_id: str) -> int | None:
+        """The tokens free on one engine (a rank of a data-parallel D) by its own sync of
+        the last ``STALE_SYNC_S``; ``None`` without one."""
+        for state in self._ranks(node_id):
+            if state.sync.engine_id == engine_id \
+                    and self._clock() - state.synced_at_s <= STALE_SYNC_S:
+                return state.sync.num_blocks_free * state.sync.block_size
+        return None
+
     async def accept(self, raw: bytes, token: str) -> RetentionOrders:
         """Handle one sync body posted to ``url_for`` a D (``token``: the URL's last part,
         ``""`` for the bare path; module docstring); ``ClientError`` 400 / 404. A sync with a

@@ -112,7 +112,7 @@ class Transport(Protocol):
     ) -> Answer: ...
 
     async def stream(
-        self, node: NodeConfig, path: str, body: bytes
+        self, node: NodeConfig, path: str, body: bytes, *, dp_rank: int | None = None,
     ) -> tuple[int, ByteStream | bytes]: ...
 
     async def aclose(self) -> None: ...
@@ -135,9 +135,11 @@ class Upstream:
     def __init__(self, transport: Transport) -> None:
         self.transport = transport
 
-    async def post(self, node: NodeConfig, path: str, body: bytes) -> bytes:
-        """POST JSON; the body of a 2xx answer, else ``UpstreamError``."""
-        answer = await self.transport.request(node, "POST", path, body, None)
+    async def post(self, node: NodeConfig, path: str, body: bytes, *,
+                   dp_rank: int | None = None) -> bytes:
+        """POST JSON (to data-parallel rank ``dp_rank`` of the node, when given); the body of
+        a 2xx answer, else ``UpstreamError``."""
+        answer = await self.transport.request(node, "POST", path, body, None, dp_rank=dp_rank)
         if answer.status >= 400:
             raise status_error(node.node_id, answer.status, answer.body)
         return answer.body
@@ -148,10 +150,12 @@ class Upstream:
         return await self.transport.request(node, "GET", path, None, timeout_s,
                                             MAX_GET_BYTES)
 
-    async def open_stream(self, node: NodeConfig, path: str, body: bytes) -> ByteStream:
-        """POST and return the open SSE response once its headers arrived with a 2xx status
-        (an error status is read and raised as ``UpstreamError``)."""
-        status, result = await self.transport.stream(node, path, body)
+    async def open_stream(self, node: NodeConfig, path: str, body: bytes, *,
+                          dp_rank: int | None = None) -> ByteStream:
+        """POST (to rank ``dp_rank``, as ``post``) and return the open SSE response once its
+        headers arrived with a 2xx status (an error status is read and raised as
+        ``UpstreamError``)."""
+        status, result = await self.transport.stream(node, path, body, dp_rank=dp_rank)
         if isinstance(result, bytes):
             raise status_error(node.node_id, status, result)
         return result
@@ -257,12 +261,12 @@ class AiohttpTransport:
             raise _translate(node.node_id, exc) from exc
 
     async def stream(
-        self, node: NodeConfig, path: str, body: bytes
+        self, node: NodeConfig, path: str, body: bytes, *, dp_rank: int | None = None,
     ) -> tuple[int, ByteStream | bytes]:
+        headers = _SSE_HEADERS if dp_rank is None \
+            else {**_SSE_HEADERS, DP_RANK_HEADER: str(dp_rank)}
         try:
-            response = await self._client().post(
-                node.url + path, data=body, headers=_SSE_HEADERS
-            )
+            response = await self._client().post(node.url + path, data=body, headers=headers)
         except (TimeoutError, aiohttp.ClientError, OSError, ValueError) as exc:
             raise _translate(node.node_id, exc) from exc
         if response.status < 400:

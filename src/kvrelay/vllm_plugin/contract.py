@@ -101,6 +101,7 @@ V1_CONNECTORS = "vllm.distributed.kv_transfer.kv_connector.v1"
 NIXL_UTILS = "vllm.distributed.nixl_utils"
 NIXL_AGENT = ClassRef("nixl._api", "nixl_agent", tree="nixl")
 ENGINE_CORE_PROC = ClassRef("vllm.v1.engine.core", "EngineCoreProc")
+INPUT_PROCESSOR = ClassRef("vllm.v1.engine.input_processor", "InputProcessor")
 COMPLETION_SERVING = ClassRef("vllm.entrypoints.openai.completion.serving",
                               "OpenAIServingCompletion")
 
@@ -489,7 +490,10 @@ CONTRACT: tuple[Requirement, ...] = (
     Mentions(method(COMPLETION_SERVING, "_create_completion"), "_get_data_parallel_rank",
              "an engine check asks one rank of a data-parallel D"),
     Mentions(method(COMPLETION_SERVING, "_get_data_parallel_rank"), "X-data-parallel-rank",
-             "the header the router's engine check names a rank with"),
+             "the header the router names a rank with (follow-ups, engine checks)"),
+    Mentions(method(INPUT_PROCESSOR, "process_inputs"), "local_engines_only",
+             "the header indexes the server's own engines: ranks are named only to a D "
+             "seen as rank 0 (core.engine_group.addressable)"),
     # Retention on D (docs/vllm-versions.md, "Retention hooks"): accounting.
     Hook(CONNECTOR, "bind_kv_cache_manager", ("kv_cache_manager",),
          "retention reads the watermark and the block pool", V1_CONNECTORS),
