@@ -209,6 +209,23 @@ async def test_drop_node_and_engine(made: tuple[ConversationIndex, Clock]) -> No
     assert await index.drop_node("d1") == 2
 
 
+async def test_drop_engine_drops_every_rank_of_its_group(
+    made: tuple[ConversationIndex, Clock],
+) -> None:
+    """A data-parallel D restarted: the first stale entry met drops the old group's entries
+    on every rank (probe 16: only that rank's went, 4 of 8 with two ranks), not the new
+    group's or another D's."""
+    index, _ = made
+    engines = [("d0", "G_dp0"), ("d0", "G_dp1"), ("d0", "G_dp2"), ("d0", "H_dp0"),
+               ("d1", "G_dp1")]
+    for i, (node, engine) in enumerate(engines):
+        await index.put(stored_at(TURN1, str(i)), entry(node, engine, request=str(i)),
+                        tenant=f"t{i}")
+    assert await index.drop_engine("d0", "G_dp1") == 3
+    left = [await index.lookup(follow(str(i))) for i in range(5)]  # type: ignore[arg-type]
+    assert [found is not None for found in left] == [False, False, False, True, True]
+
+
 async def test_the_tenant_cap_evicts_its_least_recently_used(
     made: tuple[ConversationIndex, Clock]
 ) -> None:

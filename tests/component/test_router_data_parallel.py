@@ -7,6 +7,7 @@ rank's syncs as an unknown engine's."""
 
 from __future__ import annotations
 
+import math
 import re
 from typing import Any
 
@@ -16,7 +17,9 @@ import pytest
 from kvrelay.client.sse import sse_events
 from kvrelay.core.engine_group import engine_group
 from kvrelay.core.engine_load import room_from_metrics
+from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.fakevllm import FakeEngine
+from kvrelay.router.retention import CurveQueues
 from tests.component.router_fake import GUARD_CONFIGS, Routed, routed, until
 from tests.component.router_rig import stream_text
 from tests.component.test_router_fake_retention_sync import (
@@ -189,3 +192,21 @@ async def test_the_fake_front_is_vllm_data_parallel() -> None:
         room = room_from_metrics(metrics)
         total = ENGINE_BLOCKS * GUARD_CONFIGS["connector"].block_size
         assert room is not None and room.free_tokens == total  # rank 0 and 1 are empty
+
+
+def test_each_rank_takes_its_own_return_curves() -> None:
+    """The curves of a data-parallel D's turns wait for the sync of the rank that holds
+    each; one rank's sync took the whole D's queue and dropped the others' (probe 16: 4 of
+    8 tool-call turns on two ranks kept the replies' curve). Another group's (D restarted)
+    are dropped."""
+    tool = ReturnCurve(0.9, math.log(3.0), 0.5)
+    queues = CurveQueues()
+    for engine, request_id in [("G_dp0", "a"), ("G_dp1", "b"), ("OLD_dp0", "c"),
+                               ("G_dp1", "d")]:
+        queues.put("decode-0", engine, request_id, tool)
+    queues.put("decode-1", "G_dp1", "e", tool)
+    assert [c.request_id for c in queues.take("decode-0", "G_dp1")] == ["b", "d"]
+    assert queues.take("decode-0", "G_dp1") == ()
+    assert [c.request_id for c in queues.take("decode-0", "G_dp0")] == ["a"]
+    assert queues.take("decode-0", "OLD_dp0") == ()  # dropped by G's takes
+    assert [c.request_id for c in queues.take("decode-1", "G_dp1")] == ["e"]

@@ -44,15 +44,23 @@ def test_blocks_times_block_size_without_a_token_capacity() -> None:
     assert room == EngineRoom(free_tokens=800, num_waiting=0)
 
 
-def test_the_engine_with_the_most_room_counts_and_waiting_adds_up() -> None:
-    """Data parallel: a request lands on one engine, so the roomiest one's free tokens."""
-    lines = ['vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.9',
+def test_the_engine_a_new_request_would_get_counts() -> None:
+    """Data parallel: a request lands on one engine, and vLLM's balancer avoids one with a
+    queue: the fewest waiting, then the most free. One rank's queue made the whole D read
+    as full (probe 16)."""
+    lines = ['vllm:kv_cache_usage_perc{engine="0",model_name="m"} 0.75',
              'vllm:kv_cache_usage_perc{engine="1",model_name="m"} 0.25',
              INFO % ("0", "1000", "10"), INFO % ("1", "1000", "10")]
     assert room_from_metrics(text(*lines)) == EngineRoom(free_tokens=750, num_waiting=0)
-    waiting = ['vllm:num_requests_waiting{engine="0",model_name="m"} 1.0',
-               'vllm:num_requests_waiting{engine="1",model_name="m"} 1.0']
-    assert room_from_metrics(text(*lines, *waiting)) == EngineRoom(750, 2)
+
+    def waiting(rank0: float, rank1: float) -> list[str]:
+        return [f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {rank0}',
+                f'vllm:num_requests_waiting{{engine="1",model_name="m"}} {rank1}']
+
+    assert room_from_metrics(text(*lines, *waiting(1, 1))) == EngineRoom(750, 1)
+    assert room_from_metrics(text(*lines, *waiting(2, 0))) == EngineRoom(750, 0)
+    assert room_from_metrics(text(*lines, *waiting(0, 2))) == EngineRoom(250, 0)
+    assert room_from_metrics(text(*lines, *waiting(3, 2))).tokens == 0  # type: ignore[union-attr]
 
 
 def test_no_room_is_known_without_the_gauges() -> None:

@@ -16,10 +16,11 @@ another D sat idle (probe 10, finding R2). vLLM's ``/metrics`` says it to anyone
   prompt's KV from P (``WAITING_FOR_REMOTE_KVS``): a busy D would always read as full
   (probe 11, finding 8). Where the split is not exported, ``num_requests_waiting``.
 
-``room_from_metrics`` reads them as an ``EngineRoom``: the free tokens of the engine with
-the most, and the requests waiting. Retained blocks are not room, here as in D's own sync
-(``router.retention``): a turn goes to a D with free room rather than make another D
-release a retained turn.
+``room_from_metrics`` reads them as an ``EngineRoom``: the free tokens and the requests
+waiting of the engine a new request would get (of a data-parallel D's engines, one label
+each, the one with the fewest waiting, then the most free). Retained blocks are not room,
+here as in D's own sync (``router.retention``): a turn goes to a D with free room rather
+than make another D release a retained turn.
 
 ``max_model_len_from_models`` reads the other limit of what D takes, a request's length,
 from ``GET /v1/models``: a follow-up D must refuse is not worth its conversation's KV
@@ -45,8 +46,9 @@ _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
 @dataclass(frozen=True)
 class EngineRoom:
-    """What D's gauges said: ``free_tokens`` of its KV cache (of the engine with the most),
-    ``num_waiting`` requests already waiting for capacity."""
+    """What D's gauges said: ``free_tokens`` of its KV cache and ``num_waiting`` requests
+    already waiting for capacity, on the engine a new request would get (one of a
+    data-parallel D's: ``room_from_metrics``)."""
 
     free_tokens: int
     num_waiting: int
@@ -60,11 +62,14 @@ class EngineRoom:
 
 def room_from_metrics(text: str) -> EngineRoom | None:
     """D's room from its ``/metrics`` text; ``None`` when the gauges needed are not there
-    (not vLLM, or one too old)."""
+    (not vLLM, or one too old). Of a D with several engines (data parallel behind one URL,
+    one ``engine`` label per rank), the engine a new request would get: the fewest waiting
+    for capacity, then the most free (vLLM's balancer avoids a rank with a queue; before,
+    one rank's queue made the whole D read as full, probe 16)."""
     usage: dict[str, float] = {}
     capacity: dict[str, int] = {}
-    waiting = 0.0
-    waiting_for_capacity: float | None = None
+    waiting: dict[str, float] = {}
+    waiting_for_capacity: dict[str, float] | None = None
     for line in text.splitlines():
         if not line.startswith(("vllm:kv_cache_usage_perc", "vllm:num_requests_waiting",
                                 "vllm:cache_config_info")):
@@ -84,18 +89,22 @@ def room_from_metrics(text: str) -> EngineRoom | None:
         if name == USAGE:
             usage[engine] = min(1.0, max(0.0, value))
         elif name == WAITING:
-            waiting += max(0.0, value)
+            waiting[engine] = waiting.get(engine, 0.0) + max(0.0, value)
         elif name == WAITING_BY_REASON and labels.get("reason") == "capacity":
-            waiting_for_capacity = (waiting_for_capacity or 0.0) + max(0.0, value)
+            waiting_for_capacity = waiting_for_capacity or {}
+            waiting_for_capacity[engine] = waiting_for_capacity.get(engine, 0.0) \
+                + max(0.0, value)
         elif name == CACHE_INFO:
             tokens = _capacity_tokens(labels)
             if tokens is not None:
                 capacity[engine] = tokens
-    rooms = [(1.0 - usage[e]) * capacity[e] for e in usage if e in capacity]
+    queued = waiting if waiting_for_capacity is None else waiting_for_capacity
+    rooms = [(queued.get(e, 0.0), -(1.0 - usage[e]) * capacity[e])
+             for e in usage if e in capacity]
     if not rooms:
         return None
-    num_waiting = waiting if waiting_for_capacity is None else waiting_for_capacity
-    return EngineRoom(free_tokens=int(max(rooms)), num_waiting=int(num_waiting))
+    num_waiting, minus_free = min(rooms)
+    return EngineRoom(free_tokens=int(-minus_free), num_waiting=int(num_waiting))
 
 
 def _capacity_tokens(labels: dict[str, str]) -> int | None:

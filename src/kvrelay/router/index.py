@@ -37,7 +37,9 @@ Contracts:
   refs only (a probe with a continuation). One process's index has nothing to share: its
   desk knows (``InMemoryIndex`` announces nothing).
 * ``drop(ref, entry=None)`` (``None``: every entry of the ref), ``drop_scope`` (an explicit
-  conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many.
+  conversation id), ``drop_node``, ``drop_engine`` remove entries and return how many
+  (``drop_engine``: every entry of that engine's group, each rank's of a data-parallel D:
+  one restart ends them all, ``core.engine_group``).
 * Flushes reach turns under way on other replicas: a networked index's ``drop_scope`` marks
   the scope flushed (for ``FLUSH_MARK_S``), and ``put(..., opened_at_s=t)`` of an entry
   whose scope was flushed after ``t`` (its turn began before the flush, on any replica)
@@ -630,7 +632,7 @@ class InMemoryIndex:
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int:
         return self._drop_where(
-            lambda e: e.decode_node_id == node_id and e.decode_engine_id == engine_id
+            lambda e: e.decode_node_id == node_id and same_group(e.decode_engine_id, engine_id)
         )
 
     async def mark_released(

@@ -373,16 +373,26 @@ redis.call('DEL', KEYS[1])
 return n
 """
 
+# an engine id's group (core.engine_group): the id without a data-parallel rank's _dp<rank>
+_GROUP = """
+local function group(e)
+  local g, r = string.match(e, '^(.+)_dp(%d+)$')
+  if g and #r <= 6 then return g end
+  return e
+end
+"""
+
 # drop every member of a sorted set of entries whose node/engine match (ARGV[1] node or '',
-# ARGV[2] engine or ''), releasing each when ARGV[3] == '1'; members whose key expired are
-# cleaned.
-_DROP_SET = _REMOVE + """
+# ARGV[2] an engine group or '': every rank's of it), releasing each when ARGV[3] == '1';
+# members whose key expired are cleaned.
+_DROP_SET = _REMOVE + _GROUP + """
 local n = 0
 for _, m in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do
   local cur = redis.call('HMGET', m, 'node', 'engine')
   if not cur[1] then
     redis.call('ZREM', KEYS[1], m)
-  elseif (ARGV[1] == '' or cur[1] == ARGV[1]) and (ARGV[2] == '' or cur[2] == ARGV[2]) then
+  elseif (ARGV[1] == '' or cur[1] == ARGV[1])
+      and (ARGV[2] == '' or group(cur[2] or '') == ARGV[2]) then
     n = n + remove(m, tonumber(ARGV[3]))
   end
 end
@@ -450,12 +460,7 @@ return out
 # gone, released or ordered) is marked ordered and, for D's engine, returned. Orders for
 # another engine (D restarted: those blocks are gone) are discarded; another rank's of a
 # data-parallel D (same group) stay, queued again or due, for that rank's sync.
-_TAKE_RELEASES = """
-local function group(e)
-  local g, r = string.match(e, '^(.+)_dp(%d+)$')
-  if g and #r <= 6 then return g end
-  return e
-end
+_TAKE_RELEASES = _GROUP + """
 local out = {}
 local items = redis.call('LPOP', KEYS[1], tonumber(ARGV[2]))
 local p = ARGV[1] .. '\\t'
@@ -891,7 +896,7 @@ class RedisIndex:
 
     async def drop_engine(self, node_id: str, engine_id: str) -> int:
         return int(await self._quiet("drop_engine", self._drop_set(
-            keys=[self.node_set(node_id)], args=[node_id, engine_id, 0]), 0))
+            keys=[self.node_set(node_id)], args=[node_id, engine_group(engine_id), 0]), 0))
 
     async def mark_released(
         self, node_id: str, engine_id: str, released: Iterable[Released]

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import msgspec
 
 from kvrelay.core.conversation import GapKind
-from kvrelay.core.engine_group import engine_group
+from kvrelay.core.engine_group import engine_group, same_group
 from kvrelay.core.retention_sync import (
     MAX_ORDERS,
     RELEASE_CAUSES,
@@ -127,6 +127,35 @@ class DRetention:
                                   num_blocks_total=self.sync.num_blocks_total)
 
 
+class CurveQueues:
+    """Return curves for D's next sync, per D: its turns committed since that ended
+    another way than the curve D was told (``RetentionDesk.settled``), at most
+    ``MAX_ORDERS`` per D, the oldest dropped first. A sync takes its own engine's; another
+    rank's of a data-parallel D stay for that rank's sync (probe 16: half of two ranks'
+    tool-call turns kept the replies' curve), another group's (D restarted) are dropped."""
+
+    def __init__(self) -> None:
+        self._queues: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
+
+    def put(self, node_id: str, engine_id: str, request_id: str, curve: ReturnCurve) -> None:
+        queue = self._queues.setdefault(node_id, OrderedDict())
+        queue[(engine_id, request_id)] = curve
+        while len(queue) > MAX_ORDERS:
+            queue.popitem(last=False)
+
+    def take(self, node_id: str, engine_id: str) -> tuple[TurnCurve, ...]:
+        queue = self._queues.get(node_id)
+        if not queue:
+            return ()
+        taken = tuple(TurnCurve(request_id, curve)
+                      for (engine, request_id), curve in queue.items() if engine == engine_id)
+        for key in [k for k in queue if k[0] == engine_id or not same_group(k[0], engine_id)]:
+            del queue[key]
+        if not queue:
+            del self._queues[node_id]
+        return taken
+
+
 @dataclass(frozen=True)
 class DecodeRetention:
     """What ``decode_params`` decided for one decode request: the keys for D's params
@@ -175,7 +204,7 @@ class RetentionDesk:
         self._gaps = RetainTimes()
         self._latest: dict[str, dict[str, DRetention]] = {}
         """Per D, per engine (one per rank of a data-parallel D): its latest sync."""
-        self._curves: dict[str, OrderedDict[tuple[str, str], ReturnCurve]] = {}
+        self._curves = CurveQueues()
         self._answers: OrderedDict[tuple[str, str], str] = OrderedDict()
         """The last answer counted per (D, request id) D asked about (``_count_answers``)."""
         self.engine_checks: EngineChecks | None = None
@@ -240,17 +269,7 @@ class RetentionDesk:
         curve = plan.after(p.waits_for).curve
         if curve is None or curve == plan.on_d.curve:
             return
-        queue = self._curves.setdefault(p.decode_node_id, OrderedDict())
-        queue[(blocks.engine_id, blocks.request_id)] = curve
-        while len(queue) > MAX_ORDERS:
-            queue.popitem(last=False)
-
-    def _take_curves(self, node_id: str, engine_id: str) -> tuple[TurnCurve, ...]:
-        queue = self._curves.pop(node_id, None)
-        if not queue:
-            return ()
-        return tuple(TurnCurve(request_id, curve)
-                     for (engine, request_id), curve in queue.items() if engine == engine_id)
+        self._curves.put(p.decode_node_id, blocks.engine_id, blocks.request_id, curve)
 
     def latest(self, node_id: str) -> DRetention | None:
         """D's latest sync (``None`` before its first, once D went down or restarted, or
@@ -363,7 +382,7 @@ class RetentionDesk:
             orders = await self._index.take_releases(node_id, sync.engine_id)
         if orders:
             self._metrics.child(self._metrics.release_orders, node_id).inc(len(orders))
-        curves = self._take_curves(node_id, sync.engine_id)
+        curves = self._curves.take(node_id, sync.engine_id)
         return RetentionOrders(release=orders, dropped=dropped, curves=curves or msgspec.UNSET,
                                shared=shared)
 
