@@ -200,6 +200,23 @@ def test_engines_get_the_kv_transfer_config_and_nixl_side_channel_they_need(caps
     assert "--no-enable-prefix-caching" in p_args and "--enable-prefix-caching" in d_args
 
 
+def test_a_data_parallel_d_gets_its_ranks_gpus_and_side_channels(capsys):
+    """``--decode-data-parallel 4``: vLLM's ``--data-parallel-size`` on D (one URL, the
+    router names each follow-up's rank), each rank with ``--gpus-per-node`` GPUs and its
+    side channel at the port + its rank; P as it was."""
+    docs = render(capsys, "--gpus-per-node", "2", "--decode-data-parallel", "4")
+    check_deployment(docs)
+    d, p = container(engine(docs, "decode")), container(engine(docs, "prefill"))
+    assert flag_values(d["args"], "--data-parallel-size") == ["4"]
+    assert flag_values(d["args"], "--tensor-parallel-size") == ["2"]
+    assert d["resources"]["requests"]["nvidia.com/gpu"] == "8"
+    assert d["resources"]["limits"]["nvidia.com/gpu"] == "8"
+    assert [port["containerPort"] for port in d["ports"]] == [8000, 5600, 5601, 5602, 5603]
+    assert flag_values(p["args"], "--data-parallel-size") == []
+    assert p["resources"]["limits"]["nvidia.com/gpu"] == "2"
+    assert [port["containerPort"] for port in p["ports"]] == [8000, 5600]
+
+
 def test_external_redis_deploys_none(capsys):
     docs = render(capsys, "--redis-url", "redis://redis.shared.svc:6379/3",
                   "--namespace", "llm", "--no-service-monitor")
@@ -255,7 +272,8 @@ def test_commands_parse_with_the_servers_own_parsers(capsys):
     from vllm.utils.argparse_utils import FlexibleArgumentParser
 
     docs = render(capsys, "--prefill", "2", "--decode", "2", "--tool-call-parser", "hermes",
-                  "--max-model-len", "32768", "--engine-arg=--max-num-seqs=32")
+                  "--max-model-len", "32768", "--engine-arg=--max-num-seqs=32",
+                  "--decode-data-parallel", "2")
     for role in ("prefill", "decode"):
         args = make_arg_parser(FlexibleArgumentParser()).parse_args(
             container(engine(docs, role))["args"])
@@ -383,6 +401,8 @@ def test_routers_that_would_refuse_their_settings_are_not_rendered(capsys, args,
     ({"engine_args": ["--block_size=32"]}, "(--block-size)"),
     ({"decode_engine_args": ["--kv_transfer_config={}"]}, "(--kv-transfer-config)"),
     ({"engine_args": ["--kv-transfer-c={}"]}, "(--kv-transfer-config)"),
+    ({"decode_engine_args": ["-dp=2"]}, "use --prefill-data-parallel, --decode-data-parallel"),
+    ({"decode_data_parallel": 3, "engine_port": 5602}, "side_channel_port must differ"),
     ({"router_args": ["--response-store=memory"], "router_replicas": 2},
      "--response-store memory keeps each replica's own store"),
 ])

@@ -51,6 +51,10 @@ class DeployConfig:
     decode: int = 1
     router_replicas: int = 2
     gpus_per_node: int = 1
+    #: vLLM ``--data-parallel-size`` of each P / D pod: ranks behind its one URL, each with
+    #: ``gpus_per_node`` GPUs (the router keeps each conversation on its rank).
+    prefill_data_parallel: int = 1
+    decode_data_parallel: int = 1
     gpu_resource: str = "nvidia.com/gpu"
     engine_cpu: str = "8"
     engine_memory: str = "64Gi"
@@ -95,7 +99,8 @@ class DeployConfig:
             raise DeployConfigError(
                 f"name {self.name!r}: use lowercase letters, digits and '-', start with a "
                 "letter, at most 40 characters")
-        for key in ("prefill", "decode", "router_replicas", "gpus_per_node"):
+        for key in ("prefill", "decode", "router_replicas", "gpus_per_node",
+                    "prefill_data_parallel", "decode_data_parallel"):
             if getattr(self, key) < 1:
                 raise DeployConfigError(f"{key} must be at least 1")
         for key in ("engine_port", "side_channel_port", "router_port"):
@@ -103,8 +108,11 @@ class DeployConfig:
         _check_port("internal_port", self.router_internal_port)
         if self.router_internal_port == self.router_port:
             raise DeployConfigError("internal_port must differ from router_port")
-        if self.engine_port == self.side_channel_port:
-            raise DeployConfigError("side_channel_port must differ from engine_port")
+        ranks = max(self.prefill_data_parallel, self.decode_data_parallel)
+        if self.side_channel_port <= self.engine_port < self.side_channel_port + ranks:
+            raise DeployConfigError("side_channel_port must differ from engine_port (each "
+                                    "data-parallel rank k listens on side_channel_port + k)")
+        _check_port("side_channel_port + ranks", self.side_channel_port + ranks - 1)
         for label in self.service_monitor_labels:
             if "=" not in label:
                 raise DeployConfigError(f"service_monitor_labels: {label!r} is not KEY=VALUE")
@@ -160,12 +168,13 @@ ENGINE_FLAGS_OWNED = {
     "--served-model-name": "--served-model-name", "--block-size": "--block-size",
     "--kv-transfer-config": "--ttl-s, --kv-recompute-threshold, --pod-cidr",
     "--tensor-parallel-size": "--gpus-per-node",
+    "--data-parallel-size": "--prefill-data-parallel, --decode-data-parallel",
 }
 """``vllm serve`` flags the manifest sets: given again in engine args (the last value wins)
 they would part the engines from the probes, Services and router URLs built from the
 setting (``--port``), or drop kvrelay's connector (``--kv-transfer-config``: probe 14, K10)."""
 
-ENGINE_FLAG_ALIASES = {"-tp": "--tensor-parallel-size"}
+ENGINE_FLAG_ALIASES = {"-tp": "--tensor-parallel-size", "-dp": "--data-parallel-size"}
 """vLLM's short forms of the flags above."""
 
 

@@ -102,6 +102,11 @@ def _metadata(config: DeployConfig, name: str, component: str,
 # -- P and D -------------------------------------------------------------------------------
 
 
+def data_parallel(config: DeployConfig, role: Role) -> int:
+    """The ranks a P or D pod runs (vLLM's side channel of rank ``k`` is the port + ``k``)."""
+    return config.prefill_data_parallel if role == "prefill" else config.decode_data_parallel
+
+
 def engine_args(config: DeployConfig, role: Role) -> list[str]:
     """``vllm serve`` arguments of a P or D pod (the model first, as the positional tag)."""
     settings = KvTransferSettings(
@@ -124,6 +129,9 @@ def engine_args(config: DeployConfig, role: Role) -> list[str]:
         "--kv-transfer-config", json.dumps(settings.for_role(role), separators=(",", ":")),
         "--enable-prefix-caching" if caching else "--no-enable-prefix-caching",
     ]
+    ranks = data_parallel(config, role)
+    if ranks > 1:  # one URL, vLLM's balancer; the router names each follow-up's rank
+        args += ["--data-parallel-size", str(ranks)]
     if config.max_model_len is not None:
         args += ["--max-model-len", str(config.max_model_len)]
     if config.tool_call_parser:
@@ -166,7 +174,10 @@ def _engine_statefulset(config: DeployConfig, role: Role) -> Manifest:
     if config.hf_token_secret:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {
             "name": config.hf_token_secret, "key": "HF_TOKEN"}}})
-    gpus = str(config.gpus_per_node)
+    gpus = str(config.gpus_per_node * data_parallel(config, role))
+    rank_ports: list[JsonValue] = [  # vLLM's side channel of rank k: the port + k
+        {"name": f"nixl-dp{rank}", "containerPort": config.side_channel_port + rank,
+         "protocol": "TCP"} for rank in range(1, data_parallel(config, role))]
     container: Manifest = {
         "name": "vllm",
         "image": config.image,
@@ -177,6 +188,7 @@ def _engine_statefulset(config: DeployConfig, role: Role) -> Manifest:
         "ports": [
             {"name": "http", "containerPort": config.engine_port, "protocol": "TCP"},
             {"name": "nixl", "containerPort": config.side_channel_port, "protocol": "TCP"},
+            *rank_ports,
         ],
         "resources": {
             "requests": {"cpu": config.engine_cpu, "memory": config.engine_memory,
