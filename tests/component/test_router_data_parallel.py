@@ -112,6 +112,22 @@ async def test_a_follow_up_decodes_on_the_rank_that_holds_its_turn(stream: bool)
     assert loaded[2] == loaded[1]
 
 
+async def test_a_direct_turn_decodes_on_the_rank_whose_prefix_cache_has_it() -> None:
+    """``--direct``: D serves the history from its prefix cache, which only the holding rank
+    has. Through vLLM's balancer D computed the whole prompt on a rank without it (probe
+    16: 11,377 prompt tokens on two ranks against 4,209 on one engine)."""
+    computed = {}
+    for ranks_per_d in (1, 2):
+        async with routed(decode_data_parallel=ranks_per_d, direct_enabled=True) as r:
+            await interleaved(r, 3, stream=False)
+            decisions = (await r.stats())["decisions"]["recent"]
+            assert [x["action"] for x in decisions] == ["recompute"] * 3 + ["direct"] * 9
+            computed[ranks_per_d] = sum(
+                len(rec.prompt_token_ids) - rec.local_cache_hit_tokens - rec.pulled_tokens
+                for d in ranks(r) for rec in d.records if rec.plan != "pull")
+    assert computed[2] == computed[1]
+
+
 async def test_the_answers_equal_a_single_engine_d() -> None:
     async with routed(decode_data_parallel=2) as r:
         with_ranks = await interleaved(r, 2, stream=False)
