@@ -337,6 +337,71 @@ async def test_the_openai_sdk_chains_with_previous_response_id() -> None:
             await client.close()
 
 
+async def test_input_items_list_what_a_response_was_made_from() -> None:
+    """``GET /v1/responses/{id}/input_items`` (before: a 404): the whole input the stored
+    response stands for (the chain's earlier inputs and outputs, then its own), newest first
+    unless ``order=asc``, in pages with ``limit`` and ``after``; easy-form messages typed,
+    each item with an id that stays the same; the tenant's own only."""
+    async with routed(response_store="memory", api_keys=KEYS) as r:
+        first = (await r.post("/v1/responses", body_of(FIRST, False), headers=A)).json()
+        await r.settle()
+        second = (await r.post("/v1/responses", body_of("And Asia?", False, first["id"]),
+                               headers=A)).json()
+        await r.settle()
+        path = f"/v1/responses/{second['id']}/input_items"
+        listed = (await r.get(path + "?order=asc", headers=A)).json()
+        assert listed["object"] == "list" and listed["has_more"] is False
+        items = listed["data"]
+        assert [i["type"] for i in items] == ["message"] * 3
+        assert [i["role"] for i in items] == ["user", "assistant", "user"]
+        assert items[0]["content"] == [{"type": "input_text", "text": FIRST}]
+        assert items[1] == first["output"][0]  # an earlier output, as it was answered
+        assert items[2]["content"] == [{"type": "input_text", "text": "And Asia?"}]
+        assert (listed["first_id"], listed["last_id"]) == (items[0]["id"], items[2]["id"])
+        newest_first = (await r.get(path, headers=A)).json()
+        assert newest_first["data"] == items[::-1]  # OpenAI's default order: desc
+        pages, after = [], ""
+        while True:
+            one = (await r.get(f"{path}?order=asc&limit=1{after}", headers=A)).json()
+            pages += one["data"]
+            if not one["has_more"]:
+                break
+            after = f"&after={one['last_id']}"
+        assert pages == items
+        own = (await r.get(f"/v1/responses/{first['id']}/input_items", headers=A)).json()
+        assert [i["id"] for i in own["data"]] == [items[0]["id"]]  # an id for the same item
+        assert (await r.get(path, headers=B)).status_code == 404  # another tenant's
+        bad = [await r.get(path + q, headers=A) for q in ("?limit=0", "?limit=101",
+                                                           "?limit=x", "?order=up")]
+        assert [b.status_code for b in bad] == [400] * 4
+        assert [b.json()["error"]["param"] for b in bad] == ["limit"] * 3 + ["order"]
+        assert (await r.get(path + "/more", headers=A)).status_code == 404
+        assert (await delete(r, path, A)).status_code == 404  # deletes nothing
+        assert (await r.get(f"/v1/responses/{second['id']}", headers=A)).status_code == 200
+        metrics = (await r.internal_get("/metrics")).text
+        done = ('kvrelay_router_requests_total{endpoint="/v1/responses/{id}/input_items",'
+                'status="%s"}')
+        assert done % "200" + " 6.0" in metrics and done % "400" + " 4.0" in metrics
+
+
+async def test_the_openai_sdk_lists_input_items() -> None:
+    async with routed(response_store="memory") as r:
+        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
+        try:
+            first = await client.responses.create(model="tiny", input=FIRST,
+                                                  max_output_tokens=16)
+            await r.settle()
+            second = await client.responses.create(
+                model="tiny", input="More please.", previous_response_id=first.id,
+                max_output_tokens=16)
+            items = [item async for item in client.responses.input_items.list(
+                second.id, limit=1, order="asc")]  # the SDK pages with after
+            assert [item.type for item in items] == ["message"] * 3
+            assert items[1].id == first.output[0].id
+        finally:
+            await client.close()
+
+
 def test_a_redis_response_store_needs_the_state_backend() -> None:
     with pytest.raises(ConfigError, match="state"):
         RouterConfig.from_urls(["http://p"], ["http://d"], response_store="redis")

@@ -1,6 +1,7 @@
 """The Responses API with the router's response store on (``--response-store``): a
 ``previous_response_id`` expanded into the whole input before the turn is identified, and
-``GET`` / ``DELETE /v1/responses/{id}``.
+``GET`` / ``DELETE /v1/responses/{id}`` and ``GET /v1/responses/{id}/input_items``
+(``router.input_items``).
 
 **Expansion.** A request naming ``previous_response_id`` gets, as its ``input``, the stored
 response's input items, then its output items, then the request's own input (a string input
@@ -41,6 +42,7 @@ import msgspec
 from kvrelay.router.asgi import Request, send_response
 from kvrelay.router.auth import Authenticator
 from kvrelay.router.errors import ClientError, RouterError, dumps
+from kvrelay.router.input_items import listed_items, page, page_query
 from kvrelay.router.request import (
     IdRules,
     TurnRequest,
@@ -60,6 +62,9 @@ from kvrelay.router.response_store import (
 RESPONSES_PREFIX = "/v1/responses/"
 RESPONSE_ENDPOINT = "/v1/responses/{id}"
 """The ``endpoint`` label of ``GET`` / ``DELETE /v1/responses/{id}`` in ``requests_total``."""
+INPUT_ITEMS = "input_items"
+INPUT_ITEMS_ENDPOINT = "/v1/responses/{id}/input_items"
+"""The ``endpoint`` label of ``GET /v1/responses/{id}/input_items`` (``router.input_items``)."""
 NOT_FOUND = ("No response with this id is stored for this API key (unknown, expired or "
              "deleted)")
 PREVIOUS = "previous_response_id"
@@ -151,6 +156,14 @@ class StoredResponses:
             raise ClientError(NOT_FOUND, param, status=404)
         return stored
 
+    async def input_items(self, tenant: str, response_id: str) -> list[dict[str, Any]]:
+        """The tenant's stored response's input as listed (``router.input_items``); the
+        same errors as ``get``."""
+        stored = await self.get(tenant, response_id, None)
+        if len(stored.input_json) <= self._inline_bytes:
+            return listed_items(_input_list(stored))
+        return await asyncio.to_thread(lambda: listed_items(_input_list(stored)))
+
     async def delete(self, tenant: str, response_id: str) -> None:
         """Forget the tenant's stored response; the same errors as ``get``."""
         deleted = False
@@ -182,6 +195,11 @@ def _input_items(value: object, *, required: bool) -> list[Any]:
     raise ClientError("input must be a string or a non-empty list of items", "input")
 
 
+def _input_list(stored: StoredResponse) -> list[Any]:
+    items = _DECODER.decode(stored.input_json)
+    return items if isinstance(items, list) else []
+
+
 def _stored_items(stored: StoredResponse) -> list[Any]:
     """A stored response's input items, then its output items."""
     items = _DECODER.decode(stored.input_json)
@@ -204,17 +222,25 @@ class ResponseRoutes:
 
     async def __call__(self, request: Request) -> None:
         status = 500  # counted as such if what follows raises
+        listing = request.path.endswith("/" + INPUT_ITEMS)
         try:
             status = await self._answer(request)
         finally:
-            self._done(RESPONSE_ENDPOINT, status)
+            self._done(INPUT_ITEMS_ENDPOINT if listing else RESPONSE_ENDPOINT, status)
 
     async def _answer(self, request: Request) -> int:
         try:
             tenant = self._auth.tenant(request.headers)
-            response_id = request.path[len(RESPONSES_PREFIX):]
-            if not response_id or "/" in response_id:
+            response_id, _, sub = request.path[len(RESPONSES_PREFIX):].partition("/")
+            if not response_id or sub not in ("", INPUT_ITEMS) or "/" in sub:
                 raise ClientError("Not found", status=404)
+            if sub:
+                if request.method != "GET":
+                    raise ClientError("Not found", status=404)
+                query = page_query(request.scope.get("query_string", b""))
+                items = await self._stored.input_items(tenant, response_id)
+                await send_response(request.send, 200, dumps(page(items, query)))
+                return 200
             if request.method == "GET":
                 if _asks_stream(request):
                     raise ClientError("stream is not supported when retrieving a stored "
