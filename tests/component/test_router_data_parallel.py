@@ -13,6 +13,7 @@ from typing import Any
 
 import httpx
 import pytest
+from msgspec.structs import replace
 
 from kvrelay.client.sse import sse_events
 from kvrelay.core.engine_group import engine_group
@@ -226,3 +227,41 @@ def test_each_rank_takes_its_own_return_curves() -> None:
     assert [c.request_id for c in queues.take("decode-0", "G_dp0")] == ["a"]
     assert queues.take("decode-0", "OLD_dp0") == ()  # dropped by G's takes
     assert [c.request_id for c in queues.take("decode-1", "G_dp1")] == ["e"]
+
+
+async def test_a_rank_d_refuses_is_not_named_again_and_the_turn_is_served() -> None:
+    """A D that takes no rank by its id after all (a layout ``addressable`` misread, an entry
+    from before D ran fewer ranks) answers vLLM's 400 "data_parallel_rank N is out of range":
+    D never scheduled it, so the turn goes again without a rank and is answered, and D's
+    ranks are not named again until its engine group changes. Before, the client got the
+    400."""
+    async with routed(decode_data_parallel=2) as r:
+        d0 = ranks(r)[0]
+        histories = [conversation(i) for i in range(2)]
+        async with r.client() as c:
+            for i, history in enumerate(histories):  # rank 0, then rank 1: D takes ranks
+                reply = await c.post("/v1/chat/completions", json={
+                    "model": "tiny", "messages": history, "max_tokens": 16,
+                    "conversation_id": f"c{i}"})
+                histories[i] = follow_up(history, reply)
+                await r.settle()
+            assert r.ctx.nodes.takes_ranks("decode-0")
+            body = {"model": "tiny", "messages": histories[0], "max_tokens": 16,
+                    "conversation_id": "c0"}
+            found = await r.find(body)
+            assert found is not None
+            gone = engine_group(d0.engine_id) + "_dp5"  # a rank this D does not run
+            await r.ctx.index.put(found.ref, replace(found.entry, blocks=replace(
+                found.entry.blocks, engine_id=gone)), tenant="default")
+            reply = await c.post("/v1/chat/completions", json=body)
+            assert reply.status_code == 200, reply.text
+            assert reply.json()["choices"][0]["message"]["content"] == await r.recompute(
+                {"model": "tiny", "messages": histories[0], "max_tokens": 16})
+            assert r.ctx.metrics.decode_ranks.labels("refused")._value.get() == 1
+            assert not r.ctx.nodes.takes_ranks("decode-0")
+            await r.settle()
+            again = await c.post("/v1/chat/completions", json={
+                "model": "tiny", "messages": histories[1], "max_tokens": 16,
+                "conversation_id": "c1"})
+            assert again.status_code == 200
+        assert r.ctx.metrics.decode_ranks.labels("not_addressable")._value.get() == 1

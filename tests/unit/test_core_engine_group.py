@@ -51,6 +51,12 @@ def test_no_rank_is_named(entry: str | None, node: tuple[str, ...], room: int | 
     assert (choice.rank, choice.reason) == (None, reason)
 
 
+def test_no_rank_is_named_to_a_d_that_refused_one() -> None:
+    choice = decode_rank("g1_dp1", ("g1_dp0", "g1_dp1"), rank_room_tokens=None,
+                         needed_tokens=500, takes_ranks=False)
+    assert (choice.rank, choice.reason) == (None, "not_addressable")
+
+
 def test_a_server_takes_ranks_by_id_once_seen_as_rank_0() -> None:
     """vLLM's header indexes the server's own engines: rank 8 of a hybrid-balanced D is
     engine 0 of its server, and naming 8 there is a 400."""

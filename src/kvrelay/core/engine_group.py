@@ -67,7 +67,8 @@ def addressable(engines: Collection[str]) -> bool:
 
 
 def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
-                rank_room_tokens: int | None, needed_tokens: int) -> RankChoice:
+                rank_room_tokens: int | None, needed_tokens: int,
+                takes_ranks: bool = True) -> RankChoice:
     """The rank a turn's decode request names on the D that holds the conversation.
 
     The rank that retained the conversation's last turn has its blocks: a pull frees them
@@ -79,9 +80,9 @@ def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
     engine, ``None``: no entry on this D) is not a rank's (``not_data_parallel``), D's
     current engines (``node_engines``) are another group (``restarted``: the blocks are
     gone; none: not known yet) or do not take ranks by their ids (``not_addressable``:
-    ``addressable``), or the rank's own last numbers show less room than the turn needs
-    beyond its retained turn (``rank_full``: ``rank_room_tokens`` < ``needed_tokens``;
-    ``None``: unknown, named)."""
+    ``addressable``, or ``takes_ranks`` false: D refused a rank named to it), or the rank's
+    own last numbers show less room than the turn needs beyond its retained turn
+    (``rank_full``: ``rank_room_tokens`` < ``needed_tokens``; ``None``: unknown, named)."""
     if entry_engine_id is None:
         return RankChoice(None, "no_entry")
     rank = dp_rank(entry_engine_id)
@@ -89,7 +90,7 @@ def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
         return RankChoice(None, "not_data_parallel")
     if not any(same_group(engine, entry_engine_id) for engine in node_engines):
         return RankChoice(None, "restarted")
-    if not addressable(node_engines):
+    if not takes_ranks or not addressable(node_engines):
         return RankChoice(None, "not_addressable")
     if rank_room_tokens is not None and rank_room_tokens < needed_tokens:
         return RankChoice(None, "rank_full")

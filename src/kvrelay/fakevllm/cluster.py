@@ -146,7 +146,8 @@ class FakeCluster:
                 ranks = self.decode_data_parallel if role == "decode" else 1
                 for i in range(count):
                     port = 0 if self.base_port is None else self.base_port + k
-                    front = DataParallelFront(self.host, port, seed=_id_seed(cfg, role, i)) \
+                    front = DataParallelFront(self.host, port, num_ranks=ranks,
+                                              seed=_id_seed(cfg, role, i)) \
                         if ranks > 1 else None
                     for rank in range(ranks):
                         while self.fabric.is_taken(self.host, side_port):

@@ -9,8 +9,10 @@ the rank of each request unless the request names one in its ``X-data-parallel-r
 front (``engine_id``), so everything else (KV, retention, syncs, reports) is per rank as in
 vLLM.
 
-* Generation requests go to the rank the header names, else round robin (vLLM balances by
-  queue length; round robin is the same for a test's sequential turns, and deterministic).
+* Generation requests go to the rank the header names (one out of range: vLLM's 400, as
+  every fake engine's app answers a rank its server does not run), else round robin (vLLM
+  balances by queue length; round robin is the same for a test's sequential turns, and
+  deterministic).
 * ``/metrics`` is every rank's, each with its own ``engine`` label (vLLM's labels per engine
   index); ``/health`` is 200 only while every rank is healthy; the fake's own endpoints
   (``/fake/...``) and the rest go to the header's rank, else rank 0.
@@ -39,11 +41,12 @@ GENERATION_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/re
 
 class DataParallelFront:
     """One URL (``host:port``, ``port=0``: a free one, kept across restarts) in front of the
-    ranks that ``listen`` is given to, in order (module docstring)."""
+    ``num_ranks`` ranks that ``listen`` is given to, in order (module docstring)."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 0, *,
+    def __init__(self, host: str = "127.0.0.1", port: int = 0, *, num_ranks: int,
                  seed: str | None = None) -> None:
         self._server = HttpServer(self._dispatch, host, port)
+        self._num_ranks = num_ranks
         self._apps: list[ASGIApp] = []
         self._engines: list[FakeEngine] = []
         self._running: set[int] = set()
@@ -62,7 +65,7 @@ class DataParallelFront:
         def listen(engine: FakeEngine) -> Listener:
             rank = len(self._engines)
             self._engines.append(engine)
-            self._apps.append(build_app(engine))
+            self._apps.append(build_app(engine, self._num_ranks))
             return _RankListener(self, rank)
 
         return listen
@@ -92,9 +95,8 @@ class DataParallelFront:
                     rank = int(value)
                 except ValueError:
                     break
-                if 0 <= rank < len(self._apps):
-                    return rank
-                break
+                # out of range: rank 0's app answers vLLM's 400
+                return rank if 0 <= rank < len(self._apps) else 0
         if scope.get("path") in GENERATION_PATHS:
             rank, self._next = self._next, (self._next + 1) % len(self._apps)
             return rank

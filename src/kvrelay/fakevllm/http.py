@@ -96,8 +96,10 @@ def http_listener(host: str = "127.0.0.1", port: int = 0) -> Listen:
     return listen
 
 
-def build_app(engine: FakeEngine) -> Starlette:
-    """The ASGI app of one engine (routes close over ``engine``)."""
+def build_app(engine: FakeEngine, num_ranks: int = 1) -> Starlette:
+    """The ASGI app of one engine (routes close over ``engine``); ``num_ranks``: the engines
+    of its server (a data-parallel front's), against which a generation request's
+    ``X-data-parallel-rank`` is checked as vLLM checks it."""
 
     async def health(request: Request) -> Response:
         engine.num_health_requests += 1
@@ -131,6 +133,10 @@ def build_app(engine: FakeEngine) -> Starlette:
             status = engine.faults.take_error()
             if status is not None:
                 return fail(status)
+            rank = _data_parallel_rank(request)
+            if rank is not None and not 0 <= rank < num_ranks:  # vLLM's InputProcessor
+                return fail(400, f"data_parallel_rank {rank} is out of range "
+                                 f"[0, {num_ranks}).")
             try:
                 parsed = parse_generation(
                     engine, _json_object(raw), endpoint, request.headers.get("x-request-id")
@@ -222,6 +228,15 @@ def build_app(engine: FakeEngine) -> Starlette:
             Route("/fake/requests/{request_id}", record, methods=["GET"]),
         ]
     )
+
+
+def _data_parallel_rank(request: Request) -> int | None:
+    """The ``X-data-parallel-rank`` header as vLLM reads it (not a number: none)."""
+    try:
+        value = request.headers.get("x-data-parallel-rank")
+        return int(value) if value is not None else None
+    except ValueError:
+        return None
 
 
 async def _cancel_on_disconnect(request: Request, work: Awaitable[Response]) -> Response:

@@ -56,6 +56,13 @@ _DECODER = msgspec.json.Decoder()
 _ENCODER = msgspec.json.Encoder()
 
 
+def refuses_rank(error: UpstreamError) -> bool:
+    """Whether D's answer refused the rank the request named: vLLM's 400 "data_parallel_rank
+    N is out of range" (``InputProcessor.process_inputs``), from a server that runs fewer
+    engines than the rank's id says (``core.engine_group.addressable``)."""
+    return error.status == 400 and "data_parallel_rank" in error.message
+
+
 class BeforeFirstByte(Exception):
     """D failed before the client saw anything: the turn may be retried."""
 
@@ -119,12 +126,21 @@ class Decoder:
         )
         d_prefill = max(0, turn.prompt_tokens - turn.reused_tokens) if direct else 0
         rank = self._rank(turn, node).rank
+        send_to = self._stream if req.stream else self._json
         try:
             with ctx.nodes.busy(node.node_id, d_prefill):
-                if not req.stream:
-                    await self._json(turn, node, body, rewrite, pending, send, watch, rank)
-                else:
-                    await self._stream(turn, node, body, rewrite, pending, send, watch, rank)
+                try:
+                    await send_to(turn, node, body, rewrite, pending, send, watch, rank)
+                except BeforeFirstByte as failed:
+                    if rank is None or not refuses_rank(failed.error):
+                        raise
+                    # D takes no rank by its id after all: D never scheduled the request,
+                    # so it goes again to whichever rank vLLM's balancer picks
+                    ctx.nodes.refuse_ranks(node.node_id)
+                    ctx.metrics.child(ctx.metrics.decode_ranks, "refused").inc()
+                    log.warning("%s refused data-parallel rank %d (%s): ranks are no longer "
+                                "named to it", node.node_id, rank, failed.error.message)
+                    await send_to(turn, node, body, rewrite, pending, send, watch, None)
         except BaseException:
             if pending.outcome is None:
                 ctx.desk.settle(pending, "failed" if turn.outcome is None else turn.outcome)
@@ -142,7 +158,8 @@ class Decoder:
             choice = decode_rank(
                 engine, ctx.nodes.engines(node.node_id),
                 rank_room_tokens=ctx.retention.rank_room_tokens(node.node_id, engine),
-                needed_tokens=max(0, turn.prompt_tokens - entry.blocks.num_tokens))
+                needed_tokens=max(0, turn.prompt_tokens - entry.blocks.num_tokens),
+                takes_ranks=ctx.nodes.takes_ranks(node.node_id))
         if choice.reason not in ("no_entry", "not_data_parallel"):
             ctx.metrics.child(ctx.metrics.decode_ranks, choice.reason).inc()
         return choice

@@ -51,7 +51,7 @@ from typing import Literal
 
 import msgspec
 
-from kvrelay.core.engine_group import addressable, dp_rank, same_group
+from kvrelay.core.engine_group import dp_rank, same_group
 from kvrelay.core.params import (
     DIRECT_PARAMS,
     KVParamsError,
@@ -229,7 +229,7 @@ class EngineChecks:
         # an unseen rank's id asks that rank, where D takes ranks by id (vLLM's balancer
         # would pick any: core.engine_group.addressable)
         rank = dp_rank(claimed) if self._check_key(node_id, claimed) != node_id \
-            and addressable(self._nodes.engines(node_id)) else FIRST_RANK
+            and self._nodes.takes_ranks(node_id) else FIRST_RANK
         outcome = await self._ask(self._nodes.config(node_id), rank)
         self._metrics.child(self._metrics.engine_checks, node_id, outcome).inc()
         if outcome != "failed" and not self._nodes.knows_engine(node_id, claimed):

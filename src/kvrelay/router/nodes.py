@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.core.costs import CostEstimates
-from kvrelay.core.engine_group import same_group
+from kvrelay.core.engine_group import addressable, same_group
 from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room_from_metrics
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
@@ -85,6 +85,9 @@ class _Node:
     ranks: dict[str, tuple[str, int] | None] = field(default_factory=dict)
     """The engines of ``engine_id``'s group D answered from (one per data-parallel rank),
     with the side channel each named (``None``: learned without one)."""
+    ranks_refused: bool = False
+    """Whether D answered a request naming a rank by its id with vLLM's out-of-range 400
+    (``router.decode``): its ranks are not named again until its engine group changes."""
     report_identity: tuple[str, str, int] | None = None
     verifies_pulls: bool = False
     """Whether P runs kvrelay's connector: from P's own answers (the first passing health
@@ -259,6 +262,15 @@ class NodeRegistry:
             return tuple(node.ranks)
         return (node.report_identity[0],) if node.report_identity is not None else ()
 
+    def takes_ranks(self, node_id: str) -> bool:
+        """Whether a request may name one of the node's ranks (``X-data-parallel-rank``): it
+        answers as rank 0 (``core.engine_group.addressable``) and did not refuse one."""
+        return not self._nodes[node_id].ranks_refused and addressable(self.engines(node_id))
+
+    def refuse_ranks(self, node_id: str) -> None:
+        """The node refused a rank a request named: name none until its group changes."""
+        self._nodes[node_id].ranks_refused = True
+
     def knows_engine(self, node_id: str, engine_id: str) -> bool:
         """Whether ``engine_id`` is one of the node's current engines (``trusted_identity``):
         one it answered from, any rank of a data-parallel D."""
@@ -354,6 +366,7 @@ class NodeRegistry:
             return False
         old, node.engine_id = node.engine_id, engine_id
         node.ranks = {engine_id: side_channel}
+        node.ranks_refused = False
         node.param_streams = frozenset()
         if old is not None:
             node.max_model_len = None  # the new engine's may differ: the next check reads it
@@ -393,6 +406,7 @@ class NodeRegistry:
         node.engine_id = None
         node.side_channel = None
         node.ranks = {}
+        node.ranks_refused = False
         node.max_model_len = None
         node.models_read = False
         node.engine_asked = False
