@@ -18,6 +18,7 @@ from msgspec.structs import replace
 from kvrelay.client.sse import sse_events
 from kvrelay.core.engine_group import engine_group
 from kvrelay.core.engine_load import room_from_metrics
+from kvrelay.core.retention_sync import Released
 from kvrelay.core.return_curve import ReturnCurve
 from kvrelay.fakevllm import FakeEngine
 from kvrelay.router.retention import CurveQueues
@@ -265,3 +266,22 @@ async def test_a_rank_d_refuses_is_not_named_again_and_the_turn_is_served() -> N
                 "conversation_id": "c1"})
             assert again.status_code == 200
         assert r.ctx.metrics.decode_ranks.labels("not_addressable")._value.get() == 1
+
+
+async def test_a_follow_up_whose_turn_the_rank_released_names_no_rank() -> None:
+    """D released the turn (pressure): its rank holds nothing of it, so vLLM's balancer
+    picks (probe 17: pinned, such recomputes queued on one rank while the other idled)."""
+    async with routed(decode_data_parallel=2) as r:
+        async with r.client() as c:
+            first = await chat(c, conversation(1))
+            await r.settle()
+            history = follow_up(conversation(1), first)
+            found = await r.find({"model": "tiny", "messages": history})
+            assert found is not None
+            entry = found.entry
+            await r.ctx.index.mark_released(entry.decode_node_id, entry.decode_engine_id,
+                                            [Released(entry.request_id, "pressure")])
+            reply = await chat(c, history)
+        assert reply.headers["x-kvrelay-reason"] == "released"
+        assert r.ctx.metrics.decode_ranks.labels("released")._value.get() == 1
+        assert r.ctx.metrics.decode_ranks.labels("affinity")._value.get() == 0

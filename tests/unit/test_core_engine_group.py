@@ -51,6 +51,22 @@ def test_no_rank_is_named(entry: str | None, node: tuple[str, ...], room: int | 
     assert (choice.rank, choice.reason) == (None, reason)
 
 
+def test_no_rank_is_named_where_the_turn_is_gone_or_the_rank_has_a_queue() -> None:
+    """A pinned turn the rank no longer holds gains nothing there, and one pinned behind a
+    queue waits while another rank may idle (probe 17: follow-up TTFT p50 1.4-2.4 s pinned
+    against 0.7-0.9 s through vLLM's balancer, most of them recomputes of released turns)."""
+    engines = ("g1_dp0", "g1_dp1")
+    gone = decode_rank("g1_dp1", engines, rank_room_tokens=None, needed_tokens=500,
+                       held=False)
+    assert (gone.rank, gone.reason) == (None, "released")
+    busy = decode_rank("g1_dp1", engines, rank_room_tokens=10_000, needed_tokens=500,
+                       rank_waiting=2)
+    assert (busy.rank, busy.reason) == (None, "rank_busy")
+    idle = decode_rank("g1_dp1", engines, rank_room_tokens=10_000, needed_tokens=500,
+                       rank_waiting=0)
+    assert (idle.rank, idle.reason) == (1, "affinity")
+
+
 def test_no_rank_is_named_to_a_d_that_refused_one() -> None:
     choice = decode_rank("g1_dp1", ("g1_dp0", "g1_dp1"), rank_room_tokens=None,
                          needed_tokens=500, takes_ranks=False)

@@ -61,6 +61,9 @@ def test_the_engine_a_new_request_would_get_counts() -> None:
     assert room_from_metrics(text(*lines, *waiting(2, 0))) == EngineRoom(750, 0)
     assert room_from_metrics(text(*lines, *waiting(0, 2))) == EngineRoom(250, 0)
     assert room_from_metrics(text(*lines, *waiting(3, 2))).tokens == 0  # type: ignore[union-attr]
+    room = room_from_metrics(text(*lines, *waiting(3, 0)))
+    assert room is not None and (room.waiting_on("0"), room.waiting_on("1")) == (3, 0)
+    assert room.waiting_on("2") is None
 
 
 def test_no_room_is_known_without_the_gauges() -> None:

@@ -68,7 +68,8 @@ def addressable(engines: Collection[str]) -> bool:
 
 def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
                 rank_room_tokens: int | None, needed_tokens: int,
-                takes_ranks: bool = True) -> RankChoice:
+                takes_ranks: bool = True, held: bool = True,
+                rank_waiting: int | None = None) -> RankChoice:
     """The rank a turn's decode request names on the D that holds the conversation.
 
     The rank that retained the conversation's last turn has its blocks: a pull frees them
@@ -82,7 +83,11 @@ def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
     gone; none: not known yet) or do not take ranks by their ids (``not_addressable``:
     ``addressable``, or ``takes_ranks`` false: D refused a rank named to it), or the rank's
     own last numbers show less room than the turn needs beyond its retained turn
-    (``rank_full``: ``rank_room_tokens`` < ``needed_tokens``; ``None``: unknown, named)."""
+    (``rank_full``: ``rank_room_tokens`` < ``needed_tokens``; ``None``: unknown, named) or a
+    queue (``rank_busy``: ``rank_waiting`` requests waiting for capacity there, by D's
+    gauges), or the rank no longer holds the turn (``released``: ``held`` false, D released
+    it or its time ran out: a pinned turn would queue on one rank while another idles,
+    probe 17)."""
     if entry_engine_id is None:
         return RankChoice(None, "no_entry")
     rank = dp_rank(entry_engine_id)
@@ -92,6 +97,10 @@ def decode_rank(entry_engine_id: str | None, node_engines: Collection[str], *,
         return RankChoice(None, "restarted")
     if not takes_ranks or not addressable(node_engines):
         return RankChoice(None, "not_addressable")
+    if not held:
+        return RankChoice(None, "released")
     if rank_room_tokens is not None and rank_room_tokens < needed_tokens:
         return RankChoice(None, "rank_full")
+    if rank_waiting:
+        return RankChoice(None, "rank_busy")
     return RankChoice(rank, "affinity")

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 
@@ -52,6 +52,15 @@ class EngineRoom:
 
     free_tokens: int
     num_waiting: int
+    waiting_by_engine: tuple[tuple[str, int], ...] = field(default=(), compare=False)
+    """Each engine's requests waiting for capacity, by its ``engine`` label (a
+    data-parallel D's rank index), where the gauges said (not compared: the room is the
+    same room whatever the other engines hold)."""
+
+    def waiting_on(self, engine: str) -> int | None:
+        """The requests waiting for capacity on the engine labelled ``engine`` (``None``:
+        not in the gauges)."""
+        return dict(self.waiting_by_engine).get(engine)
 
     @property
     def tokens(self) -> int:
@@ -104,7 +113,9 @@ def room_from_metrics(text: str) -> EngineRoom | None:
     if not rooms:
         return None
     num_waiting, minus_free = min(rooms)
-    return EngineRoom(free_tokens=int(-minus_free), num_waiting=int(num_waiting))
+    by_engine = tuple(sorted((e, int(queued.get(e, 0.0))) for e in usage if e in capacity))
+    return EngineRoom(free_tokens=int(-minus_free), num_waiting=int(num_waiting),
+                      waiting_by_engine=by_engine)
 
 
 def _capacity_tokens(labels: dict[str, str]) -> int | None:

@@ -159,7 +159,9 @@ class Decoder:
                 engine, ctx.nodes.engines(node.node_id),
                 rank_room_tokens=ctx.retention.rank_room_tokens(node.node_id, engine),
                 needed_tokens=max(0, turn.prompt_tokens - entry.blocks.num_tokens),
-                takes_ranks=ctx.nodes.takes_ranks(node.node_id))
+                takes_ranks=ctx.nodes.takes_ranks(node.node_id),
+                held=entry.released is None and turn.decision.reason != "expired",
+                rank_waiting=ctx.nodes.rank_waiting(node.node_id, engine))
         if choice.reason not in ("no_entry", "not_data_parallel"):
             ctx.metrics.child(ctx.metrics.decode_ranks, choice.reason).inc()
         return choice

@@ -32,9 +32,9 @@ Names (all prefixed ``kvrelay_router_``):
   engine, now known), ``rank`` (another rank of a data-parallel D, now known), ``same``,
   ``no_params``, ``failed``;
   ``decode_ranks_total{reason}`` – follow-ups on a data-parallel D that holds their turn:
-  sent to its rank (``affinity``) or not (``restarted``, ``rank_full``,
-  ``not_addressable``: ``core.engine_group.decode_rank``), and ranks D refused (``refused``:
-  the turn went again without one);
+  sent to its rank (``affinity``) or not (``released``, ``restarted``, ``rank_full``,
+  ``rank_busy``, ``not_addressable``: ``core.engine_group.decode_rank``), and ranks D
+  refused (``refused``: the turn went again without one);
   ``turn_entries_total{outcome}`` – how each D turn
   settled (``committed``, ``no_kv``, ``report_timeout``, ``no_params`` (a stream without a
   report target ended without params), ``failed``, ...).

@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 import msgspec
 
 from kvrelay.core.costs import CostEstimates
-from kvrelay.core.engine_group import addressable, same_group
+from kvrelay.core.engine_group import addressable, dp_rank, same_group
 from kvrelay.core.engine_load import EngineRoom, max_model_len_from_models, room_from_metrics
 from kvrelay.core.params import RemoteBlocks
 from kvrelay.core.selection import NodeState, choose_decode, choose_prefill
@@ -559,6 +559,16 @@ class NodeRegistry:
         if self._clock() - read_at_s > ROOM_STALE_READS * self._config.room_interval_s:
             return None
         return room, read_at_s
+
+    def rank_waiting(self, node_id: str, engine_id: str) -> int | None:
+        """The requests waiting for capacity on a data-parallel D's rank ``engine_id`` by
+        its last ``/metrics`` read (``metrics_room``; vLLM labels each rank's gauges with
+        its index), ``None`` without one."""
+        read = self.metrics_room(node_id)
+        rank = dp_rank(engine_id)
+        if read is None or rank is None:
+            return None
+        return read[0].waiting_on(str(rank))
 
     async def run_room_loop(self) -> None:
         """Read every D's room every ``room_interval_s`` until cancelled (never when 0),
