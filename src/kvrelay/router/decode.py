@@ -32,7 +32,7 @@ from collections.abc import AsyncIterator, Mapping
 
 import msgspec
 
-from kvrelay.core.engine_group import RankChoice, decode_rank
+from kvrelay.core.engine_group import RankChoice, decode_rank, dp_rank
 from kvrelay.core.identity import ToolCall, answer_digest, pack_token_ids
 from kvrelay.core.params import (
     REPORT_TURN_KEY,
@@ -153,6 +153,9 @@ class Decoder:
         entry = turn.found.entry if turn.found is not None else None
         if entry is None or entry.decode_node_id != node.node_id:
             choice = decode_rank(None, (), rank_room_tokens=None, needed_tokens=0)
+        elif dp_rank(entry.decode_engine_id) is None:  # one engine: nothing more to read
+            choice = decode_rank(entry.decode_engine_id, (), rank_room_tokens=None,
+                                 needed_tokens=0)
         else:
             engine = entry.decode_engine_id
             choice = decode_rank(
