@@ -310,31 +310,36 @@ async def test_store_false_keeps_nothing_and_the_store_off_refuses() -> None:
         assert gone.status_code == 404
 
 
+@contextlib.asynccontextmanager
+async def sdk_first_response(r: Routed) -> AsyncIterator[tuple[openai.AsyncOpenAI, Any]]:
+    """The openai SDK's client of the router, and the first response of a chain (settled)."""
+    client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
+    try:
+        first = await client.responses.create(model="tiny", input=FIRST, max_output_tokens=16)
+        await r.settle()
+        yield client, first
+    finally:
+        await client.close()
+
+
 async def test_the_openai_sdk_chains_with_previous_response_id() -> None:
-    async with routed(response_store="memory") as r:
-        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
-        try:
-            first = await client.responses.create(model="tiny", input=FIRST,
-                                                  max_output_tokens=16)
-            await r.settle()
-            async with await client.responses.create(
-                    model="tiny", input="More please.", previous_response_id=first.id,
-                    max_output_tokens=16, stream=True) as stream:
-                done = [e async for e in stream if e.type == "response.completed"]
-            decision = await r.last_decision()
-            assert decision["reason"] == "pull"
-            second = done[0].response
-            assert second.previous_response_id == first.id
-            assert second.usage is not None
-            assert second.usage.input_tokens_details.cached_tokens == \
-                decision["reused_tokens"] > 0
-            fetched = await client.responses.retrieve(second.id)
-            assert fetched.output_text == second.output_text
-            await client.responses.delete(first.id)
-            with pytest.raises(openai.NotFoundError):
-                await client.responses.retrieve(first.id)
-        finally:
-            await client.close()
+    async with routed(response_store="memory") as r, sdk_first_response(r) as (client, first):
+        async with await client.responses.create(
+                model="tiny", input="More please.", previous_response_id=first.id,
+                max_output_tokens=16, stream=True) as stream:
+            done = [e async for e in stream if e.type == "response.completed"]
+        decision = await r.last_decision()
+        assert decision["reason"] == "pull"
+        second = done[0].response
+        assert second.previous_response_id == first.id
+        assert second.usage is not None
+        assert second.usage.input_tokens_details.cached_tokens == \
+            decision["reused_tokens"] > 0
+        fetched = await client.responses.retrieve(second.id)
+        assert fetched.output_text == second.output_text
+        await client.responses.delete(first.id)
+        with pytest.raises(openai.NotFoundError):
+            await client.responses.retrieve(first.id)
 
 
 async def test_input_items_list_what_a_response_was_made_from() -> None:
@@ -385,21 +390,14 @@ async def test_input_items_list_what_a_response_was_made_from() -> None:
 
 
 async def test_the_openai_sdk_lists_input_items() -> None:
-    async with routed(response_store="memory") as r:
-        client = openai.AsyncOpenAI(base_url=r.url + "/v1", api_key="unused", max_retries=0)
-        try:
-            first = await client.responses.create(model="tiny", input=FIRST,
-                                                  max_output_tokens=16)
-            await r.settle()
-            second = await client.responses.create(
-                model="tiny", input="More please.", previous_response_id=first.id,
-                max_output_tokens=16)
-            items = [item async for item in client.responses.input_items.list(
-                second.id, limit=1, order="asc")]  # the SDK pages with after
-            assert [item.type for item in items] == ["message"] * 3
-            assert items[1].id == first.output[0].id
-        finally:
-            await client.close()
+    async with routed(response_store="memory") as r, sdk_first_response(r) as (client, first):
+        second = await client.responses.create(
+            model="tiny", input="More please.", previous_response_id=first.id,
+            max_output_tokens=16)
+        items = [item async for item in client.responses.input_items.list(
+            second.id, limit=1, order="asc")]  # the SDK pages with after
+        assert [item.type for item in items] == ["message"] * 3
+        assert items[1].id == first.output[0].id
 
 
 def test_a_redis_response_store_needs_the_state_backend() -> None:
